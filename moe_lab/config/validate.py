@@ -1,0 +1,142 @@
+"""Validation of a composed config, before anything is built or allocated.
+
+Three layers, each failing with one ``ConfigError`` that names the key:
+1. every group node is checked against the signature of the class its ``_target_`` names (unknown keys, types,
+   allowed literal values);
+2. cross-field rules (mesh vs world size, experts vs EP, sequence vs rope range, ...);
+3. each built option's own ``validate(cfg)`` hook (dispatcher, activation checkpointing, offload).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import types
+import typing
+
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from moe_lab.config.errors import ConfigError
+
+GROUPS = ("model", "dispatcher", "ac", "offload", "optimizer", "data")
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Ranks of this job: an outer launcher's WORLD_SIZE, else the ranks the job starts itself."""
+    return int(os.environ.get("WORLD_SIZE", cfg.trainer.nproc_per_node))
+
+
+def validate(cfg: DictConfig) -> None:
+    for group in GROUPS:
+        check_target_node(group, cfg[group])
+    check_rules(cfg)
+    for group in ("dispatcher", "ac", "offload"):
+        option = instantiate(cfg[group])
+        if hasattr(option, "validate"):
+            option.validate(cfg)
+
+
+def check_target_node(key: str, node) -> None:
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise ConfigError(key, "must be a config group option with a _target_")
+    try:
+        target = get_object(node._target_)
+    except Exception as e:
+        raise ConfigError(f"{key}._target_", f"cannot import {node._target_!r}: {e}") from None
+    params = {
+        name: p
+        for name, p in inspect.signature(target).parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    try:
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:
+        hints = {}
+    values = OmegaConf.to_container(node, resolve=True)
+    for name, value in values.items():
+        if name.startswith("_"):
+            continue
+        if name not in params:
+            raise ConfigError(f"{key}.{name}", f"unknown key for {node._target_}; allowed: {', '.join(sorted(params))}")
+        if name in hints and not _matches(value, hints[name]):
+            raise ConfigError(f"{key}.{name}", f"expected {_describe(hints[name])}, got {value!r}")
+
+
+def _matches(value, annotation) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arm) for arm in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    return True  # richer annotations (tensors, tuples of unions) are left to the class itself
+
+
+def _describe(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(annotation))
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def check_rules(cfg: DictConfig) -> None:
+    m, t, p, d = cfg.model, cfg.trainer, cfg.parallel, cfg.data
+    _require(m.num_layers >= 1, "model.num_layers", f"must be >= 1, got {m.num_layers}")
+    _require(
+        1 <= m.num_experts_per_tok <= m.num_experts,
+        "model.num_experts_per_tok",
+        f"must be in [1, model.num_experts={m.num_experts}], got {m.num_experts_per_tok}",
+    )
+    _require(
+        m.num_heads % m.num_kv_heads == 0,
+        "model.num_kv_heads",
+        f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}",
+    )
+    _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings, got {m.head_dim}")
+    _require(m.routing_skew > 0, "model.routing_skew", f"must be > 0, got {m.routing_skew}")
+    _require(
+        d.seq_len <= m.max_position_embeddings,
+        "data.seq_len",
+        f"must be <= model.max_position_embeddings={m.max_position_embeddings}, got {d.seq_len}",
+    )
+    _require(d.vocab_size <= m.vocab_size, "data.vocab_size", f"must be <= model.vocab_size={m.vocab_size}, got {d.vocab_size}")
+    _require(cfg.optimizer.lr > 0, "optimizer.lr", f"must be > 0, got {cfg.optimizer.lr}")
+    _require(t.steps >= 1, "trainer.steps", f"must be >= 1, got {t.steps}")
+    _require(0 <= t.warmup_steps <= t.steps, "trainer.warmup_steps", f"must be in [0, trainer.steps={t.steps}], got {t.warmup_steps}")
+    _require(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    _require(t.grad_clip is None or t.grad_clip > 0, "trainer.grad_clip", f"must be null or > 0, got {t.grad_clip}")
+    _require(t.timing_skip >= 0, "trainer.timing_skip", f"must be >= 0, got {t.timing_skip}")
+    _require(t.nproc_per_node >= 1, "trainer.nproc_per_node", f"must be >= 1, got {t.nproc_per_node}")
+    _require(t.device in DEVICES, "trainer.device", f"must be one of {', '.join(DEVICES)}, got {t.device!r}")
+    _require(t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be null or > 0, got {t.peak_flops}")
+
+    world = world_size(cfg)
+    dp_shard = world if p.dp_shard == -1 else p.dp_shard
+    _require(dp_shard >= 1, "parallel.dp_shard", f"must be -1 (all ranks) or >= 1, got {p.dp_shard}")
+    _require(
+        dp_shard == world,
+        "parallel.dp_shard",
+        f"the mesh (dp_shard={dp_shard}) must use all {world} ranks (trainer.nproc_per_node or WORLD_SIZE)",
+    )
+    _require(p.ep >= 1 and dp_shard % p.ep == 0, "parallel.ep", f"must be >= 1 and divide dp_shard={dp_shard}, got {p.ep}")
+    _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)

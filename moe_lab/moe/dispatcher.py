@@ -1,0 +1,78 @@
+"""Token dispatchers: the ``dispatcher`` config group. Each option is one class.
+
+A dispatcher is called as ``dispatcher(x, topk_ids, topk_weights, experts) -> y`` with the rank's own tokens
+x [T, H] and routing [T, K]; it returns y[t] = sum_k w[t, k] * Expert_{id[t, k]}(x[t]), each expert evaluated on
+the rank that owns it. ``validate(cfg)`` rejects configurations it cannot run before anything is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+
+from moe_lab.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moe_lab.moe.layer import GroupedExperts
+
+
+class TokenDispatcher(Protocol):
+    def __call__(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: GroupedExperts
+    ) -> torch.Tensor: ...
+
+    def validate(self, cfg) -> None: ...
+
+
+class TorchDispatcher:
+    """All-to-all over the EP group with plain PyTorch ops and grouped GEMMs.
+
+    Per layer: one all-to-all of per-expert counts, one device-to-host copy of the split sizes, the token
+    all-to-all, a local permute from (source rank, expert) to expert-contiguous order, grouped GEMMs, and the
+    reverse path. Works over gloo (CPU) and NCCL (GPU).
+    """
+
+    def __init__(self, ep_group: dist.ProcessGroup | None = None):
+        self.ep_group = ep_group
+
+    def validate(self, cfg) -> None:
+        # torch._grouped_mm needs 16-byte aligned rows: a multiple of 8 elements covers bf16 and fp32.
+        for key in ("hidden_size", "moe_intermediate_size"):
+            if cfg.model[key] % 8:
+                raise ConfigError(f"model.{key}", f"the torch dispatcher's grouped GEMM needs a multiple of 8, got {cfg.model[key]}")
+
+    def __call__(self, x, topk_ids, topk_weights, experts):
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # (token, k) slots sorted by global expert
+        tokens_per_expert = torch.bincount(flat_ids, minlength=experts.num_experts)
+        routed = x[order // top_k]
+        if self.ep_group is None or dist.get_world_size(self.ep_group) == 1:
+            out = experts.compute(routed, tokens_per_expert)
+        else:
+            out = self._exchange_and_compute(routed, tokens_per_expert, experts)
+        # Back to (token, k) order, weight, and sum over k.
+        unsorted = out[torch.argsort(order)]
+        return (unsorted.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1)
+
+    def _exchange_and_compute(self, routed, tokens_per_expert, experts):
+        group = self.ep_group
+        ep = dist.get_world_size(group)
+        local = experts.num_local_experts
+        # recv[src * local + e]: rows source rank `src` sends to this rank's local expert e.
+        recv_per_expert = funcol.all_to_all_single(tokens_per_expert, None, None, group=group)
+        recv_per_expert = funcol.wait_tensor(recv_per_expert)
+        splits = torch.stack([tokens_per_expert.view(ep, local).sum(1), recv_per_expert.view(ep, local).sum(1)])
+        send_splits, recv_splits = splits.cpu().tolist()  # the one device-to-host sync of the layer
+        received = funcol.all_to_all_single_autograd(routed, recv_splits, send_splits, group=group)
+        # Received rows are ordered (source rank, expert); the grouped GEMM wants (expert, source rank).
+        segment = torch.repeat_interleave(
+            torch.arange(ep * local, device=routed.device), recv_per_expert, output_size=sum(recv_splits)
+        )
+        perm = torch.argsort((segment % local) * ep + segment // local, stable=True)
+        out = experts.compute(received[perm], recv_per_expert.view(ep, local).sum(0))
+        out = out[torch.argsort(perm)]
+        return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group=group)

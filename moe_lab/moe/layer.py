@@ -1,0 +1,90 @@
+"""Router and expert weights of an MoE layer. Token movement is the dispatcher's job (``moe_lab.moe.dispatcher``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lab.moe.dispatcher import TorchDispatcher
+
+
+class Router(nn.Module):
+    """Linear router -> fp32 softmax over all experts -> top-k -> optional renormalisation.
+
+    ``routing`` replaces the router's choice of experts for experiments (the weights still come from the router's
+    probabilities, so it keeps its gradient): ``balanced`` is the forced round-robin of the published benchmarks,
+    ``skewed`` draws experts from a Zipf-like law with exponent ``routing_skew``. Both are deterministic functions of
+    the token count, so activation recompute sees exactly the same routing.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool,
+        routing: str = "learned",
+        routing_skew: float = 1.2,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.routing, self.routing_skew, self.seed = routing, routing_skew, seed
+        self._forced_ids: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        if self.routing == "learned":
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            ids = self.forced_ids(x.shape[0], x.device)
+            weights = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forced_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        key = (num_tokens, device)
+        if key not in self._forced_ids:
+            if self.routing == "balanced":
+                ids = torch.arange(num_tokens * self.top_k) % self.num_experts
+            else:
+                law = (torch.arange(self.num_experts, dtype=torch.float64) + 1.0) ** -self.routing_skew
+                gen = torch.Generator().manual_seed(1000 + self.seed)
+                ids = torch.multinomial(law.expand(num_tokens, -1), self.top_k, replacement=False, generator=gen)
+            self._forced_ids[key] = ids.view(num_tokens, self.top_k).to(device)
+        return self._forced_ids[key]
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts stored as stacked tensors; holds only the experts its rank owns once parallelised.
+
+    ``dispatcher`` moves tokens to the experts and back. It is set from outside (``moe_lab.parallel``); the default
+    is the torch dispatcher without a process group, i.e. all experts local.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts  # global count; the parameters may hold a slice of them
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.dispatcher = TorchDispatcher()
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.dispatcher(x, topk_ids, topk_weights, self)
+
+    def compute(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Expert-contiguous rows in, expert outputs out: grouped GEMM -> SwiGLU -> grouped GEMM."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        x = x.to(dtype)
+        gate_up = torch._grouped_mm(x, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
