@@ -116,7 +116,8 @@ def check_rules(cfg: DictConfig) -> None:
     _require(d.vocab_size <= m.vocab_size, "data.vocab_size", f"must be <= model.vocab_size={m.vocab_size}, got {d.vocab_size}")
     _require(cfg.optimizer.lr > 0, "optimizer.lr", f"must be > 0, got {cfg.optimizer.lr}")
     _require(t.steps >= 1, "trainer.steps", f"must be >= 1, got {t.steps}")
-    _require(0 <= t.warmup_steps <= t.steps, "trainer.warmup_steps", f"must be in [0, trainer.steps={t.steps}], got {t.warmup_steps}")
+    # A warmup longer than the run is allowed: a short smoke run (trainer.steps=3) then stays in warmup.
+    _require(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _require(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.grad_clip is None or t.grad_clip > 0, "trainer.grad_clip", f"must be null or > 0, got {t.grad_clip}")
     _require(t.timing_skip >= 0, "trainer.timing_skip", f"must be >= 0, got {t.timing_skip}")
