@@ -81,7 +81,15 @@ def _matches(value, annotation) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is str:
         return isinstance(value, str)
-    return True  # richer annotations (tensors, tuples of unions) are left to the class itself
+    if origin in (tuple, list) and isinstance(value, list):
+        args = typing.get_args(annotation)
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+            return all(_matches(v, args[0]) for v in value) if args else True
+        return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
+    if inspect.isclass(annotation) and not isinstance(value, dict):
+        # A yaml scalar or list is never a Tensor / ProcessGroup; a dict may be a node that instantiates one.
+        return isinstance(value, annotation)
+    return True  # other annotations (iterables of params, callables) are left to the class itself
 
 
 def _describe(annotation) -> str:
@@ -90,6 +98,8 @@ def _describe(annotation) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(annotation))
+    if origin in (tuple, list):
+        return f"a list of [{', '.join(_describe(a) for a in typing.get_args(annotation))}]"
     return getattr(annotation, "__name__", str(annotation))
 
 
