@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_lab.config.errors import ConfigError
 
-GROUPS = ("model", "dispatcher", "ac", "offload", "optimizer", "data")
+GROUPS = ("model", "dispatcher", "ac", "offload", "optimizer", "data", "logger")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
 
@@ -135,6 +135,17 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.device in DEVICES, "trainer.device", f"must be one of {', '.join(DEVICES)}, got {t.device!r}")
     _require(t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be null or > 0, got {t.peak_flops}")
+    pr = cfg.profile
+    # The first step span opens when the profiler starts, before the model is built: never record it.
+    _require(pr.wait >= 1, "profile.wait", f"must be >= 1, got {pr.wait}")
+    _require(pr.warmup >= 0, "profile.warmup", f"must be >= 0, got {pr.warmup}")
+    _require(pr.active >= 1, "profile.active", f"must be >= 1, got {pr.active}")
+    window = pr.wait + pr.warmup + pr.active
+    _require(
+        not pr.enabled or window <= t.steps,
+        "profile.active",
+        f"the profile window (wait + warmup + active = {window}) must fit in trainer.steps={t.steps}",
+    )
 
     world = world_size(cfg)
     dp_shard = world if p.dp_shard == -1 else p.dp_shard
@@ -144,7 +155,11 @@ def check_rules(cfg: DictConfig) -> None:
         "parallel.dp_shard",
         f"the mesh (dp_shard={dp_shard}) must use all {world} ranks (trainer.nproc_per_node or WORLD_SIZE)",
     )
-    _require(p.ep >= 1 and dp_shard % p.ep == 0, "parallel.ep", f"must be >= 1 and divide dp_shard={dp_shard}, got {p.ep}")
+    _require(
+        p.ep >= 1 and dp_shard % p.ep == 0,
+        "parallel.ep",
+        f"must be >= 1 and divide the job's {dp_shard} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
+    )
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
 
 
