@@ -7,7 +7,7 @@ the rank that owns it. ``validate(cfg)`` rejects configurations it cannot run be
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -76,3 +76,61 @@ class TorchDispatcher:
         out = experts.compute(received[perm], recv_per_expert.view(ep, local).sum(0))
         out = out[torch.argsort(perm)]
         return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group=group)
+
+
+class FusedDispatcher:
+    """Hands tokens, routing and the local expert weights to one custom op that dispatches, runs the SwiGLU
+    experts and combines (``moe_lab.moe.fused``); the dispatcher itself moves nothing.
+
+    ``backend``: ``reference`` (plain PyTorch, CPU or GPU), ``gpu`` (Triton kernels, no host sync; CUDA only) or
+    ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
+    ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable, else torch, with a logged notice).
+    """
+
+    def __init__(
+        self,
+        backend: Literal["auto", "reference", "gpu"] = "auto",
+        gemm: Literal["auto", "deep_gemm", "torch"] = "auto",
+        ep_group: dist.ProcessGroup | None = None,
+    ):
+        from moe_lab.moe import fused  # registers the custom ops
+
+        self.backend, self.gemm = backend, gemm
+        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.group_name = ep_group.group_name if ep_group is not None and self.ep_size > 1 else ""
+        self._gpu_backend = fused.gpu_backend_name(gemm) if backend != "reference" and torch.cuda.is_available() else None
+
+    def validate(self, cfg) -> None:
+        from moe_lab.moe import fused
+
+        cuda = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+        if self.backend == "gpu" and not cuda:
+            raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
+        if self.gemm == "deep_gemm" and not fused.deep_gemm_available():
+            raise ConfigError("dispatcher.gemm", f"deep_gemm cannot be imported here ({fused.deep_gemm_import_error()}); use torch or auto")
+        if self.backend == "reference" or not cuda:
+            return
+        multiple = 128 if fused.gpu_backend_name(self.gemm) == "gpu_deep_gemm" else 8
+        for key in ("hidden_size", "moe_intermediate_size"):
+            if cfg.model[key] % multiple:
+                raise ConfigError(f"model.{key}", f"the fused gpu backend's grouped GEMMs need a multiple of {multiple}, got {cfg.model[key]}")
+
+    def __call__(self, x, topk_ids, topk_weights, experts):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        if self.backend == "reference" or (self.backend == "auto" and not x.is_cuda):
+            backend = "reference"
+        elif x.is_cuda and self._gpu_backend is not None:
+            backend = self._gpu_backend
+        else:
+            raise RuntimeError(f"dispatcher.backend=gpu needs CUDA tensors, got {x.device}")
+        y, *_ = torch.ops.moe_lab.fused_moe(
+            x.to(dtype),
+            topk_ids,
+            topk_weights.to(dtype),
+            experts.gate_up_proj.to(dtype),
+            experts.down_proj.to(dtype),
+            experts.num_experts,
+            self.group_name,
+            backend,
+        )
+        return y

@@ -1,0 +1,36 @@
+"""The fused dispatcher's op: token dispatch + SwiGLU experts + combine, forward and backward (see ``ops``)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+from moe_lab.moe.fused import ops  # noqa: F401  (registers torch.ops.moe_lab.fused_moe*)
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def deep_gemm_import_error() -> str | None:
+    try:
+        importlib.import_module("deep_gemm")
+    except Exception as e:  # ImportError, or a CUDA/toolkit error raised while it loads
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def deep_gemm_available() -> bool:
+    return deep_gemm_import_error() is None
+
+
+def gpu_backend_name(gemm: str) -> str:
+    """The op backend for the gpu path with this ``gemm`` choice (auto: deep_gemm when importable)."""
+    if gemm == "torch":
+        return "gpu"
+    if deep_gemm_available():
+        return "gpu_deep_gemm"
+    if gemm == "deep_gemm":
+        raise RuntimeError(f"dispatcher.gemm=deep_gemm, but deep_gemm cannot be imported: {deep_gemm_import_error()}")
+    log.warning("deep_gemm is not importable (%s); the fused gpu backend uses torch._grouped_mm", deep_gemm_import_error())
+    return "gpu"

@@ -1,0 +1,118 @@
+"""The fused MoE op: dispatch + SwiGLU experts + combine as one ``torch.library`` custom op, with its backward as a
+second custom op, fake implementations and registered autograd, so a decoder block that calls it compiles with
+``fullgraph=True`` and selective activation checkpointing can save its outputs.
+
+``fused_moe`` returns y and, as extra outputs, what backward needs (the routed rows, the gate/up pre-activations,
+each row's routing weight, the layout), so saving the op's outputs means nothing is re-dispatched in recompute.
+``backend`` names the implementation: ``reference`` (plain PyTorch, any device) or ``gpu`` / ``gpu_deep_gemm``
+(Triton kernels with torch or DeepGEMM grouped GEMMs).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from moe_lab.moe.fused.layout import capacity
+from moe_lab.parallel.checkpointing import SAVED_OPS
+
+_BACKEND_MODULES = {"reference": "moe_lab.moe.fused.reference", "gpu": "moe_lab.moe.fused.gpu", "gpu_deep_gemm": "moe_lab.moe.fused.gpu"}
+# Rows of each expert's segment start at a multiple of this (DeepGEMM's contiguous layout needs its M block).
+ALIGN = {"reference": 1, "gpu": 8, "gpu_deep_gemm": 128}
+
+
+def _impl(backend: str):
+    return importlib.import_module(_BACKEND_MODULES[backend])
+
+
+def _group(group_name: str):
+    return _resolve_process_group(group_name) if group_name else None
+
+
+def _capacity(topk_ids: Tensor, gate_up_proj: Tensor, num_experts: int, backend: str) -> int:
+    num_tokens, top_k = topk_ids.shape
+    return capacity(num_tokens, top_k, num_experts, num_experts // gate_up_proj.shape[0], ALIGN[backend])
+
+
+@torch.library.custom_op("moe_lab::fused_moe", mutates_args=())
+def fused_moe(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    num_experts: int,
+    group_name: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> y [T, H], x_routed [C, H], gate_up [C, 2I], row_weight [C] fp32, pos [T, K] int64, offs [L] int32."""
+    cap = _capacity(topk_ids, gate_up_proj, num_experts, backend)
+    return _impl(backend).forward(
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, _group(group_name), cap, ALIGN[backend], backend
+    )
+
+
+@fused_moe.register_fake
+def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend):
+    cap = _capacity(topk_ids, gate_up_proj, num_experts, backend)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(cap, x.shape[1]),
+        x.new_empty(cap, gate_up_proj.shape[1]),
+        x.new_empty(cap, dtype=torch.float32),
+        topk_ids.new_empty(topk_ids.shape, dtype=torch.int64),
+        topk_ids.new_empty(gate_up_proj.shape[0], dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("moe_lab::fused_moe_backward", mutates_args=())
+def fused_moe_backward(
+    dy: Tensor,
+    x_routed: Tensor,
+    gate_up: Tensor,
+    row_weight: Tensor,
+    pos: Tensor,
+    offs: Tensor,
+    topk_ids: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    group_name: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj."""
+    return _impl(backend).backward(
+        dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name), backend
+    )
+
+
+@fused_moe_backward.register_fake
+def _(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend):
+    return (
+        dy.new_empty(dy.shape),
+        dy.new_empty(pos.shape, dtype=torch.float32),
+        gate_up_proj.new_empty(gate_up_proj.shape),
+        down_proj.new_empty(down_proj.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend = inputs
+    _, x_routed, gate_up, row_weight, pos, offs = output
+    ctx.save_for_backward(x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj)
+    ctx.group_name, ctx.backend, ctx.weights_dtype = group_name, backend, topk_weights.dtype
+
+
+def _backward(ctx, dy, *unused_residual_grads):
+    dx, d_weights, d_gate_up_proj, d_down_proj = fused_moe_backward(
+        dy.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.backend
+    )
+    return dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, None, None, None
+
+
+fused_moe.register_autograd(_backward, setup_context=_setup_context)
+
+# Selective activation checkpointing keeps this op's outputs: recompute never re-runs dispatch, experts or combine.
+SAVED_OPS.add(torch.ops.moe_lab.fused_moe.default)

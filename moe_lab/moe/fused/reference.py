@@ -1,0 +1,97 @@
+"""The ``reference`` backend: the fused op's semantics in plain PyTorch, on CPU and GPU, over any process group.
+
+Exchanges use fixed-size all-to-alls (every slot travels to every rank, masked), and the experts run as a loop of
+per-expert matmuls: slow and obviously right, the oracle the ``gpu`` backend is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_lab.moe.fused.layout import routing_layout
+
+
+
+def scatter_to_owners(rows, pos, dest, capacity, group):
+    """rows [S, D] of this rank's slots -> [capacity, D] receive buffer of this rank: buf[pos] = row on the owner."""
+    if group is None:
+        buf = rows.new_zeros(capacity, rows.shape[1])
+        buf[pos] = rows
+        return buf
+    ep = dist.get_world_size(group)
+    mine = dest.unsqueeze(0) == torch.arange(ep, device=dest.device).unsqueeze(1)  # [ep, S]
+    send_rows = torch.where(mine.unsqueeze(-1), rows.unsqueeze(0), 0).contiguous()
+    send_pos = torch.where(mine, pos.unsqueeze(0), -1).contiguous()
+    recv_rows, recv_pos = torch.empty_like(send_rows), torch.empty_like(send_pos)
+    dist.all_to_all_single(recv_rows, send_rows, group=group)
+    dist.all_to_all_single(recv_pos, send_pos, group=group)
+    valid = recv_pos >= 0
+    buf = rows.new_zeros(capacity, rows.shape[1])
+    buf[recv_pos[valid]] = recv_rows[valid]
+    return buf
+
+
+def gather_from_owners(buf, pos, dest, group):
+    """The reverse: row pos of the owner's buffer for each of this rank's slots -> [S, D]."""
+    if group is None:
+        return buf[pos]
+    ep = dist.get_world_size(group)
+    mine = dest.unsqueeze(0) == torch.arange(ep, device=dest.device).unsqueeze(1)
+    requests = torch.where(mine, pos.unsqueeze(0), -1).contiguous()
+    asked = torch.empty_like(requests)
+    dist.all_to_all_single(asked, requests, group=group)
+    answers = torch.where((asked >= 0).unsqueeze(-1), buf[asked.clamp(min=0)], 0).contiguous()
+    got = torch.empty_like(answers)
+    dist.all_to_all_single(got, answers, group=group)
+    return got[dest, torch.arange(dest.numel(), device=dest.device)]
+
+
+def _segments(offs):
+    bounds = [0] + offs.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, capacity, align, backend):
+    num_tokens, top_k = topk_ids.shape
+    layout = routing_layout(topk_ids, num_experts, align, group)
+    pos = layout.pos.reshape(-1)
+    dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]
+    x_routed = scatter_to_owners(x.repeat_interleave(top_k, 0), pos, dest, capacity, group)
+    row_weight = scatter_to_owners(topk_weights.reshape(-1, 1).float(), pos, dest, capacity, group).view(-1)
+    gate_up = x.new_zeros(capacity, gate_up_proj.shape[1])
+    out = x.new_zeros(capacity, x.shape[1])
+    for j, (s, e) in enumerate(_segments(layout.offs)):
+        gate_up[s:e] = x_routed[s:e] @ gate_up_proj[j].T
+        gate, up = gate_up[s:e].float().chunk(2, dim=-1)
+        act = F.silu(gate) * up * row_weight[s:e, None]
+        out[s:e] = act.to(x.dtype) @ down_proj[j].T
+    y = gather_from_owners(out, pos, dest, group).view(num_tokens, top_k, -1).float().sum(1).to(x.dtype)
+    return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
+
+
+def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
+    num_tokens, top_k = pos.shape
+    flat_pos = pos.reshape(-1)
+    dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]
+    dy_routed = scatter_to_owners(dy.repeat_interleave(top_k, 0), flat_pos, dest, x_routed.shape[0], group)
+    dx_routed = torch.zeros_like(x_routed)
+    d_row_weight = torch.zeros_like(row_weight)
+    d_gate_up_proj, d_down_proj = torch.zeros_like(gate_up_proj), torch.zeros_like(down_proj)
+    for j, (s, e) in enumerate(_segments(offs)):
+        d_act_weighted = (dy_routed[s:e] @ down_proj[j]).float()
+        gate, up = gate_up[s:e].float().chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        act = gate * sig * up
+        w = row_weight[s:e, None]
+        d_row_weight[s:e] = (d_act_weighted * act).sum(-1)
+        d_act = d_act_weighted * w
+        d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+        d_gate_up = torch.cat([d_gate, d_act * gate * sig], dim=-1).to(x_routed.dtype)
+        d_down_proj[j] = dy_routed[s:e].T @ (act * w).to(x_routed.dtype)
+        dx_routed[s:e] = d_gate_up @ gate_up_proj[j]
+        d_gate_up_proj[j] = d_gate_up.T @ x_routed[s:e]
+    dx = gather_from_owners(dx_routed, flat_pos, dest, group).view(num_tokens, top_k, -1).float().sum(1)
+    d_weights = gather_from_owners(d_row_weight.unsqueeze(1), flat_pos, dest, group).view(num_tokens, top_k)
+    return dx.to(dy.dtype), d_weights, d_gate_up_proj, d_down_proj
