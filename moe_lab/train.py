@@ -131,7 +131,7 @@ def train(cfg: DictConfig, run_dir: Path, device: torch.device, rank: int, world
     else:
         torch.manual_seed(cfg.trainer.seed + rank)
         model.init_weights()
-    optimizer = instantiate(cfg.offload).build(model, instantiate(cfg.optimizer))
+    optimizer = instantiate(cfg.offload).build(model, instantiate(cfg.optimizer), compute_dtype)
     data = instantiate(cfg.data)
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if bf16 and world == 1 else nullcontext()

@@ -1,16 +1,151 @@
-"""Where optimizer state lives: the ``offload`` group. Each option turns (model, optimizer factory) into the
-optimizer the training loop steps; the loop never asks which option it has."""
+"""Where weights and optimizer state live: the ``offload`` group. Each option turns (model, optimizer factory,
+compute dtype) into the optimizer the training loop steps; the loop never asks which option it has.
+
+| option      | on the device                              | in host memory                        | optimizer step    |
+|-------------|--------------------------------------------|---------------------------------------|-------------------|
+| `none`      | fp32 weights, grads, optimizer state       | -                                     | device, after bwd |
+| `optimizer` | fp32 weights and grads                     | optimizer state (pinned)              | device, chunked   |
+| `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, fp32 grad buffer | host, in backward |
+
+``none`` and ``optimizer`` compute in bf16 on GPU through autocast (one rank) or FSDP2's mixed-precision policy.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Callable
 
 import torch
+from omegaconf import DictConfig
+
+from moe_lab.config.errors import ConfigError
+from moe_lab.optim import numa
+from moe_lab.optim.host import local
+from moe_lab.optim.in_backward import InBackwardOptimizer
+from moe_lab.optim.state_offload import StreamedStateOptimizer
+
+log = logging.getLogger(__name__)
+
+# Optimizers whose host step full offload runs (torch's AdamW has a fused CPU kernel; SignSGD is foreach).
+HOST_OPTIMIZERS = ("torch.optim.AdamW", "moe_lab.optim.optimizers.SignSGD")
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return local(next(model.parameters())).device
+
+
+def _check_chunking(chunk_mib: float, max_inflight: int) -> None:
+    if chunk_mib <= 0:
+        raise ConfigError("offload.chunk_mib", f"must be > 0, got {chunk_mib}")
+    if max_inflight < 1:
+        raise ConfigError("offload.max_inflight", f"must be >= 1, got {max_inflight}")
 
 
 class NoOffload:
     """Everything on the training device: fp32 parameters and optimizer state; compute runs in bf16 through
     autocast / FSDP2's mixed-precision policy."""
 
-    def build(self, model: torch.nn.Module, make_optimizer: Callable) -> torch.optim.Optimizer:
+    def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
         return make_optimizer(model.parameters())
+
+
+class OptimizerOffload:
+    """Optimizer state in pinned host memory, streamed through the device chunk by chunk at each step; weights and
+    gradients stay on the device in the ``none`` precision scheme. Any optimizer works.
+
+    chunk_mib: parameter bytes (fp32) per chunk; max_inflight: chunks whose state may be on the device at once.
+    """
+
+    def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 3):
+        self.chunk_mib, self.max_inflight = chunk_mib, max_inflight
+
+    def validate(self, cfg: DictConfig) -> None:
+        _check_chunking(self.chunk_mib, self.max_inflight)
+
+    def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> StreamedStateOptimizer:
+        chunk_numel = int(self.chunk_mib * 2**20) // 4
+        return StreamedStateOptimizer(list(model.parameters()), make_optimizer, _device(model), chunk_numel, self.max_inflight)
+
+
+class FullOffload:
+    """fp32 master weights, optimizer state and the fp32 gradient buffer in host RAM; the device keeps
+    compute-dtype weights (bf16 on GPU) and activations. The optimizer steps on the host, inside backward
+    (``moe_lab.optim.in_backward``). AdamW or SignSGD only; no gradient clipping (a global norm does not exist
+    until backward ends, and by then the weights have been stepped).
+
+    Each rank's CPU threads are bound to its GPU's NUMA node (``<sysfs_root>/bus/pci/devices/<bus>/numa_node`` and
+    the node's ``cpulist``, split evenly between the node's ranks) before host memory is allocated, so that memory
+    is first touched, and placed, on that node. A GPU on node -1 runs unbound, with a warning; a host without that
+    sysfs topology fails validation. A CPU-only run has no GPU and so no node: it keeps the process's affinity.
+    The host step uses as many threads as the rank has CPUs.
+
+    chunk_mib: fp32 master bytes per chunk (a chunk steps as soon as all its gradients are in); max_inflight:
+    pinned transfer buffers, each one chunk; timeout_s: how long backward or step() waits for the CPU worker
+    before raising.
+    """
+
+    def __init__(
+        self,
+        chunk_mib: float = 256.0,
+        max_inflight: int = 4,
+        timeout_s: float = 600.0,
+        numa_bind: bool = True,
+        sysfs_root: str = "/sys",
+    ):
+        self.chunk_mib, self.max_inflight, self.timeout_s = chunk_mib, max_inflight, timeout_s
+        self.numa_bind, self.sysfs_root = numa_bind, sysfs_root
+
+    def validate(self, cfg: DictConfig) -> None:
+        target = cfg.optimizer._target_
+        if target not in HOST_OPTIMIZERS:
+            raise ConfigError("optimizer._target_", f"offload=full steps on the host with {' or '.join(HOST_OPTIMIZERS)} only, got {target}")
+        if cfg.trainer.grad_clip is not None:
+            raise ConfigError(
+                "trainer.grad_clip",
+                f"must be null with offload=full (weights are stepped in backward, before a global norm exists), got {cfg.trainer.grad_clip}",
+            )
+        _check_chunking(self.chunk_mib, self.max_inflight)
+        if self.timeout_s <= 0:
+            raise ConfigError("offload.timeout_s", f"must be > 0, got {self.timeout_s}")
+        on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        if self.numa_bind and on_gpu:
+            gpus = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
+            try:
+                for gpu in range(min(gpus, torch.cuda.device_count())):
+                    numa.numa_node(numa.pci_address(gpu), self.sysfs_root)
+            except numa.NumaTopologyError as e:
+                raise ConfigError("offload.numa_bind", f"{e}; set offload.numa_bind=false to run without binding") from None
+
+    def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> InBackwardOptimizer:
+        cpus = self._bind(_device(model))  # before any host state exists
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // local_world)
+        torch.set_num_threads(threads)
+        optimizer = InBackwardOptimizer(
+            list(model.parameters()),
+            make_optimizer,
+            compute_dtype,
+            chunk_numel=int(self.chunk_mib * 2**20) // 4,
+            max_inflight=self.max_inflight,
+            timeout_s=self.timeout_s,
+            num_threads=threads,
+        )
+        model.to(compute_dtype)  # the masters hold the fp32 values now
+        optimizer.attach()
+        return optimizer
+
+    def _bind(self, device: torch.device) -> list[int] | None:
+        if not self.numa_bind:
+            return None
+        if device.type != "cuda":
+            log.info("offload=full on CPU: no GPU, so no NUMA node to bind to; threads keep the process's affinity")
+            return None
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        addresses = [numa.pci_address(g) for g in range(local_world)]
+        cpus = numa.rank_cpus(addresses[device.index], addresses, self.sysfs_root)
+        if cpus is None:
+            return None
+        cpus = numa.bind_threads(cpus)
+        log.info("offload=full: rank on GPU %s bound to %d CPUs of its NUMA node", addresses[device.index], len(cpus or []))
+        return cpus

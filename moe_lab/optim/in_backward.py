@@ -1,0 +1,187 @@
+"""offload=full: the optimizer runs on the host, inside backward.
+
+Precision scheme: the device holds only compute-dtype weights (bf16 on GPU); fp32 master weights and the optimizer
+state live in host RAM. Each gradient arrives in the compute dtype (FSDP2 reduces in fp32, then casts to the
+parameter's dtype), is widened to fp32 on the host and steps the fp32 masters; the new masters are rounded to the
+compute dtype and copied back. With fp32 compute (the CPU default) the device copies equal the masters.
+
+Data flow, per chunk of parameters (consecutive in reverse registration order, roughly the order backward
+finishes them):
+1. a post-accumulate-grad hook copies each final gradient (this rank's shard) device -> host on a side stream into
+   the chunk's pinned transfer buffer, then frees the device gradient;
+2. when the chunk's last gradient is queued, a CPU worker thread waits for the copies, widens the gradients into an
+   fp32 scratch buffer and steps the chunk's optimizer (torch's fused, vectorised, multi-threaded CPU kernel);
+3. it writes the new weights into the same transfer buffer and copies them host -> device on another side stream.
+``step()`` waits for the worker to finish every chunk. At most ``max_inflight`` transfer buffers exist; a hook that
+finds none free, or a ``step()`` that waits longer than ``timeout_s``, raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+from torch import nn
+
+from moe_lab.optim.host import SideStream, chunked, host_empty, local, make_fused, wait
+
+
+class _Chunk:
+    def __init__(self, params: list[nn.Parameter], master: torch.Tensor, make_optimizer: Callable):
+        self.params = params
+        self.offsets, offset = {}, 0
+        for p in params:
+            self.offsets[p] = (offset, local(p).numel())
+            offset += local(p).numel()
+        self.numel = offset
+        self.master = nn.Parameter(master)
+        self.optimizer = make_fused(make_optimizer, [self.master])
+        self.buffer: torch.Tensor | None = None  # the transfer buffer it holds while in flight
+        self.received: set[nn.Parameter] = set()
+
+
+class InBackwardOptimizer:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        make_optimizer: Callable,
+        compute_dtype: torch.dtype,
+        chunk_numel: int,
+        max_inflight: int,
+        timeout_s: float,
+        num_threads: int,
+    ):
+        """``params`` still hold their fp32 initial values: they become the masters. The caller casts the device
+        parameters to ``compute_dtype`` afterwards and then calls ``attach()``."""
+        self.params = [p for p in params if p.requires_grad]
+        device = local(self.params[0]).device
+        self.timeout_s, self.num_threads = timeout_s, num_threads
+        groups = chunked(reversed(self.params), chunk_numel)
+        total = sum(local(p).numel() for p in self.params)
+        masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
+        self.chunks, start = [], 0
+        for group in groups:
+            n = sum(local(p).numel() for p in group)
+            chunk = _Chunk(group, masters[start : start + n], make_optimizer)
+            start += n
+            with torch.no_grad():
+                for p, (offset, size) in chunk.offsets.items():
+                    chunk.master[offset : offset + size].copy_(local(p).reshape(-1))
+            self.chunks.append(chunk)
+        self.chunk_of = {p: c for c in self.chunks for p in c.params}
+        self.param_groups = [g for c in self.chunks for g in c.optimizer.param_groups]
+
+        largest = max(c.numel for c in self.chunks)
+        pinned = device.type == "cuda"
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(max(1, min(max_inflight, len(self.chunks)))):
+            self.free.put(host_empty(largest, compute_dtype, pinned, "offload=full transfer buffers"))
+        self.grad_scratch = host_empty(largest, torch.float32, False, "offload=full fp32 gradient buffer")
+        self.d2h, self.h2d = SideStream(device), SideStream(device)
+
+        self.ready: queue.Queue = queue.Queue()
+        self.in_flight = 0
+        self.done = threading.Condition()
+        self.error: BaseException | None = None
+        self.worker = threading.Thread(target=self._work, name="offload-full-step", daemon=True)
+        self.worker.start()
+
+    def attach(self) -> None:
+        """Start stepping in backward: one post-accumulate-grad hook per parameter."""
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """fp32 master of each parameter (views of host memory), in parameter order."""
+        out = {}
+        for c in self.chunks:
+            for p, (offset, size) in c.offsets.items():
+                out[p] = c.master.detach()[offset : offset + size].view(local(p).shape)
+        return [out[p] for p in self.params]
+
+    @torch.no_grad()
+    def _on_grad(self, p: nn.Parameter) -> None:
+        self._raise_worker_error()
+        chunk = self.chunk_of[p]
+        if chunk.buffer is None:
+            chunk.buffer = self._take_buffer()
+        offset, size = chunk.offsets[p]
+        self.d2h.copy(chunk.buffer[offset : offset + size], local(p.grad).reshape(-1))
+        p.grad = None  # the copy keeps the device gradient alive until it has run
+        chunk.received.add(p)
+        if len(chunk.received) == len(chunk.params):
+            self._submit(chunk)
+
+    def _take_buffer(self) -> torch.Tensor:
+        try:
+            return self.free.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"offload=full: no free transfer buffer after {self.timeout_s} s (offload.timeout_s): the CPU "
+                f"optimizer worker is stuck or far behind backward (offload.max_inflight buffers are all in use)"
+            ) from None
+
+    def _submit(self, chunk: _Chunk) -> None:
+        with self.done:
+            self.in_flight += 1
+        self.ready.put((chunk, self.d2h.record()))
+
+    @torch.no_grad()
+    def _work(self) -> None:
+        torch.set_num_threads(self.num_threads)  # OpenMP's thread count is per calling thread
+        while True:
+            chunk, copied = self.ready.get()
+            try:
+                if self.error is None:
+                    self._step_chunk(chunk, copied)
+            except BaseException as e:
+                self.error = e
+            finally:
+                self.free.put(chunk.buffer)
+                chunk.buffer = None
+                chunk.received.clear()
+                with self.done:
+                    self.in_flight -= 1
+                    self.done.notify_all()
+
+    def _step_chunk(self, chunk: _Chunk, copied) -> None:
+        wait(copied)
+        buffer = chunk.buffer[: chunk.numel]
+        grad = self.grad_scratch[: chunk.numel]
+        grad.copy_(buffer)
+        chunk.master.grad = grad
+        chunk.optimizer.step()
+        chunk.master.grad = None
+        buffer.copy_(chunk.master)
+        for p, (offset, size) in chunk.offsets.items():
+            self.h2d.copy(local(p).view(-1), buffer[offset : offset + size], after_current=False)
+        wait(self.h2d.record())  # the buffer is free again only once the weights are on the device
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Backward has ended: step the chunks that got only some of their gradients (a parameter without one
+        steps with a zero gradient), then wait for the worker."""
+        for chunk in self.chunks:
+            if chunk.received and len(chunk.received) < len(chunk.params):
+                for p in chunk.params:
+                    if p not in chunk.received:
+                        offset, size = chunk.offsets[p]
+                        chunk.buffer[offset : offset + size].zero_()
+                self._submit(chunk)
+        with self.done:
+            finished = self.done.wait_for(lambda: self.in_flight == 0, timeout=self.timeout_s)
+        self._raise_worker_error()
+        if not finished:
+            raise TimeoutError(f"offload=full: {self.in_flight} chunk(s) not stepped after {self.timeout_s} s (offload.timeout_s)")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _raise_worker_error(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError("offload=full: the CPU optimizer step failed") from error
+

@@ -1,0 +1,96 @@
+"""offload=optimizer: the optimizer's per-element state (AdamW's moments) lives in pinned host memory and visits
+the device one chunk at a time during ``step()``."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+from torch import nn
+
+from moe_lab.optim.host import SideStream, chunked, host_empty, local, wait
+
+
+class _Chunk:
+    def __init__(self, params: list[nn.Parameter], make_optimizer: Callable):
+        self.params = params
+        # Plain tensors sharing storage with the local shards: the optimizer steps those, never a DTensor.
+        self.shards = [nn.Parameter(local(p).detach()) for p in params]
+        self.optimizer = make_optimizer(self.shards)
+        self.host: dict[tuple[int, str], torch.Tensor] = {}  # (shard index, state key) -> host copy
+
+
+class StreamedStateOptimizer:
+    """Weights and gradients stay on the device, in the ``none`` precision scheme (fp32 parameters, bf16 compute
+    through autocast / FSDP2's mixed-precision policy); the optimizer is the configured one, unchanged.
+
+    ``step()`` walks the chunks in order: chunk i+1's state is copied host -> device on one side stream while chunk
+    i steps on the compute stream, and chunk i-1's new state goes device -> host on another. At most
+    ``max_inflight`` chunks' state is on the device at once, so the state costs a few chunks of device memory and
+    never adds to the activations' peak. State is created on the device by the optimizer's first step and moved to
+    host memory right after it. A state tensor with no elements per parameter (AdamW's step count) stays put.
+    """
+
+    def __init__(self, params: list[nn.Parameter], make_optimizer: Callable, device: torch.device, chunk_numel: int, max_inflight: int):
+        self.params = [p for p in params if p.requires_grad]
+        self.chunks = [_Chunk(c, make_optimizer) for c in chunked(self.params, chunk_numel)]
+        self.param_groups = [g for c in self.chunks for g in c.optimizer.param_groups]
+        self.pinned = device.type == "cuda"
+        self.max_inflight = max(1, max_inflight)
+        self.h2d, self.d2h = SideStream(device), SideStream(device)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for chunk in self.chunks:
+            for p, shard in zip(chunk.params, chunk.shards):
+                shard.data = local(p)  # FSDP2 may have re-created the local shard since the last step
+                shard.grad = None if p.grad is None else local(p.grad)
+        if self.h2d.stream is not None:
+            self.h2d.stream.wait_stream(self.d2h.stream)  # last step's state is home before it is read again
+        offloads: deque = deque()
+        loaded = self._load(self.chunks[0])
+        for i, chunk in enumerate(self.chunks):
+            state, loaded = loaded, self._load(self.chunks[i + 1]) if i + 1 < len(self.chunks) else None
+            self._install(chunk, state)
+            chunk.optimizer.step()
+            offloads.append(self._offload(chunk))
+            if len(offloads) >= self.max_inflight:
+                wait(offloads.popleft())  # bounds the chunks whose state is on the device
+        for chunk in self.chunks:
+            for shard in chunk.shards:
+                shard.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _load(self, chunk: _Chunk) -> dict:
+        """Start copying a chunk's state to the device: its tensors by (shard, key), and the copy's event."""
+        tensors = {(i, key): self.h2d.fetch(host, chunk.shards[i].device) for (i, key), host in chunk.host.items()}
+        return {"tensors": tensors, "event": self.h2d.record()}
+
+    def _install(self, chunk: _Chunk, loaded: dict) -> None:
+        if loaded["event"] is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(loaded["event"])
+            for tensor in loaded["tensors"].values():
+                tensor.record_stream(current)  # allocated on the side stream, used on this one
+        for (i, key), tensor in loaded["tensors"].items():
+            chunk.optimizer.state[chunk.shards[i]][key] = tensor
+
+    def _offload(self, chunk: _Chunk):
+        """Copy the chunk's per-element state home and leave only the host copies referenced."""
+        for i, shard in enumerate(chunk.shards):
+            state = chunk.optimizer.state.get(shard, {})
+            for key, value in state.items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    continue
+                host = chunk.host.get((i, key))
+                if host is None:
+                    host = host_empty(value.numel(), value.dtype, self.pinned, "offload=optimizer state").view_as(value)
+                    chunk.host[(i, key)] = host
+                if host is not value:
+                    self.d2h.copy(host, value)
+                    state[key] = host
+        return self.d2h.record()

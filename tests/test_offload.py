@@ -1,0 +1,288 @@
+"""Offload modes (issue 4): after a few steps on the tiny model, offload=optimizer and offload=full leave the same
+parameters as offload=none (plain torch AdamW / SignSGD), at world 1 and at world 2 (FSDP2 + EP 2, gloo); each
+config rule fails with its key; a stuck CPU worker raises instead of hanging.
+
+Tolerances: with fp32 compute (the CPU default) every mode computes the same gradients, so parameters agree to
+float32 rounding (full offload steps with torch's fused CPU AdamW kernel, none with the for-loop one): atol 1e-6.
+With bf16 compute, full offload keeps bf16 weights on the device and rounds gradients to bf16; its reference is a
+plain loop written here (fp32 masters stepped by torch AdamW / SignSGD with the bf16 model's gradients, widened).
+The fp32 masters agree to atol 1e-6 (4e-9 seen), while that reference is 4e-3 away from an fp32-compute run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from torch import nn
+
+from moe_lab import config
+from moe_lab.config import ConfigError
+from moe_lab.optim import numa
+from moe_lab.optim.host import local
+from moe_lab.optim.in_backward import InBackwardOptimizer
+from moe_lab.optim.optimizers import SignSGD
+from moe_lab.parallel import parallelize
+from moe_lab.train import lr_factor, train
+from tests.distributed import run_world
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+STEPS = 4
+# Several chunks and fewer transfer buffers than chunks, so chunking and buffer reuse are exercised.
+SMALL_CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
+
+
+def compose_train(overrides: list[str]):
+    config.register()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def run_steps(overrides: list[str], steps: int = STEPS) -> list[torch.Tensor]:
+    """Build the model as moe_lab.train does, run ``steps`` steps, return this rank's fp32 weights (the host
+    masters under full offload)."""
+    cfg = compose_train([f"trainer.steps={STEPS}"] + overrides)
+    config.validate(cfg)
+    device = torch.device("cpu")
+    bf16 = cfg.trainer.precision == "bf16"
+    compute_dtype = torch.bfloat16 if bf16 else torch.float32
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = instantiate(cfg.model).build()
+    parallelize(model, cfg, device, compute_dtype)
+    model.to_empty(device=device)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.manual_seed(rank)
+    model.init_weights()
+    optimizer = instantiate(cfg.offload).build(model, instantiate(cfg.optimizer), compute_dtype)
+    data = instantiate(cfg.data)
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.optimizer.lr * lr_factor(step, cfg.trainer)
+        inputs, labels = data.batch(step, rank)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(inputs)
+        F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if hasattr(optimizer, "master_weights"):
+        return [w.clone() for w in optimizer.master_weights()]
+    return [local(p).detach().float().clone() for p in model.parameters()]
+
+
+def reference_bf16_masters(overrides: list[str], steps: int = STEPS) -> list[torch.Tensor]:
+    """fp32 masters stepped by plain torch AdamW with the gradients of a bf16 copy of the model."""
+    cfg = compose_train([f"trainer.steps={STEPS}"] + overrides)
+    with torch.device("meta"):
+        model = instantiate(cfg.model).build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    optimizer = instantiate(cfg.optimizer)(masters)
+    model.to(torch.bfloat16)
+    data = instantiate(cfg.data)
+    for step in range(steps):
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.optimizer.lr * lr_factor(step, cfg.trainer)
+        inputs, labels = data.batch(step, 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(inputs)
+        F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
+        for p, m in zip(model.parameters(), masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        optimizer.step()
+    return [m.detach() for m in masters]
+
+
+def assert_all_close(actual, expected, atol):
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, e, atol=atol, rtol=0, msg=lambda m: f"parameter {i}: {m}")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "signsgd"])
+def test_offload_modes_match_none(optimizer):
+    reference = run_steps([f"optimizer={optimizer}", "offload=none"])
+    initial = run_steps([f"optimizer={optimizer}", "offload=none"], steps=0)
+    assert any(not torch.equal(r, i) for r, i in zip(reference, initial))  # the steps moved the weights
+    for mode in ("optimizer", "full"):
+        assert_all_close(run_steps([f"optimizer={optimizer}", f"offload={mode}"] + SMALL_CHUNKS), reference, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "signsgd"])
+def test_full_offload_bf16_matches_bf16_gradient_reference(optimizer):
+    overrides = [f"optimizer={optimizer}", "trainer.precision=bf16"]
+    expected = reference_bf16_masters(overrides)
+    assert_all_close(run_steps(overrides + ["offload=full"] + SMALL_CHUNKS), expected, atol=1e-6)
+
+
+def _world2_max_differences(optimizer: str) -> dict:
+    """Largest difference, on this rank's shards, of each offload mode from offload=none."""
+    mesh = ["trainer.nproc_per_node=2", "parallel.ep=2", f"optimizer={optimizer}"]
+    reference = run_steps(mesh + ["offload=none"])
+    out = {}
+    for mode in ("optimizer", "full"):
+        weights = run_steps(mesh + [f"offload={mode}"] + SMALL_CHUNKS)
+        out[mode] = max((w - r).abs().max().item() for w, r in zip(weights, reference))
+    return out
+
+
+def test_offload_modes_match_none_world2_fsdp_ep2(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for differences in run_world(2, _world2_max_differences, "adamw"):
+        assert max(differences.values()) <= 1e-6, differences
+
+
+def test_training_loop_runs_full_offload(tmp_path):
+    cfg = compose_train(["offload=full", "trainer.steps=3", "trainer.warmup_steps=1"] + SMALL_CHUNKS)
+    config.validate(cfg)
+    metrics = train(cfg, tmp_path, torch.device("cpu"), 0, 1)
+    assert metrics["final_loss"] < metrics["first_loss"]
+
+
+# ---- rules ----
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["offload=full", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"], "optimizer._target_"),
+        (["offload=full", "trainer.grad_clip=1.0"], "trainer.grad_clip"),
+        (["offload=full", "offload.timeout_s=0"], "offload.timeout_s"),
+        (["offload=full", "offload.max_inflight=0"], "offload.max_inflight"),
+        (["offload=optimizer", "offload.chunk_mib=0"], "offload.chunk_mib"),
+    ],
+)
+def test_rules_fail_with_their_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        config.validate(compose_train(overrides))
+    assert e.value.key == key and key in str(e.value)
+
+
+def test_full_offload_accepts_its_optimizers_with_clipping_off():
+    for optimizer in ("adamw", "signsgd"):
+        config.validate(compose_train(["offload=full", f"optimizer={optimizer}"]))
+    config.validate(compose_train(["offload=optimizer", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"]))
+
+
+# ---- NUMA binding, on a fake sysfs tree ----
+
+
+def fake_sysfs(root: Path, gpu_nodes: dict[str, str], node_cpulists: dict[int, str]) -> Path:
+    for address, node in gpu_nodes.items():
+        (root / "bus/pci/devices" / address).mkdir(parents=True)
+        (root / "bus/pci/devices" / address / "numa_node").write_text(node + "\n")
+    for node, cpulist in node_cpulists.items():
+        (root / "devices/system/node" / f"node{node}").mkdir(parents=True)
+        (root / "devices/system/node" / f"node{node}" / "cpulist").write_text(cpulist + "\n")
+    return root
+
+
+def test_parse_cpulist():
+    assert numa.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+
+
+def test_rank_cpus_splits_the_node_between_its_gpus(tmp_path):
+    gpus = {"0000:18:00.0": "0", "0000:2a:00.0": "0", "0000:9a:00.0": "1"}
+    root = fake_sysfs(tmp_path, gpus, {0: "0-7,32-39", 1: "8-15"})
+    addresses = list(gpus)
+    assert numa.rank_cpus(addresses[0], addresses, root) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert numa.rank_cpus(addresses[1], addresses, root) == [32, 33, 34, 35, 36, 37, 38, 39]
+    assert numa.rank_cpus(addresses[2], addresses, root) == list(range(8, 16))
+
+
+def test_rank_cpus_skips_a_gpu_without_node_with_a_warning(tmp_path, caplog):
+    root = fake_sysfs(tmp_path, {"0000:18:00.0": "-1"}, {})
+    assert numa.rank_cpus("0000:18:00.0", ["0000:18:00.0"], root) is None
+    assert "no NUMA node" in caplog.text
+
+
+def test_missing_topology_is_a_clear_error(tmp_path):
+    with pytest.raises(numa.NumaTopologyError, match="numa_node"):
+        numa.rank_cpus("0000:18:00.0", ["0000:18:00.0"], tmp_path)
+    root = fake_sysfs(tmp_path, {"0000:18:00.0": "0"}, {})
+    with pytest.raises(numa.NumaTopologyError, match="cpulist"):
+        numa.rank_cpus("0000:18:00.0", ["0000:18:00.0"], root)
+
+
+def test_validate_rejects_a_gpu_host_without_sysfs_topology(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(numa, "pci_address", lambda gpu: "0000:18:00.0")
+    cfg = compose_train(["offload=full", f"offload.sysfs_root={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        config.validate(cfg)
+    assert e.value.key == "offload.numa_bind" and "numa_node" in str(e.value)
+    fake_sysfs(tmp_path, {"0000:18:00.0": "0"}, {0: "0-1"})
+    config.validate(cfg)
+    config.validate(compose_train(["offload=full", "offload.numa_bind=false", "offload.sysfs_root=/nonexistent"]))
+
+
+def test_bind_threads_pins_this_process(tmp_path):
+    before = sorted(os.sched_getaffinity(0))
+    try:
+        assert numa.bind_threads(before[:1]) == before[:1]
+        assert sorted(os.sched_getaffinity(0)) == before[:1]
+    finally:
+        numa.bind_threads(before)
+
+
+# ---- failures surface as errors, not hangs ----
+
+
+class _BlockedSignSGD(SignSGD):
+    def __init__(self, params, release: threading.Event, fail: bool = False, **kw):
+        super().__init__(params, **kw)
+        self.release, self.fail = release, fail
+
+    def step(self, closure=None):
+        self.release.wait(30)
+        if self.fail:
+            raise ValueError("injected failure")
+        return super().step()
+
+
+def _two_chunk_model():
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    return model, model(torch.randn(4, 8)).square().sum()
+
+
+def test_stuck_worker_times_out_in_backward():
+    release = threading.Event()
+    model, loss = _two_chunk_model()
+    optimizer = InBackwardOptimizer(
+        list(model.parameters()), functools.partial(_BlockedSignSGD, release=release, lr=0.1), torch.float32,
+        chunk_numel=64, max_inflight=1, timeout_s=0.2, num_threads=1,
+    )
+    optimizer.attach()
+    try:
+        with pytest.raises(TimeoutError, match="offload.timeout_s"):
+            loss.backward()
+    finally:
+        release.set()
+
+
+def test_worker_failure_is_raised_by_step():
+    release = threading.Event()
+    release.set()
+    model, loss = _two_chunk_model()
+    optimizer = InBackwardOptimizer(
+        list(model.parameters()), functools.partial(_BlockedSignSGD, release=release, fail=True, lr=0.1), torch.float32,
+        chunk_numel=64, max_inflight=2, timeout_s=5, num_threads=1,
+    )
+    optimizer.attach()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="CPU optimizer step failed"):
+        optimizer.step()
