@@ -1,0 +1,167 @@
+"""MoE layer forward+backward on GPU: torch dispatcher vs fused dispatcher, at Qwen3-30B-A3B and Qwen3-235B-A22B
+expert shapes (128 experts, top-8), several token counts per GPU, balanced and skewed routing.
+
+    python benchmarks/moe_layer.py --out results/moe_layer_h200_ep1.json                  # EP=1, one GPU
+    torchrun --nproc_per_node 2 benchmarks/moe_layer.py --out results/moe_layer_h200_ep2.json   # EP=2
+
+Writes one JSON file: per point the median ms of forward+backward (CUDA events, max over ranks), TFLOP/s (FLOPs
+from ``layer_flops``), the fused/torch speedup, and a per-kernel time breakdown from torch.profiler for the largest
+balanced point of each model. A point that fails records its error instead of a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
+from moe_lab.moe.layer import GroupedExperts, Router
+from moe_lab.parallel.expert_parallel import apply_expert_parallel
+
+MODELS = {"qwen3_30b": (2048, 768), "qwen3_235b": (4096, 1536)}
+NUM_EXPERTS, TOP_K = 128, 8
+
+
+def layer_flops(tokens: int, hidden: int, inter: int) -> float:
+    """Forward: gate/up (2*H*2I) + down (2*I*H) per routed row = 6*H*I; backward twice that."""
+    return 18.0 * tokens * TOP_K * hidden * inter
+
+
+def build(hidden, inter, dispatcher, ep_rank, ep):
+    torch.manual_seed(0)
+    experts = GroupedExperts(NUM_EXPERTS, hidden, inter)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, hidden**-0.5)
+        experts.down_proj.normal_(0, inter**-0.5)
+    holder = torch.nn.Module()
+    holder.experts = experts
+    apply_expert_parallel(holder, dispatcher, ep_rank, ep)
+    return holder.experts.to(device="cuda", dtype=torch.bfloat16)
+
+
+def inputs(tokens, hidden, routing, rank):
+    router = Router(hidden, NUM_EXPERTS, TOP_K, norm_topk_prob=True, routing=routing, seed=rank)
+    ids = router.forced_ids(tokens, torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    weights = torch.softmax(torch.randn(tokens, TOP_K, device="cuda", generator=gen), -1).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return x, ids, weights, grad
+
+
+def step(experts, x, ids, weights, grad):
+    experts(x, ids, weights).backward(grad)
+
+
+def time_ms(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernel_breakdown(fn, top=15):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+        if device_us > 0:
+            rows.append({"kernel": evt.key[:160], "ms_per_step": device_us / 3 / 1e3, "calls_per_step": evt.count / 3})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return rows[:top]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="qwen3_30b,qwen3_235b")
+    parser.add_argument("--tokens", default="4096,8192,16384", help="tokens per GPU")
+    parser.add_argument("--routing", default="balanced,skewed")
+    parser.add_argument("--gemm", default="auto", choices=["auto", "deep_gemm", "torch"])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    ep = int(os.environ.get("WORLD_SIZE", 1))
+    group = None
+    rank = 0
+    if ep > 1:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        group, rank = dist.group.WORLD, dist.get_rank()
+    dispatchers = {"torch": TorchDispatcher(ep_group=group), "fused": FusedDispatcher(backend="gpu", gemm=args.gemm, ep_group=group)}
+
+    points, breakdowns = [], []
+    for model in args.models.split(","):
+        hidden, inter = MODELS[model]
+        layers = {name: build(hidden, inter, d, rank, ep) for name, d in dispatchers.items()}
+        for routing in args.routing.split(","):
+            for tokens in map(int, args.tokens.split(",")):
+                x, ids, weights, grad = inputs(tokens, hidden, routing, rank)
+                point = {"model": model, "hidden": hidden, "intermediate": inter, "tokens_per_gpu": tokens, "routing": routing, "ep": ep}
+                for name, experts in layers.items():
+                    fn = lambda: step(experts, x, ids, weights, grad)  # noqa: E731
+                    try:
+                        ms = time_ms(fn, args.iters)
+                    except Exception as e:  # OOM, or a kernel error: the point records it
+                        ms = float("nan")
+                        point[f"{name}_error"] = repr(e)[:500]
+                    torch.cuda.empty_cache()
+                    if ep > 1:
+                        t = torch.tensor([ms], device="cuda")
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                        ms = t.item()
+                    point[f"{name}_ms"] = ms
+                    point[f"{name}_tflops"] = layer_flops(tokens, hidden, inter) / (ms * 1e-3) / 1e12
+                    if args.profile and ms == ms and routing == "balanced" and tokens == max(map(int, args.tokens.split(","))):
+                        breakdowns.append({"model": model, "tokens_per_gpu": tokens, "routing": routing, "dispatcher": name,
+                                           "kernels": kernel_breakdown(fn)})
+                point["speedup"] = point["torch_ms"] / point["fused_ms"]
+                points.append(point)
+                if rank == 0:
+                    print(json.dumps(point), flush=True)
+        del layers
+        torch.cuda.empty_cache()
+
+    if rank == 0:
+        record = {
+            "command": "benchmarks/moe_layer.py " + " ".join(f"--{k}={v}" for k, v in vars(args).items()),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(),
+            "num_gpus": ep,
+            "torch": torch.__version__,
+            "host": platform.node(),
+            "fused_gemm": dispatchers["fused"]._gpu_backend,
+            "points": points,
+            "kernel_breakdown": breakdowns,
+        }
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    if ep > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Triton kernels of the fused gpu backend. Row-wise and memory-bound; the GEMMs between them are grouped GEMMs.
+
+Rows of a receive buffer at or past ``offs[L - 1]`` (the end of the last expert segment) are never read by anyone,
+so programs for them load and store nothing. A row whose ``row_src`` is -1 is alignment padding: it is written as zeros.
+With ``PEER`` the source rows live on other GPUs: ``peer_ptrs`` holds each rank's buffer address (torch symmetric
+memory) and the kernel reads or writes over NVLink.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _peer_base(local_ptr, peer_ptrs, rank, PEER: tl.constexpr):
+    if PEER:
+        base = tl.load(peer_ptrs + rank).to(tl.pointer_type(local_ptr.dtype.element_ty))
+    else:
+        base = local_ptr
+    return base
+
+
+@triton.jit
+def push_slots_kernel(
+    row_src_ptr, row_src_peers, row_weight_ptr, row_weight_peers, pos_ptr, dest_ptr, weight_ptr,
+    num_slots, top_k, rows_per_rank, my_rank,
+    PEER: tl.constexpr, WITH_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Tell each slot's owner where the row comes from: row_src[pos] = rank * T + token (and its routing weight)."""
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = slots < num_slots
+    pos = tl.load(pos_ptr + slots, mask=mask, other=0)
+    code = my_rank * rows_per_rank + slots // top_k
+    if PEER:
+        dest = tl.load(dest_ptr + slots, mask=mask, other=0)
+        # Each slot may go to another GPU: one pointer per lane.
+        src_base = tl.load(row_src_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_src_ptr.dtype.element_ty))
+        tl.store(src_base + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
+        if WITH_WEIGHT:
+            w_base = tl.load(row_weight_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_weight_ptr.dtype.element_ty))
+            tl.store(w_base + pos, tl.load(weight_ptr + slots, mask=mask).to(tl.float32), mask=mask)
+    else:
+        tl.store(row_src_ptr + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
+        if WITH_WEIGHT:
+            tl.store(row_weight_ptr + pos, tl.load(weight_ptr + slots, mask=mask).to(tl.float32), mask=mask)
+
+
+@triton.jit
+def gather_rows_kernel(
+    out_ptr, src_ptr, src_peers, row_src_ptr, offs_ptr, num_local_experts, rows_per_rank, width,
+    PEER: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Dispatch: out[r] = src_rank's x[token] for each row of the receive buffer (zeros for padding)."""
+    row = tl.program_id(0)
+    live = row < tl.load(offs_ptr + num_local_experts - 1)
+    code = tl.load(row_src_ptr + row, mask=live, other=-1)
+    rank = tl.maximum(code, 0) // rows_per_rank
+    token = tl.maximum(code, 0) % rows_per_rank
+    base = _peer_base(src_ptr, src_peers, rank, PEER)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    vals = tl.load(base + token.to(tl.int64) * width + cols, mask=mask & (code >= 0), other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * width + cols, vals, mask=mask & live)
+
+
+@triton.jit
+def combine_kernel(
+    out_ptr, buf_ptr, buf_peers, pos_ptr, dest_ptr, width, TOP_K: tl.constexpr, PEER: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Combine as a gather-sum by token: out[t] = sum_k buf_{dest[t, k]}[pos[t, k]], accumulated in fp32."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = token.to(tl.int64) * TOP_K + k
+        pos = tl.load(pos_ptr + slot)
+        if PEER:
+            base = _peer_base(buf_ptr, buf_peers, tl.load(dest_ptr + slot), PEER)
+        else:
+            base = buf_ptr
+        acc += tl.load(base + pos * width + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_forward_kernel(
+    act_ptr, gate_up_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts, inter, BLOCK: tl.constexpr
+):
+    """act = silu(gate) * up * routing weight (zeros for padding rows), so the down GEMM's rows come out weighted."""
+    row = tl.program_id(0)
+    live = row < tl.load(offs_ptr + num_local_experts - 1)
+    valid = tl.load(row_src_ptr + row, mask=live, other=-1) >= 0
+    weight = tl.load(row_weight_ptr + row, mask=live, other=0.0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (cols < inter) & live
+    base = gate_up_ptr + row.to(tl.int64) * 2 * inter
+    gate = tl.load(base + cols, mask=mask & valid, other=0.0).to(tl.float32)
+    up = tl.load(base + inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up * weight
+    tl.store(act_ptr + row.to(tl.int64) * inter + cols, act.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_backward_kernel(
+    d_gate_up_ptr, act_weighted_ptr, d_row_weight_ptr, gate_up_ptr, d_act_weighted_ptr, row_weight_ptr, row_src_ptr,
+    offs_ptr, num_local_experts, INTER: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """From dL/d(weighted act) = dy_row @ W_down: the gate/up gradient, the weighted activation (recomputed, for the
+    down projection's weight gradient) and dL/d(routing weight) = <dL/d(weighted act), act>."""
+    row = tl.program_id(0)
+    live = row < tl.load(offs_ptr + num_local_experts - 1)
+    valid = tl.load(row_src_ptr + row, mask=live, other=-1) >= 0
+    weight = tl.load(row_weight_ptr + row, mask=live, other=0.0)
+    gu_base = gate_up_ptr + row.to(tl.int64) * 2 * INTER
+    dgu_base = d_gate_up_ptr + row.to(tl.int64) * 2 * INTER
+    row_base = row.to(tl.int64) * INTER
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in tl.static_range(0, INTER, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = (cols < INTER) & live
+        gate = tl.load(gu_base + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        up = tl.load(gu_base + INTER + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        d_act_weighted = tl.load(d_act_weighted_ptr + row_base + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        acc += d_act_weighted * silu * up
+        d_act = d_act_weighted * weight
+        d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+        tl.store(dgu_base + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_base + INTER + cols, (d_act * silu).to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+        tl.store(act_weighted_ptr + row_base + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_row_weight_ptr + row, tl.sum(acc, axis=0), mask=live)
