@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -32,10 +32,12 @@ from moe_lab import config as config_lib
 from moe_lab.config import ConfigError
 from moe_lab.launch.launcher import adopt_slurm_environment, launch_local, started_by_outer_launcher
 from moe_lab.metrics.flops import flops_per_token, peak_flops
+from moe_lab.metrics.logger import NoLogger
+from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
 from moe_lab.models.qwen3_moe import count_parameters
 from moe_lab.parallel import parallelize
-from moe_lab.results.record import RESULT, MetricsLog, write_json_atomic
+from moe_lab.results.record import RESULT, MetricsLog, environment, failure, is_done, read_result, write_json_atomic
 
 log = logging.getLogger("moe_lab")
 config_lib.register()
@@ -44,18 +46,28 @@ config_lib.register()
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
-    meta = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task)}
-    meta["choices"] = {k: v for k, v in meta["choices"].items() if not k.startswith("hydra")}
-    return run_job(cfg, Path(hc.runtime.output_dir), meta, multirun=hc.mode == RunMode.MULTIRUN)
+    multirun = hc.mode == RunMode.MULTIRUN
+    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
+    meta = {"choices": choices, "overrides": list(hc.overrides.task), "sweep": hc.sweep.dir if multirun else None}
+    return run_job(cfg, Path(hc.runtime.output_dir), meta, multirun=multirun)
 
 
 def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) -> dict | None:
+    """One job (a single run or a sweep point). It ends with exactly one result.json by rank 0. In a sweep a failed
+    point is recorded and returned, so Hydra's launcher goes on to the next point; a single run re-raises (exit
+    code non-zero)."""
     adopt_slurm_environment()
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if multirun and cfg.trainer.skip_done and is_done(run_dir, meta["overrides"]):
+        log.info("point already done, skipped: %s", run_dir)
+        return read_result(run_dir)
+    if rank0:
+        (run_dir / RESULT).unlink(missing_ok=True)  # a failed earlier attempt of this point
     try:
         config_lib.validate(cfg)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
-            write_json_atomic(run_dir / RESULT, {**meta, "status": "invalid", "error": {"type": "ConfigError", "key": e.key, "message": str(e)}})
+        if rank0:
+            write_json_atomic(run_dir / RESULT, {**meta, "status": "invalid", "error": {"type": "ConfigError", "key": e.key, "message": str(e)}, "config": OmegaConf.to_container(cfg)})
         if multirun:
             log.error("invalid config, point recorded and skipped: %s", e)
             return None
@@ -63,14 +75,20 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
     if cfg.trainer.dry_run:
         return dry_run(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
-    if cfg.trainer.nproc_per_node > 1 and not started_by_outer_launcher():
-        try:
+    try:
+        if cfg.trainer.nproc_per_node > 1 and not started_by_outer_launcher():
             return launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
-        except Exception as e:  # a rank died before rank 0 could record why
-            if not (run_dir / RESULT).exists():
-                write_json_atomic(run_dir / RESULT, {**meta, "status": "error", "error": {"type": type(e).__name__, "message": str(e)}})
+        return worker(resolved, str(run_dir), meta)
+    except Exception as e:
+        if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
+            write_json_atomic(run_dir / RESULT, {**meta, **failure(e)})
+        if not multirun:
             raise
-    return worker(resolved, str(run_dir), meta)
+        log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
+        gc.collect()  # drop the failed point's tensors (held by the traceback) before the next point
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return read_result(run_dir)
 
 
 def dry_run(cfg: DictConfig) -> dict:
@@ -97,18 +115,25 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
     if world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    record = {**meta, "world_size": world, "config": OmegaConf.to_container(cfg), "environment": _environment(device, world)}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
+    record = {**meta, "world_size": world, "config": OmegaConf.to_container(cfg), "environment": environment(device, world)}
+    logger = instantiate(cfg.logger) if rank == 0 else NoLogger()
+    logger.start(run_dir, record)
+    result = {**record, "status": "error"}  # until the run says otherwise
     try:
-        metrics = train(cfg, run_dir, device, rank, world)
+        with StepProfiler(cfg.profile, run_dir, rank) as profiler:
+            metrics = train(cfg, run_dir, device, rank, world, logger, profiler)
+        if rank == 0:
+            metrics["trace_breakdown"] = profiler.breakdown()
         result = {**record, "status": "ok", "error": None, "metrics": metrics}
     except Exception as e:
-        oom = isinstance(e, torch.OutOfMemoryError)
-        result = {**record, "status": "oom" if oom else "error", "error": {"type": type(e).__name__, "message": str(e)}}
-        result["metrics"] = {"peak_gpu_mem_gib": _peak_gpu_gib(device)}
+        result = {**record, **failure(e), "metrics": {"peak_gpu_mem_gib": _peak_gpu_gib(device)}}
         if rank == 0:
             write_json_atomic(run_dir / RESULT, result)
         raise
     finally:
+        logger.finish(result)
         if dist.is_initialized():
             dist.destroy_process_group()
     if rank == 0:
@@ -116,7 +141,15 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
     return result
 
 
-def train(cfg: DictConfig, run_dir: Path, device: torch.device, rank: int, world: int) -> dict:
+def train(
+    cfg: DictConfig,
+    run_dir: Path,
+    device: torch.device,
+    rank: int,
+    world: int,
+    logger: NoLogger = NoLogger(),
+    profiler: StepProfiler = StepProfiler.off(),
+) -> dict:
     torch.manual_seed(cfg.trainer.seed)
     model_cfg = instantiate(cfg.model)
     bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and device.type == "cuda")
@@ -163,6 +196,7 @@ def train(cfg: DictConfig, run_dir: Path, device: torch.device, rank: int, world
         elapsed = time.perf_counter() - start
         step_times.append(elapsed)
         losses.append(loss)
+        profiler.step()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
         if metrics_log:
@@ -170,6 +204,7 @@ def train(cfg: DictConfig, run_dir: Path, device: torch.device, rank: int, world
             if grad_norm is not None:
                 row["grad_norm"] = grad_norm
             metrics_log.write(row)
+            logger.log(row, step)
             bar.set_postfix(loss=f"{loss:.4f}", s_step=f"{elapsed:.3f}")
     if metrics_log:
         metrics_log.close()
@@ -241,13 +276,6 @@ def _device(choice: str, local_rank: int) -> torch.device:
 
 def _peak_gpu_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def _environment(device: torch.device, world: int) -> dict:
-    env = {"host": platform.node(), "torch": torch.__version__, "device": device.type, "world_size": world}
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
 
 
 if __name__ == "__main__":

@@ -25,12 +25,21 @@ class TrainerConfig:
     dry_run: bool = False  # build on the meta device, print parameter counts, stop
     init_checkpoint: Optional[str] = None  # Hugging Face safetensors directory to load
     peak_flops: Optional[float] = None  # per-GPU peak FLOP/s for MFU; null looks the GPU up
+    skip_done: bool = True  # in a sweep, skip points whose directory already holds an ok result of the same overrides
 
 
 @dataclass
 class ParallelConfig:
     dp_shard: int = -1  # ranks the dense weights are sharded over (FSDP2); -1 means all ranks
     ep: int = 1  # expert-parallel degree, borrowed from dp_shard
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False  # torch.profiler over a window of steps: a trace per rank + a time breakdown in the result
+    wait: int = 2  # steps skipped before the window (compile, allocator warm-up)
+    warmup: int = 1  # steps traced but discarded (profiler start-up)
+    active: int = 2  # steps recorded; the breakdown is their mean
 
 
 @dataclass
@@ -41,8 +50,10 @@ class TrainConfig:
     offload: Any = None
     optimizer: Any = None
     data: Any = None
+    logger: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def register() -> None:

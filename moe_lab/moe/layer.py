@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from moe_lab.moe.dispatcher import TorchDispatcher
 
@@ -77,9 +78,11 @@ class GroupedExperts(nn.Module):
     def num_local_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
+    @record_function("moe_lab::dispatch")  # profiler scope: what is not GEMM or all-to-all in here is dispatch glue
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.dispatcher(x, topk_ids, topk_weights, self)
 
+    @record_function("moe_lab::expert_compute")
     def compute(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Expert-contiguous rows in, expert outputs out: grouped GEMM -> SwiGLU -> grouped GEMM."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype

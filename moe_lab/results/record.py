@@ -1,15 +1,22 @@
 """What a run leaves behind: ``metrics.jsonl`` (one row per step, written as it goes) and ``result.json``
-(written once, atomically, at the end, whatever the outcome)."""
+(written once, atomically, at the end, whatever the outcome), plus the pieces of a record that describe where and
+from which code it ran."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import subprocess
 import tempfile
+import traceback
 from pathlib import Path
+
+import torch
 
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
+SOURCE_DIR = Path(__file__).resolve().parents[1]  # the moe_lab package
 
 
 def write_json_atomic(path: str | Path, obj) -> None:
@@ -23,11 +30,26 @@ def write_json_atomic(path: str | Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def read_result(run_dir: str | Path) -> dict | None:
+    path = Path(run_dir) / RESULT
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def is_done(run_dir: str | Path, overrides: list[str]) -> bool:
+    """True when ``run_dir`` already holds an ok result of the same point (same overrides), so a resumed sweep can
+    skip it. Comparing overrides guards against a sweep whose points were renumbered (a value added to an axis)."""
+    result = read_result(run_dir)
+    return bool(result) and result.get("status") == "ok" and result.get("overrides") == list(overrides)
+
+
 class MetricsLog:
-    """Appends one JSON line per step; a crash loses at most the line being written."""
+    """One JSON line per step; a crash loses at most the line being written. A re-run starts the file afresh."""
 
     def __init__(self, run_dir: str | Path):
-        self.file = open(Path(run_dir) / METRICS, "a")
+        self.file = open(Path(run_dir) / METRICS, "w")
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -35,3 +57,42 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def failure(e: BaseException) -> dict:
+    """Status and error fields of a failed run. An OOM in a child rank arrives wrapped (elastic's
+    ChildFailedError), so the class name is also looked for in the message."""
+    oom = isinstance(e, torch.OutOfMemoryError) or "OutOfMemoryError" in str(e)
+    tb = "".join(traceback.format_exception(e)[-8:])
+    return {"status": "oom" if oom else "error", "error": {"type": type(e).__name__, "message": str(e), "traceback": tb}}
+
+
+def environment(device: torch.device, world: int) -> dict:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    env = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": device.type,
+        "world_size": world,
+        "nodes": max(1, world // local_world),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "gpu_count": world if device.type == "cuda" else 0,
+    }
+    return env | git_state()
+
+
+def git_state(source_dir: Path = SOURCE_DIR) -> dict:
+    """Commit of the moe_lab source tree and whether it had uncommitted changes; nulls outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(source_dir), *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"git_commit": None, "git_dirty": None}
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".").stdout.strip() != ""
+        return {"git_commit": head.stdout.strip(), "git_dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}

@@ -1,0 +1,237 @@
+"""Profile a window of steady-state steps and break one step's time down by what it was spent on.
+
+``StepProfiler`` wraps ``torch.profiler`` over ``profile.wait`` skipped steps, ``profile.warmup`` steps and
+``profile.active`` recorded steps, and saves each rank's Chrome trace (``trace_rank<r>.json.gz``, opens in Perfetto
+and TensorBoard). ``breakdown(trace)`` then partitions the recorded steps' time into the categories below and
+averages over them, so the parts sum to one step:
+
+- on CUDA, the compute stream's timeline: each kernel's time goes to its category; idle time on the compute stream
+  goes to the collective running on another stream at that moment (exposed communication), else to ``idle``;
+- on CPU, the main thread's timeline: each op's self time goes to its category; time in no op goes to ``idle``
+  (Python and launch overhead).
+
+A kernel or op gets the category of the highest-priority rule that matches its own name, the name of an enclosing
+op or ``record_function`` scope, or — for a backward op — the enclosing scopes of the forward op that created it
+(linked by autograd sequence number). What matches no rule is ``other``, and its names are listed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+# In priority order: a grouped GEMM inside the dispatch scope is expert GEMM, an all-to-all inside it is all-to-all.
+RULES = {
+    "ep_all_to_all": r"all_?to_?all|alltoall|sendrecv|exchange_counts",
+    "fsdp_all_gather": r"all_?gather",
+    "fsdp_reduce_scatter": r"reduce_?scatter|post_backward_reduce",
+    "attention": r"attention|flash|fmha|sdpa",
+    "expert_gemm": r"grouped|moe_lab::expert_compute",
+    "dense_gemm": r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|gemm|nvjet|cutlass|cublas|xmma",
+    "optimizer": r"^optimizer\.|multi_tensor_apply|adam",
+    "dispatch_glue": r"moe_lab::dispatch",
+}
+# Kernels that no op or scope explains: compiled blocks launch Inductor's Triton kernels outside any aten op, and
+# inside a decoder block the sorting / indexing / scattering ones are the dispatcher's (embedding and loss run eager).
+KERNEL_RULES = {"dispatch_glue": r"^triton_.*(sort|scatter|gather|index|bincount|cumsum|histc|topk|repeat_interleave)"}
+CATEGORIES = (*RULES, "idle", "other")
+COMMUNICATION = ("ep_all_to_all", "fsdp_all_gather", "fsdp_reduce_scatter")
+_PATTERNS = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in RULES.items()]
+_KERNEL_PATTERNS = _PATTERNS + [(name, re.compile(pattern)) for name, pattern in KERNEL_RULES.items()]
+_STEP = re.compile(r"^ProfilerStep#\d+$")
+
+
+def classify(name: str, patterns=_PATTERNS) -> str | None:
+    return next((category for category, pattern in patterns if pattern.search(name)), None)
+
+
+class StepProfiler:
+    """Context manager around the training loop; call ``step()`` once per step. Does nothing unless enabled."""
+
+    def __init__(self, cfg, run_dir: str | Path, rank: int):
+        self.enabled = bool(cfg.enabled)
+        self.path = Path(run_dir) / f"trace_rank{rank}.json.gz"
+        self.profiler = None
+        if self.enabled:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(str(self.path)),
+            )
+
+    @classmethod
+    def off(cls) -> StepProfiler:
+        return cls(OmegaConf.create({"enabled": False}), ".", 0)
+
+    def __enter__(self):
+        if self.profiler:
+            self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.profiler:
+            self.profiler.__exit__(*exc)
+
+    def step(self) -> None:
+        if self.profiler:
+            self.profiler.step()
+
+    def breakdown(self) -> dict | None:
+        return breakdown(self.path) if self.enabled and self.path.exists() else None
+
+
+def load_trace(path: str | Path) -> list[dict]:
+    path = Path(path)
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+        return json.load(f)["traceEvents"]
+
+
+def breakdown(trace: str | Path | list[dict], top_other: int = 15) -> dict:
+    """Mean seconds per recorded step by category, the mean step time, and the largest ``other`` names."""
+    events = load_trace(trace) if isinstance(trace, (str, Path)) else trace
+    ops = _OpForest([e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")])
+    steps = [i for i, e in enumerate(ops.events) if _STEP.match(e["name"])]
+    if not steps:
+        raise ValueError("the trace holds no ProfilerStep#N spans")
+    device_work = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    totals, other = defaultdict(float), defaultdict(float)
+    for step in steps:
+        parts = _gpu_step(ops, step, device_work) if device_work else _cpu_step(ops, step)
+        for (category, name), us in parts.items():
+            totals[category] += us
+            if category == "other":
+                other[name] += us
+    n, step_us = len(steps), sum(ops.events[s]["dur"] for s in steps) / len(steps)
+    return {
+        "source": "cuda_compute_stream" if device_work else "cpu_main_thread",
+        "steps": n,
+        "step_s": step_us / 1e6,
+        "seconds": {c: totals[c] / n / 1e6 for c in CATEGORIES},
+        "other_names": {k: v / n / 1e6 for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:top_other]},
+    }
+
+
+class _OpForest:
+    """CPU ops and record_function scopes nested per thread, with each op's category resolved through its
+    enclosing scopes (and, for backward ops, through the forward op that created them)."""
+
+    def __init__(self, events: list[dict]):
+        self.events = sorted(events, key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))
+        self.parent = [-1] * len(self.events)
+        self.children = defaultdict(list)
+        stack: list[int] = []
+        for i, e in enumerate(self.events):
+            while stack and not self._contains(self.events[stack[-1]], e):
+                stack.pop()
+            if stack:
+                self.parent[i] = stack[-1]
+                self.children[stack[-1]].append(i)
+            stack.append(i)
+        self.by_external_id = {e["args"]["External id"]: i for i, e in enumerate(self.events) if "External id" in e.get("args", {})}
+        self.forward_by_seq = defaultdict(list)
+        for i, e in enumerate(self.events):
+            seq = e.get("args", {}).get("Sequence number")
+            if seq is not None and not self._is_backward(i):
+                self.forward_by_seq[seq].append(i)
+        self._category: dict[int, str | None] = {}
+
+    @staticmethod
+    def _contains(outer: dict, inner: dict) -> bool:
+        return (outer["pid"], outer["tid"]) == (inner["pid"], inner["tid"]) and inner["ts"] < outer["ts"] + outer["dur"]
+
+    def chain(self, i: int):
+        while i != -1 and not _STEP.match(self.events[i]["name"]):
+            yield i
+            i = self.parent[i]
+
+    def _is_backward(self, i: int) -> bool:
+        return any("Backward" in self.events[j]["name"] or "autograd::engine" in self.events[j]["name"] for j in self.chain(i))
+
+    def category(self, i: int) -> str | None:
+        if i not in self._category:
+            names = [self.events[j]["name"] for j in self.chain(i)]
+            for j in self.chain(i):
+                seq = self.events[j].get("args", {}).get("Sequence number")
+                if seq is not None and "Backward" in self.events[j]["name"]:
+                    names += [self.events[f]["name"] for k in self.forward_by_seq.get(seq, ()) for f in self.chain(k)]
+            found = {classify(name) for name in names} - {None}
+            self._category[i] = next((c for c in RULES if c in found), None)
+        return self._category[i]
+
+
+def _cpu_step(ops: _OpForest, step: int) -> dict[tuple[str, str], float]:
+    """Self time of every op inside the step span; the span's own self time is idle."""
+    parts = defaultdict(float)
+    todo = [step]
+    while todo:
+        i = todo.pop()
+        e = ops.events[i]
+        end = e["ts"] + e["dur"]
+        covered = sum(min(ops.events[c]["ts"] + ops.events[c]["dur"], end) - ops.events[c]["ts"] for c in ops.children[i])
+        category = "idle" if i == step else ops.category(i) or "other"
+        parts[(category, e["name"])] += max(0.0, e["dur"] - covered)
+        todo.extend(ops.children[i])
+    return parts
+
+
+def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[str, str], float]:
+    """The compute stream's time inside the step span: kernels by category, gaps by the exposed collective."""
+    start, end = ops.events[step]["ts"], ops.events[step]["ts"] + ops.events[step]["dur"]
+    in_step = [k for k in device_work if k["ts"] < end and k["ts"] + k["dur"] > start]
+    busy = defaultdict(float)
+    for k in in_step:
+        if not k["name"].startswith("nccl"):
+            busy[k["args"].get("stream")] += k["dur"]
+    compute_stream = max(busy, key=busy.get) if busy else None
+    parts = defaultdict(float)
+    compute, collectives = [], []
+    for k in in_step:
+        op = ops.by_external_id.get(k["args"].get("External id"))
+        category = classify(k["name"]) if k["name"].startswith("nccl") else None
+        category = category or (ops.category(op) if op is not None else None) or classify(k["name"], _KERNEL_PATTERNS)
+        category = category or "other"
+        span = (max(k["ts"], start), min(k["ts"] + k["dur"], end), category, k["name"])
+        if k["args"].get("stream") == compute_stream:
+            compute.append(span)
+        elif category in COMMUNICATION:
+            collectives.append(span)
+    compute.sort()
+    cursor = start
+    for lo, hi, category, name in compute:
+        if lo > cursor:
+            _split_gap(parts, cursor, lo, collectives)
+        lo = max(lo, cursor)
+        if hi > lo:
+            parts[(category, name)] += hi - lo
+            cursor = hi
+    if end > cursor:
+        _split_gap(parts, cursor, end, collectives)
+    return parts
+
+
+def _split_gap(parts, lo: float, hi: float, collectives) -> None:
+    """An idle stretch of the compute stream: the part covered by collectives (first by priority) is exposed
+    communication, the rest idle."""
+    remaining = [(lo, hi)]
+    for category in COMMUNICATION:
+        spans = [(max(a, lo), min(b, hi)) for a, b, c, _ in collectives if c == category and b > lo and a < hi]
+        for a, b in sorted(spans):
+            kept = []
+            for r_lo, r_hi in remaining:
+                overlap = min(b, r_hi) - max(a, r_lo)
+                if overlap > 0:
+                    parts[(category, category)] += overlap
+                    kept += [(r_lo, max(a, r_lo)), (min(b, r_hi), r_hi)]
+                else:
+                    kept.append((r_lo, r_hi))
+            remaining = [(x, y) for x, y in kept if y > x]
+    parts[("idle", "idle")] += sum(b - a for a, b in remaining)

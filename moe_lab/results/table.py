@@ -1,0 +1,72 @@
+"""Sweep results as a table: ``load(sweep_dir_or_glob)`` -> one pandas row per point.
+
+Columns: ``run_dir``, ``status``, ``error_type``, ``error_message``, one column per group choice (``model``,
+``dispatcher``, ``ac``, ...), one per other overridden key (``parallel.ep``, ``model.routing_skew``: its resolved
+value, typed), ``overrides``, environment fields as ``env.<key>``, the scalar metrics, the trace
+breakdown as ``time.<category>`` (seconds per step) and ``time.step_s``. Per-step lists (losses) stay in
+``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from moe_lab.results.record import RESULT
+
+
+def result_files(sweep_dir_or_glob: str | Path) -> list[Path]:
+    """Every result.json under a directory (any depth), or every one a glob pattern names (a pattern may name
+    run directories or result files)."""
+    pattern = str(sweep_dir_or_glob)
+    if Path(pattern).is_dir():
+        return sorted(Path(pattern).rglob(RESULT), key=_natural)
+    files = set()
+    for match in map(Path, glob.glob(pattern, recursive=True)):
+        files.update(match.rglob(RESULT) if match.is_dir() else [match] if match.name == RESULT else [])
+    return sorted(files, key=_natural)
+
+
+def _natural(path: Path) -> list:
+    # Sweep points 0, 1, ..., 10 in job order rather than 0, 1, 10, 2.
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def _lookup(config: dict, dotted: str):
+    for key in dotted.split("."):
+        if not isinstance(config, dict) or key not in config:
+            return None
+        config = config[key]
+    return config
+
+
+def flatten(record: dict, run_dir: Path) -> dict:
+    error = record.get("error") or {}
+    row = {"run_dir": str(run_dir), "status": record.get("status"), "error_type": error.get("type"), "error_message": error.get("message")}
+    choices = record.get("choices") or {}
+    row.update(choices)
+    for override in record.get("overrides") or []:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key not in choices and not key.startswith("hydra."):
+            resolved = _lookup(record.get("config") or {}, key)
+            row[key] = value if resolved is None else resolved
+    row["overrides"] = " ".join(record.get("overrides") or [])
+    row.update({f"env.{k}": v for k, v in (record.get("environment") or {}).items()})
+    metrics = dict(record.get("metrics") or {})
+    trace = metrics.pop("trace_breakdown", None) or {}
+    row.update({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))})
+    row.update({f"time.{k}": v for k, v in (trace.get("seconds") or {}).items()})
+    if trace:
+        row["time.step_s"] = trace["step_s"]
+    return row
+
+
+def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
+    rows = []
+    for path in result_files(sweep_dir_or_glob):
+        rows.append(flatten(json.loads(path.read_text()), path.parent))
+    return pd.DataFrame(rows)

@@ -1,0 +1,117 @@
+"""Records of a real CPU sweep (tests/sweep.py: 12 points, 6 invalid, one injected OOM, one injected crash), resume,
+the sweep table, and the experiment presets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from moe_lab import config as config_lib
+from moe_lab.config.validate import world_size
+from moe_lab.results import load
+from moe_lab.results.record import RESULT, is_done, write_json_atomic
+from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory) -> Path:
+    return ensure_sweep(tmp_path_factory.getbasetemp())
+
+
+def _key(row) -> tuple:
+    return (row["ac"], row["optimizer"], str(row["parallel.ep"]))
+
+
+def test_every_point_has_one_record_with_its_status(sweep_dir):
+    points = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(points) == len(EXPECTED) == 12
+    for point in points:
+        assert [f.name for f in point.iterdir() if f.name.startswith((RESULT, f".{RESULT}"))] == [RESULT]
+    df = load(sweep_dir)
+    assert {_key(row): row["status"] for _, row in df.iterrows()} == EXPECTED
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    for point in points:
+        record = json.loads((point / RESULT).read_text())
+        assert record["choices"]["ac"] == record["overrides"][0].split("=")[1]
+        if record["status"] == "invalid":
+            assert record["error"]["key"] == "parallel.ep" and "must" in record["error"]["message"]
+            continue
+        env = record["environment"]
+        assert env["torch"] == torch.__version__ and env["host"] and env["gpu_count"] == 0 and env["gpu"] is None
+        assert env["git_commit"] == (git.stdout.strip() if git.returncode == 0 else None)
+        if record["status"] == "oom":
+            assert record["error"]["type"] == "OutOfMemoryError" and "peak_gpu_mem_gib" in record["metrics"]
+        elif record["status"] == "error":
+            assert record["error"]["type"] == "RuntimeError" and "injected" in record["error"]["message"]
+        else:
+            m = record["metrics"]
+            assert len(m["losses"]) == m["steps"] == 4 and all(map(torch.isfinite, torch.tensor(m["losses"])))
+            assert m["s_per_step"] > 0 and m["tokens_per_s_per_gpu"] > 0 and m["trace_breakdown"]["steps"] == 1
+            assert len((point / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_table_columns_and_parquet(sweep_dir, tmp_path):
+    df = load(str(sweep_dir / "*"))  # a glob of point directories works as well as the sweep directory
+    assert len(df) == 12 and df["parallel.ep"].dtype.kind == "i"
+    assert {"dispatcher", "ac", "offload", "model", "status", "error_type", "s_per_step", "time.dense_gemm"} <= set(df.columns)
+    assert not any(df[c].map(lambda v: isinstance(v, (list, dict))).any() for c in df.columns)
+    ok = df[df.status == "ok"]
+    assert ok["s_per_step"].notna().all() and df[df.status != "ok"]["s_per_step"].isna().all()
+    df.to_parquet(tmp_path / "sweep.parquet")
+    back = pd.read_parquet(tmp_path / "sweep.parquet")
+    assert list(back.columns) == list(df.columns) and back["status"].tolist() == df["status"].tolist()
+    pd.testing.assert_series_equal(back["s_per_step"], df["s_per_step"])
+
+
+def test_rerun_skips_done_points_and_completes_the_rest(sweep_dir, tmp_path):
+    resumed = tmp_path / "sweep"
+    shutil.copytree(sweep_dir, resumed)
+    before = {p.parent.name: (p.stat().st_mtime_ns, p.read_text()) for p in resumed.glob(f"*/{RESULT}")}
+    proc = run_sweep(resumed, inject=[])  # the failures were transient: this time every valid point trains
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    df = load(resumed)
+    statuses = {_key(row): row["status"] for _, row in df.iterrows()}
+    assert statuses == {k: "invalid" if v == "invalid" else "ok" for k, v in EXPECTED.items()}
+    for _, row in df.iterrows():
+        name = Path(row["run_dir"]).name
+        unchanged = (Path(row["run_dir"]) / RESULT).stat().st_mtime_ns == before[name][0]
+        assert unchanged == (EXPECTED[_key(row)] == "ok"), name
+    assert proc.stdout.count("point already done, skipped") == 4
+
+
+def test_is_done_needs_an_ok_result_of_the_same_point(tmp_path):
+    assert not is_done(tmp_path, ["ac=full"])
+    write_json_atomic(tmp_path / RESULT, {"status": "ok", "overrides": ["ac=full"]})
+    assert is_done(tmp_path, ["ac=full"]) and not is_done(tmp_path, ["ac=selective"])
+    write_json_atomic(tmp_path / RESULT, {"status": "oom", "overrides": ["ac=full"]})
+    assert not is_done(tmp_path, ["ac=full"])
+
+
+PRESETS = {
+    "grid_30b": dict(model="qwen3_30b", world=1, ep=1, seq=16384, sweep={"ac": "none,full,selective"}),
+    "reference_235b": dict(model="qwen3_235b", world=32, ep=8, seq=16384, sweep=None),
+    "reference_30b": dict(model="qwen3_30b", world=8, ep=8, seq=16384, sweep=None),
+    "routing_skew": dict(model="qwen3_30b", world=2, ep=2, seq=16384, sweep={"model.routing_skew": "0.25,0.5,1.0,1.5,2.0"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_experiment_preset_composes_and_validates(name, monkeypatch):
+    want = PRESETS[name]
+    if want["world"] > 8:  # more ranks than one node: the outer launcher (srun) sets WORLD_SIZE
+        monkeypatch.setenv("WORLD_SIZE", str(want["world"]))
+    config_lib.register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"+experiment={name}"], return_hydra_config=True)
+    assert cfg.model.name == want["model"] and cfg.data.seq_len == want["seq"] and cfg.data.batch_size == 1
+    assert cfg.parallel.ep == want["ep"] and world_size(cfg) == want["world"]
+    for key, values in (want["sweep"] or {}).items():
+        assert cfg.hydra.sweeper.params[key] == values
+    config_lib.validate(cfg)
