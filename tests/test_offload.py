@@ -45,13 +45,13 @@ def compose_train(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
-def run_steps(overrides: list[str], steps: int = STEPS) -> list[torch.Tensor]:
+def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> list[torch.Tensor]:
     """Build the model as moe_lab.train does, run ``steps`` steps, return this rank's fp32 weights (the host
     masters under full offload)."""
     cfg = compose_train([f"trainer.steps={STEPS}"] + overrides)
     config.validate(cfg)
-    device = torch.device("cpu")
-    bf16 = cfg.trainer.precision == "bf16"
+    device = torch.device(device)
+    bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and device.type == "cuda")
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -66,23 +66,23 @@ def run_steps(overrides: list[str], steps: int = STEPS) -> list[torch.Tensor]:
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = cfg.optimizer.lr * lr_factor(step, cfg.trainer)
-        inputs, labels = data.batch(step, rank)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        inputs, labels = (t.to(device) for t in data.batch(step, rank))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(inputs)
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if hasattr(optimizer, "master_weights"):
         return [w.clone() for w in optimizer.master_weights()]
-    return [local(p).detach().float().clone() for p in model.parameters()]
+    return [local(p).detach().float().cpu() for p in model.parameters()]
 
 
-def reference_bf16_masters(overrides: list[str], steps: int = STEPS) -> list[torch.Tensor]:
+def reference_bf16_masters(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> list[torch.Tensor]:
     """fp32 masters stepped by plain torch AdamW with the gradients of a bf16 copy of the model."""
     cfg = compose_train([f"trainer.steps={STEPS}"] + overrides)
     with torch.device("meta"):
         model = instantiate(cfg.model).build()
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights()
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
@@ -95,15 +95,15 @@ def reference_bf16_masters(overrides: list[str], steps: int = STEPS) -> list[tor
                 p.copy_(m)
         for group in optimizer.param_groups:
             group["lr"] = cfg.optimizer.lr * lr_factor(step, cfg.trainer)
-        inputs, labels = data.batch(step, 0)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        inputs, labels = (t.to(device) for t in data.batch(step, 0))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             logits = model(inputs)
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         for p, m in zip(model.parameters(), masters):
             m.grad = p.grad.float()
             p.grad = None
         optimizer.step()
-    return [m.detach() for m in masters]
+    return [m.detach().cpu() for m in masters]
 
 
 def assert_all_close(actual, expected, atol):
@@ -126,6 +126,19 @@ def test_full_offload_bf16_matches_bf16_gradient_reference(optimizer):
     overrides = [f"optimizer={optimizer}", "trainer.precision=bf16"]
     expected = reference_bf16_masters(overrides)
     assert_all_close(run_steps(overrides + ["offload=full"] + SMALL_CHUNKS), expected, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adamw", "signsgd"])
+def test_offload_modes_on_gpu(optimizer):
+    """Side streams, pinned buffers and the in-backward worker on CUDA (bf16 compute). Full offload steps with
+    the fused CPU kernel and its reference with the CUDA one, so a rounding difference can flip a bf16 weight:
+    atol 1e-4, against the 4e-3 that separates bf16 from fp32 gradients."""
+    cuda = ["trainer.device=cuda", f"optimizer={optimizer}"]
+    none = run_steps(cuda + ["offload=none"], device="cuda")
+    assert_all_close(run_steps(cuda + ["offload=optimizer"] + SMALL_CHUNKS, device="cuda"), none, atol=1e-6)
+    expected = reference_bf16_masters(cuda, device="cuda")
+    assert_all_close(run_steps(cuda + ["offload=full"] + SMALL_CHUNKS, device="cuda"), expected, atol=1e-4)
 
 
 def _world2_max_differences(optimizer: str) -> dict:
@@ -284,5 +297,6 @@ def test_worker_failure_is_raised_by_step():
     )
     optimizer.attach()
     loss.backward()
-    with pytest.raises(RuntimeError, match="CPU optimizer step failed"):
+    with pytest.raises(ValueError, match="injected failure") as e:
         optimizer.step()
+    assert "offload=full CPU optimizer worker" in e.value.__notes__[0]

@@ -20,15 +20,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def host_empty(numel: int, dtype: torch.dtype, pinned: bool, what: str) -> torch.Tensor:
-    """A flat host buffer. Fails with ``torch.OutOfMemoryError`` (recorded as an ``oom`` point) when the host has
-    not that much memory available, instead of leaving the kernel's OOM killer to end the run."""
-    nbytes = numel * dtype.itemsize
+def check_host_memory(nbytes: int, what: str) -> None:
+    """Fail with ``torch.OutOfMemoryError`` (recorded as an ``oom`` point) when the host has not ``nbytes``
+    available, instead of leaving the kernel's OOM killer to end the run later."""
     available = psutil.virtual_memory().available
     if nbytes > available:
-        raise torch.OutOfMemoryError(
-            f"host memory: {what} needs {nbytes / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
-        )
+        raise torch.OutOfMemoryError(f"host memory: {what} needs {nbytes / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available")
+
+
+def host_empty(numel: int, dtype: torch.dtype, pinned: bool, what: str) -> torch.Tensor:
+    """A flat host buffer, after checking the host has the memory."""
+    check_host_memory(numel * dtype.itemsize, what)
     return torch.empty(numel, dtype=dtype, pin_memory=pinned)
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moe_lab.optim.host import SideStream, chunked, host_empty, local, make_fused, wait
+from moe_lab.optim.host import SideStream, check_host_memory, chunked, host_empty, local, make_fused, wait
 
 
 class _Chunk:
@@ -60,6 +60,8 @@ class InBackwardOptimizer:
         self.timeout_s, self.num_threads = timeout_s, num_threads
         groups = chunked(reversed(self.params), chunk_numel)
         total = sum(local(p).numel() for p in self.params)
+        # AdamW's two moments, the most state a host optimizer here has, are created by its first step.
+        check_host_memory(total * 3 * 4, "offload=full fp32 masters and optimizer state")
         masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
         self.chunks, start = [], 0
         for group in groups:
@@ -183,5 +185,6 @@ class InBackwardOptimizer:
     def _raise_worker_error(self) -> None:
         if self.error is not None:
             error, self.error = self.error, None
-            raise RuntimeError("offload=full: the CPU optimizer step failed") from error
+            error.add_note("raised in the offload=full CPU optimizer worker")
+            raise error  # as is, so a host OutOfMemoryError is still recorded as an oom point
 
