@@ -7,17 +7,26 @@ import itertools
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_lab import config
 from moe_lab.config import ConfigError
-from moe_lab.config.validate import GROUPS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+# Groups are those of train.yaml's defaults list; their options are whatever yamls their folders hold.
+GROUPS = [
+    group
+    for entry in yaml.safe_load((CONF / "train.yaml").read_text())["defaults"]
+    if isinstance(entry, dict)
+    for group in entry
+]
 OPTIONS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml")) for group in GROUPS}
 COMBINATIONS = [dict(zip(GROUPS, choice)) for choice in itertools.product(*(OPTIONS[g] for g in GROUPS))]
+# Each option once at world 2 with EP=2 (the other groups at their defaults): every option's validate hook sees a mesh.
+SINGLE_OPTIONS = [{group: option} for group in GROUPS for option in OPTIONS[group]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,12 +49,21 @@ def test_every_group_has_options():
     assert all(OPTIONS[g] for g in GROUPS), OPTIONS
 
 
+def test_groups_found():
+    assert {"model", "dispatcher", "ac", "offload", "optimizer", "data"} <= set(GROUPS)
+
+
 @pytest.mark.parametrize("choice", COMBINATIONS, ids=lambda c: ",".join(c.values()))
-@pytest.mark.parametrize("mesh", [[], ["trainer.nproc_per_node=2", "parallel.ep=2"]], ids=["world1", "world2-ep2"])
-def test_every_combination_composes_and_validates(choice, mesh):
-    cfg = compose_train([f"{g}={o}" for g, o in choice.items()] + mesh)
+def test_every_combination_composes_and_validates(choice):
+    cfg = compose_train([f"{g}={o}" for g, o in choice.items()])
     config.validate(cfg)
-    assert cfg.model._target_ and cfg.dispatcher._target_
+    assert all(cfg[g]._target_ for g in GROUPS)
+
+
+@pytest.mark.parametrize("choice", SINGLE_OPTIONS, ids=lambda c: ",".join(f"{g}={o}" for g, o in c.items()))
+def test_every_option_validates_at_world2_ep2(choice):
+    cfg = compose_train([f"{g}={o}" for g, o in choice.items()] + ["trainer.nproc_per_node=2", "parallel.ep=2"])
+    config.validate(cfg)
 
 
 # (overrides, extra environment, key the message must name)
