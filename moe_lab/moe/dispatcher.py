@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _functional_collectives as funcol
 
 from moe_lab.config.errors import ConfigError
+from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 
 if TYPE_CHECKING:
     from moe_lab.moe.layer import GroupedExperts
@@ -32,17 +32,26 @@ class TorchDispatcher:
 
     Per layer: one all-to-all of per-expert counts, one device-to-host copy of the split sizes, the token
     all-to-all, a local permute from (source rank, expert) to expert-contiguous order, grouped GEMMs, and the
-    reverse path. Works over gloo (CPU) and NCCL (GPU).
+    reverse path. Works over gloo (CPU) and NCCL (GPU). The collectives are custom ops (``moe_lab.moe.collectives``),
+    so a block compiles whole.
     """
 
     def __init__(self, ep_group: dist.ProcessGroup | None = None):
         self.ep_group = ep_group
+        # Plain values the compiler can hold as constants.
+        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.group_name = ep_group.group_name if ep_group is not None else ""
 
     def validate(self, cfg) -> None:
         # torch._grouped_mm needs 16-byte aligned rows: a multiple of 8 elements covers bf16 and fp32.
         for key in ("hidden_size", "moe_intermediate_size"):
             if cfg.model[key] % 8:
                 raise ConfigError(f"model.{key}", f"the torch dispatcher's grouped GEMM needs a multiple of 8, got {cfg.model[key]}")
+        # The compiler's shape rules for torch._grouped_mm (its meta kernel) accept bf16 only.
+        t = cfg.trainer
+        bf16 = t.precision == "bf16" or (t.precision == "auto" and t.device != "cpu" and torch.cuda.is_available())
+        if t.compile and not bf16:
+            raise ConfigError("trainer.precision", "trainer.compile=true with the torch dispatcher needs bf16 (torch._grouped_mm compiles in bf16 only); set trainer.precision=bf16")
 
     def __call__(self, x, topk_ids, topk_weights, experts):
         num_tokens, top_k = topk_ids.shape
@@ -50,7 +59,7 @@ class TorchDispatcher:
         order = torch.argsort(flat_ids, stable=True)  # (token, k) slots sorted by global expert
         tokens_per_expert = torch.bincount(flat_ids, minlength=experts.num_experts)
         routed = x[order // top_k]
-        if self.ep_group is None or dist.get_world_size(self.ep_group) == 1:
+        if self.ep_size == 1:
             out = experts.compute(routed, tokens_per_expert)
         else:
             out = self._exchange_and_compute(routed, tokens_per_expert, experts)
@@ -59,23 +68,20 @@ class TorchDispatcher:
         return (unsorted.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1)
 
     def _exchange_and_compute(self, routed, tokens_per_expert, experts):
-        group = self.ep_group
-        ep = dist.get_world_size(group)
-        local = experts.num_local_experts
+        ep, name, local = self.ep_size, self.group_name, experts.num_local_experts
         # recv[src * local + e]: rows source rank `src` sends to this rank's local expert e.
-        recv_per_expert = funcol.all_to_all_single(tokens_per_expert, None, None, group=group)
-        recv_per_expert = funcol.wait_tensor(recv_per_expert)
-        splits = torch.stack([tokens_per_expert.view(ep, local).sum(1), recv_per_expert.view(ep, local).sum(1)])
-        send_splits, recv_splits = splits.cpu().tolist()  # the one device-to-host sync of the layer
-        received = funcol.all_to_all_single_autograd(routed, recv_splits, send_splits, group=group)
+        recv_per_expert = exchange_counts(tokens_per_expert, name)
+        rows = torch.stack([tokens_per_expert.view(ep, local).sum(1), recv_per_expert.view(ep, local).sum(1)])
+        send_rows, recv_rows = rows.cpu().unbind()  # the one device-to-host sync of the layer
+        received = all_to_all_rows(routed, send_rows, recv_rows, name)
         # Received rows are ordered (source rank, expert); the grouped GEMM wants (expert, source rank).
         segment = torch.repeat_interleave(
-            torch.arange(ep * local, device=routed.device), recv_per_expert, output_size=sum(recv_splits)
+            torch.arange(ep * local, device=routed.device), recv_per_expert, output_size=received.shape[0]
         )
         perm = torch.argsort((segment % local) * ep + segment // local, stable=True)
         out = experts.compute(received[perm], recv_per_expert.view(ep, local).sum(0))
         out = out[torch.argsort(perm)]
-        return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group=group)
+        return all_to_all_rows(out, recv_rows, send_rows, name)
 
 
 class FusedDispatcher:

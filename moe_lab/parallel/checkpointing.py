@@ -8,6 +8,8 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import moe_lab.moe.collectives  # noqa: F401  (registers the moe_lab:: ops named in SAVED_OPS)
+
 _aten = torch.ops.aten
 _funcol = torch.ops._c10d_functional
 
@@ -29,6 +31,8 @@ SAVED_OPS = {
     _aten.bincount.default,
     _funcol.all_to_all_single.default,
     _funcol.wait_tensor.default,
+    torch.ops.moe_lab.exchange_counts.default,
+    torch.ops.moe_lab.all_to_all_rows.default,
 }
 
 

@@ -1,6 +1,13 @@
-"""torch.compile per decoder block (after activation checkpointing, before FSDP, as in torchtitan)."""
+"""torch.compile per decoder block, after activation checkpointing and before FSDP (as in torchtitan).
+
+The block's ``forward`` is compiled, not its ``__call__``: FSDP2's hooks stay outside the graph and parameter names
+are unchanged (no ``_orig_mod.`` prefix). Each block is one graph (``fullgraph=True``; the dispatcher's collectives
+are custom ops) and blocks of the same shape share the compiled code.
+"""
+
+import torch
 
 
 def apply_compile(model) -> None:
     for layer in model.model.layers:
-        layer.compile()
+        layer.forward = torch.compile(layer.forward, fullgraph=True)

@@ -11,11 +11,29 @@ from moe_lab.parallel.mesh import Meshes
 def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype) -> None:
     """Dense weights are sharded over all ranks and averaged over all ranks. Expert weights are sharded over the
     ``expert_shard`` ranks only; their gradients already sum the tokens of every EP peer, so they are summed over
-    ``expert_shard`` and divided by the whole world to give the same mean-over-the-global-batch as dense weights."""
+    ``expert_shard`` and divided by the whole world to give the same mean-over-the-global-batch as dense weights.
+
+    The experts' FSDP hooks fire at the block's boundary instead of the experts' own call, so a compiled block has
+    no FSDP hook inside it and compiles as one graph: the experts are gathered when their block starts and
+    resharded when it ends (the block's pre-backward hook gathers them again before recompute and backward).
+    """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         experts = layer.mlp.experts
         fully_shard(experts, mesh=meshes.expert_shard, mp_policy=policy, reshard_after_forward=True)
         experts.set_gradient_divide_factor(float(meshes.world_size))
+        if meshes.expert_shard.size() > 1:
+            # Sum, then divide the shard: gloo has no PREMUL_SUM, and on NCCL the divide is one small kernel.
+            # (Not on one rank: FSDP2 then skips the collective and would divide twice.)
+            experts.set_force_sum_reduction_for_comms(True)
+        _hook_at(layer, fully_shard.state(experts))
         fully_shard(layer, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
+
+
+def _hook_at(module: torch.nn.Module, state) -> None:
+    """Move an FSDP state's forward hooks from its own module to ``module`` (an ancestor)."""
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True)
+    state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)
