@@ -57,6 +57,9 @@ def inputs(tokens, hidden, routing, rank):
 
 
 def step(experts, x, ids, weights, grad):
+    # Fresh gradients each step (as FSDP's reduce-scatter consumes them), so no accumulation kernel is timed.
+    experts.zero_grad(set_to_none=True)
+    x.grad = weights.grad = None
     experts(x, ids, weights).backward(grad)
 
 

@@ -23,6 +23,7 @@ from moe_lab.moe.fused.layout import routing_layout
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
+IDLE_PROGRAMS_PER_EXPERT = 16
 
 
 # --- grouped GEMMs -------------------------------------------------------------------------------------------------
@@ -59,8 +60,12 @@ class _Gemms:
     def wgrad(self, grad, inp):
         """sum over each expert's rows of grad^T inp -> [L, N, K] (k-grouped)."""
         out = torch._grouped_mm(grad.t(), inp, offs=self.offs)
-        idle = torch.diff(self.offs, prepend=self.offs.new_zeros(1)) == 0
-        return out.masked_fill_(idle.view(-1, 1, 1), 0)  # an expert with no rows has a zero gradient
+        slab = out[0].numel()
+        per_program = triton.cdiv(slab, IDLE_PROGRAMS_PER_EXPERT)
+        kernels.zero_idle_experts_kernel[(out.shape[0], IDLE_PROGRAMS_PER_EXPERT)](
+            out, self.offs, SLAB=slab, PER_PROGRAM=per_program, BLOCK=ROW_BLOCK
+        )
+        return out
 
 
 # --- exchange ------------------------------------------------------------------------------------------------------

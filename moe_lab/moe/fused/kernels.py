@@ -132,3 +132,18 @@ def swiglu_backward_kernel(
         tl.store(dgu_base + INTER + cols, (d_act * silu).to(d_gate_up_ptr.dtype.element_ty), mask=mask)
         tl.store(act_weighted_ptr + row_base + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask)
     tl.store(d_row_weight_ptr + row, tl.sum(acc, axis=0), mask=live)
+
+
+@triton.jit
+def zero_idle_experts_kernel(out_ptr, offs_ptr, SLAB: tl.constexpr, PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero the weight gradient of each expert whose segment is empty (the k-grouped GEMM leaves it unwritten);
+    programs of experts that got rows do nothing."""
+    expert = tl.program_id(0)
+    end = tl.load(offs_ptr + expert)
+    start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+    if end == start:
+        base = out_ptr + expert.to(tl.int64) * SLAB + tl.program_id(1) * PER_PROGRAM
+        for i in tl.range(0, PER_PROGRAM, BLOCK):
+            cols = i + tl.arange(0, BLOCK)
+            mask = (cols < PER_PROGRAM) & (tl.program_id(1) * PER_PROGRAM + cols < SLAB)
+            tl.store(base + cols, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=mask)

@@ -103,6 +103,7 @@ def _setup_context(ctx, inputs, output):
     _, x_routed, gate_up, row_weight, pos, offs = output
     ctx.save_for_backward(x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj)
     ctx.group_name, ctx.backend, ctx.weights_dtype = group_name, backend, topk_weights.dtype
+    ctx.set_materialize_grads(False)  # the residual outputs get no gradient: don't allocate zeros for them
 
 
 def _backward(ctx, dy, *unused_residual_grads):
