@@ -70,3 +70,28 @@ def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
     for path in result_files(sweep_dir_or_glob):
         rows.append(flatten(json.loads(path.read_text()), path.parent))
     return pd.DataFrame(rows)
+
+
+def pareto_front(df: pd.DataFrame, cost: str, gain: str) -> pd.DataFrame:
+    """Rows no other row beats on both axes (lower ``cost``, higher ``gain``), sorted by cost."""
+    rows = df.dropna(subset=[cost, gain]).sort_values([cost, gain], ascending=[True, False])
+    best, keep = float("-inf"), []
+    for index, gain_value in rows[gain].items():
+        if gain_value > best:
+            keep.append(index)
+            best = gain_value
+    return rows.loc[keep]
+
+
+def varying_axes(df: pd.DataFrame) -> list[str]:
+    """The group-choice and overridden-key columns (between ``error_message`` and ``overrides``) whose value differs
+    between points: what a sweep swept."""
+    columns = list(df.columns)
+    axes = columns[columns.index("error_message") + 1 : columns.index("overrides")]
+    return [c for c in axes if df[c].astype(str).nunique() > 1]
+
+
+def point_labels(df: pd.DataFrame) -> pd.Series:
+    """``ac=full optimizer=adamw``: each point named by the axes the sweep varies."""
+    axes = varying_axes(df)
+    return df[axes].apply(lambda row: " ".join(f"{k}={v}" for k, v in row.items()), axis=1) if axes else df["run_dir"]

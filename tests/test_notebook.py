@@ -1,0 +1,25 @@
+"""notebooks/sweep_analysis.ipynb executes against the CPU sweep of tests/sweep.py and renders its figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sweep import ROOT, ensure_sweep
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+
+def test_notebook_executes_on_a_real_sweep(tmp_path_factory):
+    sweep_dir = ensure_sweep(tmp_path_factory.getbasetemp())
+    nb = nbformat.read(ROOT / "notebooks" / "sweep_analysis.ipynb", as_version=4)
+    (parameters,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    parameters.source = f"SWEEP = {str(sweep_dir)!r}"
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3  # speed/MFU bars, Pareto scatter, breakdown
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "12 points: 6 invalid, 4 ok, 1 oom, 1 error" in text
+    html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    assert "injected by tests/sweep.py" in html  # the failed points' table
