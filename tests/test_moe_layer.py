@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moe_lab.moe.dispatcher import TorchDispatcher
 from moe_lab.moe.layer import GroupedExperts, Router
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
-from moe_lab.moe.dispatcher import TorchDispatcher
 from moe_lab.parallel.mesh import build_meshes
 from tests.distributed import run_world
 
