@@ -119,6 +119,11 @@ def check_rules(cfg: DictConfig) -> None:
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings, got {m.head_dim}")
     _require(m.routing_skew > 0, "model.routing_skew", f"must be > 0, got {m.routing_skew}")
     _require(
+        not (t.compile and m.routing == "skewed"),
+        "model.routing",
+        "skewed routing draws from a torch.Generator, which torch.compile cannot trace; use learned or balanced with trainer.compile=true",
+    )
+    _require(
         d.seq_len <= m.max_position_embeddings,
         "data.seq_len",
         f"must be <= model.max_position_embeddings={m.max_position_embeddings}, got {d.seq_len}",

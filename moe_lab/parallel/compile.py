@@ -9,5 +9,8 @@ import torch
 
 
 def apply_compile(model) -> None:
+    # Forced routing fills a cache of expert ids on first use, a side effect inside the checkpointed block that
+    # recompute need not replay (the cache is already filled).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, fullgraph=True)
