@@ -67,7 +67,8 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
         config_lib.validate(cfg)
     except ConfigError as e:
         if rank0:
-            write_json_atomic(run_dir / RESULT, {**meta, "status": "invalid", "error": {"type": "ConfigError", "key": e.key, "message": str(e)}, "config": OmegaConf.to_container(cfg)})
+            error = {"type": "ConfigError", "key": e.key, "message": str(e)}
+            write_json_atomic(run_dir / RESULT, {**meta, "status": "invalid", "error": error, "config": OmegaConf.to_container(cfg)})
         if multirun:
             log.error("invalid config, point recorded and skipped: %s", e)
             return None
@@ -85,10 +86,11 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
         if not multirun:
             raise
         log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
-        gc.collect()  # drop the failed point's tensors (held by the traceback) before the next point
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return read_result(run_dir)
+    # Out of the except block the traceback, and with it the failed point's tensors, can be freed for the next point.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return read_result(run_dir)
 
 
 def dry_run(cfg: DictConfig) -> dict:
