@@ -58,10 +58,12 @@ def test_cuda_timeline_by_kernel_scope_and_exposed_collective():
         _x("void index_elementwise_kernel", 50, 10, cat="kernel", tid=7, stream=7, **{"External id": 3}),
         _x("mystery_kernel", 80, 5, cat="kernel", tid=7, stream=7),
         _x("ncclDevKernel_SendRecv", 60, 15, cat="kernel", tid=20, stream=20),
+        _x("ncclDevKernel_AllGather_RING_LL", 70, 20, cat="kernel", tid=30, stream=30),  # exposed only in 75-80
     ]
     b = breakdown(events)
     assert b["source"] == "cuda_compute_stream" and b["step_s"] == pytest.approx(100e-6)
-    want = {"dense_gemm": 10, "expert_gemm": 20, "dispatch_glue": 10, "ep_all_to_all": 15, "other": 5, "idle": 40}
+    want = {"dense_gemm": 10, "expert_gemm": 20, "dispatch_glue": 10, "ep_all_to_all": 15, "fsdp_all_gather": 10,
+            "other": 5, "idle": 30}
     assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
     assert b["other_names"] == pytest.approx({"mystery_kernel": 5e-6})
 

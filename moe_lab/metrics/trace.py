@@ -13,6 +13,9 @@ averages over them, so the parts sum to one step:
 A kernel or op gets the category of the highest-priority rule that matches its own name, the name of an enclosing
 op or ``record_function`` scope, or — for a backward op — the enclosing scopes of the forward op that created it
 (linked by autograd sequence number). What matches no rule is ``other``, and its names are listed.
+
+Any torch.profiler Chrome trace with ProfilerStep spans can be broken down the same way, e.g. one from another
+framework's run:  python -m moe_lab.metrics.trace trace_rank0.json.gz
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def breakdown(trace: str | Path | list[dict], top_other: int = 15) -> dict:
         for (category, name), us in parts.items():
             totals[category] += us
             if category == "other":
-                other[name] += us
+                other[name[:200]] += us  # templated kernel names run to kilobytes
     n, step_us = len(steps), sum(ops.events[s]["dur"] for s in steps) / len(steps)
     return {
         "source": "cuda_compute_stream" if device_work else "cpu_main_thread",
@@ -205,33 +208,59 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
         elif category in COMMUNICATION:
             collectives.append(span)
     compute.sort()
-    cursor = start
+    gaps, cursor = [], start
     for lo, hi, category, name in compute:
         if lo > cursor:
-            _split_gap(parts, cursor, lo, collectives)
+            gaps.append((cursor, lo))
         lo = max(lo, cursor)
         if hi > lo:
             parts[(category, name)] += hi - lo
             cursor = hi
     if end > cursor:
-        _split_gap(parts, cursor, end, collectives)
+        gaps.append((cursor, end))
+    # Idle stretches of the compute stream under a collective are that collective's exposed time (by priority).
+    for category in COMMUNICATION:
+        covered, gaps = _cover(gaps, _union([(lo, hi) for lo, hi, c, _ in collectives if c == category]))
+        parts[(category, category)] += covered
+    parts[("idle", "idle")] += sum(hi - lo for lo, hi in gaps)
     return parts
 
 
-def _split_gap(parts, lo: float, hi: float, collectives) -> None:
-    """An idle stretch of the compute stream: the part covered by collectives (first by priority) is exposed
-    communication, the rest idle."""
-    remaining = [(lo, hi)]
-    for category in COMMUNICATION:
-        spans = [(max(a, lo), min(b, hi)) for a, b, c, _ in collectives if c == category and b > lo and a < hi]
-        for a, b in sorted(spans):
-            kept = []
-            for r_lo, r_hi in remaining:
-                overlap = min(b, r_hi) - max(a, r_lo)
-                if overlap > 0:
-                    parts[(category, category)] += overlap
-                    kept += [(r_lo, max(a, r_lo)), (min(b, r_hi), r_hi)]
-                else:
-                    kept.append((r_lo, r_hi))
-            remaining = [(x, y) for x, y in kept if y > x]
-    parts[("idle", "idle")] += sum(b - a for a, b in remaining)
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def _cover(gaps, covers) -> tuple[float, list[tuple[float, float]]]:
+    """Sorted disjoint gaps against sorted disjoint covers: the time covered, and the gaps' uncovered pieces."""
+    covered, remaining, j = 0.0, [], 0
+    for lo, hi in gaps:
+        while j < len(covers) and covers[j][1] <= lo:
+            j += 1
+        cursor, k = lo, j
+        while k < len(covers) and covers[k][0] < hi:
+            a, b = max(covers[k][0], cursor), min(covers[k][1], hi)
+            if a > cursor:
+                remaining.append((cursor, a))
+            if b > a:
+                covered += b - a
+                cursor = b
+            k += 1
+        if hi > cursor:
+            remaining.append((cursor, hi))
+    return covered, remaining
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Break a torch.profiler Chrome trace down by category.")
+    parser.add_argument("trace", help="trace .json or .json.gz with ProfilerStep#N spans")
+    parser.add_argument("--top-other", type=int, default=15, help="how many 'other' names to list")
+    args = parser.parse_args()
+    print(json.dumps(breakdown(args.trace, args.top_other), indent=2))
