@@ -73,7 +73,11 @@ class WandbLogger:
         if self.run is None:
             return
         metrics = result.get("metrics") or {}
-        self.run.summary.update({"status": result["status"], **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+        times = (metrics.get("trace_breakdown") or {}).get("seconds", {})
+        self.run.summary.update(
+            {"status": result["status"], **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+             **{f"time.{k}": v for k, v in times.items()}}
+        )
         if result.get("error"):
             self.run.summary["error"] = f"{result['error']['type']}: {result['error']['message']}"[:1000]
         self.run.finish(exit_code=0 if result["status"] == "ok" else 1)

@@ -89,7 +89,14 @@ class StepProfiler:
             self.profiler.step()
 
     def breakdown(self) -> dict | None:
-        return breakdown(self.path) if self.enabled and self.path.exists() else None
+        """The recorded steps' breakdown; a trace it cannot read is reported in place of the breakdown rather than
+        failing a run that trained fine."""
+        if not self.enabled:
+            return None
+        try:
+            return breakdown(self.path)
+        except (OSError, ValueError, KeyError) as e:
+            return {"error": f"{type(e).__name__}: {e}"}
 
 
 def load_trace(path: str | Path) -> list[dict]:

@@ -60,7 +60,7 @@ def flatten(record: dict, run_dir: Path) -> dict:
     trace = metrics.pop("trace_breakdown", None) or {}
     row.update({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))})
     row.update({f"time.{k}": v for k, v in (trace.get("seconds") or {}).items()})
-    if trace:
+    if "step_s" in trace:
         row["time.step_s"] = trace["step_s"]
     return row
 
