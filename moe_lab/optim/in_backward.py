@@ -60,8 +60,13 @@ class InBackwardOptimizer:
         self.timeout_s, self.num_threads = timeout_s, num_threads
         groups = chunked(reversed(self.params), chunk_numel)
         total = sum(local(p).numel() for p in self.params)
-        # AdamW's two moments, the most state a host optimizer here has, are created by its first step.
-        check_host_memory(total * 3 * 4, "offload=full fp32 masters and optimizer state")
+        largest = max(sum(local(p).numel() for p in group) for group in groups)
+        buffers = max(1, min(max_inflight, len(groups)))
+        # Masters, AdamW's two moments (the most state a host optimizer here has; its first step creates them),
+        # the transfer buffers and the fp32 gradient buffer, all checked before any is allocated.
+        check_host_memory(
+            total * 3 * 4 + largest * (buffers * compute_dtype.itemsize + 4), "offload=full host state and buffers"
+        )
         masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
         self.chunks, start = [], 0
         for group in groups:
@@ -75,10 +80,9 @@ class InBackwardOptimizer:
         self.chunk_of = {p: c for c in self.chunks for p in c.params}
         self.param_groups = [g for c in self.chunks for g in c.optimizer.param_groups]
 
-        largest = max(c.numel for c in self.chunks)
         pinned = device.type == "cuda"
         self.free: queue.Queue = queue.Queue()
-        for _ in range(max(1, min(max_inflight, len(self.chunks)))):
+        for _ in range(buffers):
             self.free.put(host_empty(largest, compute_dtype, pinned, "offload=full transfer buffers"))
         self.grad_scratch = host_empty(largest, torch.float32, False, "offload=full fp32 gradient buffer")
         self.d2h, self.h2d = SideStream(device), SideStream(device)
