@@ -71,6 +71,8 @@ BAD = [
     (["model=foo"], {}, "model"),
     (["ac=foo"], {}, "ac"),
     (["trainer.foo=1"], {}, "trainer.foo"),
+    (["+trainer.foo=1"], {}, "trainer.foo"),  # appending gets past Hydra's struct flag, not past validation
+    (["+foo=1"], {}, "foo"),
     (["model.foo=1"], {}, "model.foo"),
     (["+model.foo=1"], {}, "model.foo"),
     (["dispatcher.foo=1"], {}, "dispatcher.foo"),
@@ -95,6 +97,8 @@ BAD = [
     (["trainer.device=tpu"], {}, "trainer.device"),
     (["trainer.precision=fp8"], {}, "trainer.precision"),
     (["model.num_kv_heads=3"], {}, "model.num_kv_heads"),
+    (["model.moe_intermediate_size=0"], {}, "model.moe_intermediate_size"),
+    (["data.batch_size=0"], {}, "data.batch_size"),
     (["model.hidden_size=60"], {}, "model.hidden_size"),  # the torch dispatcher's grouped GEMM alignment
     (["trainer.grad_clip=-1"], {}, "trainer.grad_clip"),
 ]

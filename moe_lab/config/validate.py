@@ -1,14 +1,15 @@
 """Validation of a composed config, before anything is built or allocated.
 
 Three layers, each failing with one ``ConfigError`` that names the key:
-1. every group node is checked against the signature of the class its ``_target_`` names (unknown keys, types,
-   allowed literal values);
+1. top-level and schema-section keys against the structured schema; every group node against the signature of the
+   class its ``_target_`` names (unknown keys, types, allowed literal values);
 2. cross-field rules (mesh vs world size, experts vs EP, sequence vs rope range, ...);
 3. each built option's own ``validate(cfg)`` hook (dispatcher, activation checkpointing, offload).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import types
@@ -18,6 +19,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from moe_lab.config.errors import ConfigError
+from moe_lab.config.schema import TrainConfig
 
 GROUPS = ("model", "dispatcher", "ac", "offload", "optimizer", "data", "logger")
 DEVICES = ("auto", "cpu", "cuda")
@@ -30,6 +32,7 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig) -> None:
+    check_known_keys(cfg)
     for group in GROUPS:
         check_target_node(group, cfg[group])
     check_rules(cfg)
@@ -37,6 +40,22 @@ def validate(cfg: DictConfig) -> None:
         option = instantiate(cfg[group])
         if hasattr(option, "validate"):
             option.validate(cfg)
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Top-level keys and the keys of schema sections (trainer, parallel, ...) must be the schema's: an appending
+    override (``+trainer.foo=1``) gets past the structured config's struct flag."""
+    hints = typing.get_type_hints(TrainConfig)
+    for key in cfg:
+        if key == "hydra":  # present when composed with return_hydra_config
+            continue
+        if key not in hints:
+            raise ConfigError(key, f"unknown top-level key; allowed: {', '.join(hints)}")
+        if dataclasses.is_dataclass(hints[key]):
+            fields = [f.name for f in dataclasses.fields(hints[key])]
+            unknown = [k for k in cfg[key] if k not in fields]
+            if unknown:
+                raise ConfigError(f"{key}.{unknown[0]}", f"unknown key; allowed: {', '.join(fields)}")
 
 
 def check_target_node(key: str, node) -> None:
@@ -105,7 +124,13 @@ def _describe(annotation) -> str:
 
 def check_rules(cfg: DictConfig) -> None:
     m, t, p, d = cfg.model, cfg.trainer, cfg.parallel, cfg.data
-    _require(m.num_layers >= 1, "model.num_layers", f"must be >= 1, got {m.num_layers}")
+    sizes = "vocab_size hidden_size num_layers num_heads num_kv_heads head_dim num_experts moe_intermediate_size"
+    for key in sizes.split():
+        _require(m[key] >= 1, f"model.{key}", f"must be >= 1, got {m[key]}")
+    for key in ("rope_theta", "rms_norm_eps", "init_std"):
+        _require(m[key] > 0, f"model.{key}", f"must be > 0, got {m[key]}")
+    for key in ("seq_len", "batch_size"):
+        _require(d[key] >= 1, f"data.{key}", f"must be >= 1, got {d[key]}")
     _require(
         1 <= m.num_experts_per_tok <= m.num_experts,
         "model.num_experts_per_tok",
