@@ -46,16 +46,22 @@ def _x(name, ts, dur, cat="cpu_op", tid=1, **args):
 
 
 def test_cuda_timeline_by_kernel_scope_and_exposed_collective():
+    def launch(ts, correlation):
+        return _x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=correlation)
+
     events = [
         _x("ProfilerStep#3", 0, 100, cat="user_annotation"),
-        _x("aten::mm", 10, 5, **{"External id": 1}),
+        _x("aten::mm", 10, 5),
+        launch(11, 101),
         _x("moe_lab::dispatch", 20, 40, cat="user_annotation"),
-        _x("aten::_grouped_mm", 25, 5, **{"External id": 2}),
-        _x("aten::index", 35, 5, **{"External id": 3}),
-        # kernels on the compute stream 7, one collective on stream 20
-        _x("nvjet_tst_128x256", 12, 10, cat="kernel", tid=7, stream=7, **{"External id": 1}),
-        _x("void cutlass_kernel", 30, 20, cat="kernel", tid=7, stream=7, **{"External id": 2}),
-        _x("void index_elementwise_kernel", 50, 10, cat="kernel", tid=7, stream=7, **{"External id": 3}),
+        _x("aten::_grouped_mm", 25, 5),
+        launch(26, 102),
+        _x("aten::index", 35, 5),
+        launch(36, 103),
+        # kernels on the compute stream 7, collectives on streams 20 and 30
+        _x("nvjet_tst_128x256", 12, 10, cat="kernel", tid=7, stream=7, correlation=101),
+        _x("void cutlass_kernel", 30, 20, cat="kernel", tid=7, stream=7, correlation=102),
+        _x("void index_elementwise_kernel", 50, 10, cat="kernel", tid=7, stream=7, correlation=103),
         _x("mystery_kernel", 80, 5, cat="kernel", tid=7, stream=7),
         _x("ncclDevKernel_SendRecv", 60, 15, cat="kernel", tid=20, stream=20),
         _x("ncclDevKernel_AllGather_RING_LL", 70, 20, cat="kernel", tid=30, stream=30),  # exposed only in 75-80

@@ -108,7 +108,8 @@ def load_trace(path: str | Path) -> list[dict]:
 def breakdown(trace: str | Path | list[dict], top_other: int = 15) -> dict:
     """Mean seconds per recorded step by category, the mean step time, and the largest ``other`` names."""
     events = load_trace(trace) if isinstance(trace, (str, Path)) else trace
-    ops = _OpForest([e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")])
+    host = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")  # runtime calls link kernels to their op
+    ops = _OpForest([e for e in events if e.get("ph") == "X" and e.get("cat") in host])
     steps = [i for i, e in enumerate(ops.events) if _STEP.match(e["name"])]
     if not steps:
         raise ValueError("the trace holds no ProfilerStep#N spans")
@@ -146,7 +147,10 @@ class _OpForest:
                 self.parent[i] = stack[-1]
                 self.children[stack[-1]].append(i)
             stack.append(i)
-        self.by_external_id = {e["args"]["External id"]: i for i, e in enumerate(self.events) if "External id" in e.get("args", {})}
+        # A kernel names its launch (runtime call) by correlation id; the launch nests in the op that made it.
+        self.launch_by_correlation = {
+            e["args"]["correlation"]: i for i, e in enumerate(self.events) if e["cat"] in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        }
         self.forward_by_seq = defaultdict(list)
         for i, e in enumerate(self.events):
             seq = e.get("args", {}).get("Sequence number")
@@ -205,11 +209,14 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
     parts = defaultdict(float)
     compute, collectives = [], []
     for k in in_step:
-        op = ops.by_external_id.get(k["args"].get("External id"))
+        launch = ops.launch_by_correlation.get(k["args"].get("correlation"))
         category = classify(k["name"]) if k["name"].startswith("nccl") else None
-        category = category or (ops.category(op) if op is not None else None) or classify(k["name"], _KERNEL_PATTERNS)
+        category = category or (ops.category(launch) if launch is not None else None) or classify(k["name"], _KERNEL_PATTERNS)
         category = category or "other"
-        span = (max(k["ts"], start), min(k["ts"] + k["dur"], end), category, k["name"])
+        op = ops.parent[launch] if launch is not None else -1
+        op_name = ops.events[op]["name"] if op != -1 else k["name"]
+        name = k["name"] if op_name == k["name"] else f"{op_name} | {k['name']}"  # the op says more than a template
+        span = (max(k["ts"], start), min(k["ts"] + k["dur"], end), category, name)
         if k["args"].get("stream") == compute_stream:
             compute.append(span)
         elif category in COMMUNICATION:
