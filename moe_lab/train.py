@@ -30,7 +30,13 @@ from tqdm import tqdm
 
 from moe_lab import config as config_lib
 from moe_lab.config import ConfigError
-from moe_lab.launch.launcher import adopt_slurm_environment, launch_local, started_by_outer_launcher
+from moe_lab.launch.launcher import (
+    adopt_slurm_environment,
+    launch_local,
+    rank_hydra_overrides,
+    shared_run_dir,
+    started_by_outer_launcher,
+)
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
@@ -117,6 +123,7 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
     if world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        run_dir = Path(shared_run_dir(str(run_dir)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
     record = {**meta, "world_size": world, "config": OmegaConf.to_container(cfg), "environment": environment(device, world)}
@@ -281,4 +288,5 @@ def _peak_gpu_gib(device: torch.device) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv += rank_hydra_overrides()  # under torchrun / srun, ranks other than 0 leave no Hydra files
     main()

@@ -1,5 +1,6 @@
 """How a job's ranks start: by themselves through torch's elastic launcher (``trainer.nproc_per_node=N``), or
-already started by an outer ``torchrun`` / SLURM ``srun`` (detected from the environment)."""
+already started by an outer ``torchrun`` / SLURM ``srun`` (detected from the environment; ``hydra/launcher=slurm``
+submits each sweep point as such an srun job)."""
 
 from __future__ import annotations
 
@@ -8,31 +9,57 @@ import socket
 import uuid
 from typing import Callable
 
+import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
+def _in_slurm_step() -> bool:
+    return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
+
+
 def started_by_outer_launcher() -> bool:
-    return "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
+    return "WORLD_SIZE" in os.environ or _in_slurm_step()
 
 
 def adopt_slurm_environment() -> None:
-    """Map SLURM's task variables onto torch.distributed's, so ``srun python -m moe_lab.train`` just works."""
-    if "WORLD_SIZE" in os.environ or "SLURM_PROCID" not in os.environ:
+    """Map SLURM's task variables onto torch.distributed's, so ``srun python -m moe_lab.train`` just works. The
+    first host of the job's node list (parsed by submitit, from the ``slurm`` extra) is the rendezvous host."""
+    if "WORLD_SIZE" in os.environ or not _in_slurm_step():
         return
-    os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    if "MASTER_ADDR" not in os.environ:
-        nodelist = os.environ.get("SLURM_JOB_NODELIST", "localhost")
-        os.environ["MASTER_ADDR"] = nodelist.split(",")[0].split("[")[0] + _first_node_suffix(nodelist)
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    job = SlurmJobEnvironment()
+    os.environ["RANK"] = str(job.global_rank)
+    os.environ["WORLD_SIZE"] = str(job.num_tasks)
+    os.environ["LOCAL_RANK"] = str(job.local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(job.num_tasks // job.num_nodes)
+    os.environ.setdefault("MASTER_ADDR", job.hostnames[0])
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(job.job_id) % 40000))  # one port per job, same on all tasks
 
 
-def _first_node_suffix(nodelist: str) -> str:
-    # "node[03-05,07]" -> "03"; a plain "node03" needs no suffix.
-    if "[" not in nodelist.split(",")[0]:
-        return ""
-    return nodelist.split("[", 1)[1].split("]")[0].split(",")[0].split("-")[0]
+def rank_hydra_overrides() -> list[str]:
+    """Extra Hydra overrides for this process. Under an outer launcher every rank runs the Hydra app; ranks other
+    than 0 then leave no files: no ``.hydra/`` copy of the config, no log file, and no directory of their own (their
+    Hydra directory is the working directory; the job's run directory is rank 0's, see ``shared_run_dir``)."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        return []
+    return [
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+        "hydra.run.dir=.",
+        "hydra.sweep.dir=.",
+        "hydra.sweep.subdir=.",
+    ]
+
+
+def shared_run_dir(run_dir: str) -> str:
+    """Rank 0's run directory, on every rank (each rank's own Hydra may have named another)."""
+    if not dist.is_initialized():
+        return run_dir
+    holder = [run_dir]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def _free_port() -> int:

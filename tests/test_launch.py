@@ -1,0 +1,108 @@
+"""Issue 3, acceptance 3 and the launching rules: a sweep of 2-rank jobs, each starting its own ranks; an outer
+torchrun whose other ranks leave no Hydra files; SLURM task variables mapped onto torch.distributed's; and the
+``hydra/launcher=slurm`` option composing into the sbatch job it would submit (SLURM itself is not here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+
+from moe_lab import config
+from moe_lab.launch import launcher
+from moe_lab.results.table import load
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.device=cpu"]
+
+
+def test_sweep_of_two_rank_jobs(tmp_path):
+    """``-m trainer.nproc_per_node=2 ac=full,selective``: both points run as 2-rank jobs, one result.json each."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "moe_lab.train", "-m", "trainer.nproc_per_node=2", "ac=full,selective", *SMALL, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    table = load(sweep)
+    assert sorted(table["ac"]) == ["full", "selective"]
+    assert (table["status"] == "ok").all() and (table["env.world_size"] == 2).all()
+    for run_dir in table["run_dir"]:
+        assert sorted(p.name for p in Path(run_dir).iterdir()) == [".hydra", "metrics.jsonl", "result.json", "train.log"]
+
+
+def test_outer_torchrun_only_rank0_leaves_files(tmp_path):
+    """Under ``torchrun`` each rank runs the Hydra app; only rank 0's run directory appears, with one record."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "moe_lab.train", "parallel.ep=2", *SMALL]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_dirs = [p.parent for p in tmp_path.rglob("result.json")]
+    assert len(run_dirs) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+    assert len(list((tmp_path / "outputs").glob("*/*"))) == 1  # no directory of another rank
+    assert sorted(p.name for p in run_dirs[0].iterdir()) == [".hydra", "metrics.jsonl", "result.json", "train.log"]
+    result = json.loads((run_dirs[0] / "result.json").read_text())
+    assert result["status"] == "ok" and result["world_size"] == 2
+
+
+def test_slurm_task_becomes_a_rank(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert launcher.started_by_outer_launcher()
+    launcher.adopt_slurm_environment()
+    env = os.environ
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("9", "16", "1", "8")
+    assert env["MASTER_ADDR"] == "gpu07" and 20000 <= int(env["MASTER_PORT"]) < 60000
+    assert launcher.rank_hydra_overrides()[:3] == ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+@pytest.fixture
+def slurm_cfg():
+    GlobalHydra.instance().clear()
+    config.register()
+    overrides = ["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=h200", "hydra.launcher.timeout_min=90", "model=qwen3_30b", "parallel.ep=8"]
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        yield compose("train", overrides=overrides, return_hydra_config=True)
+    GlobalHydra.instance().clear()
+
+
+def test_slurm_launcher_submits_one_task_per_gpu(slurm_cfg, tmp_path, monkeypatch):
+    """The composed launcher builds a submitit SLURM executor; its sbatch script asks for 2 nodes x 8 GPUs with one
+    srun task per GPU. The submission itself (``map_array``) is intercepted."""
+    import submitit
+
+    fake_bin = tmp_path / "bin"  # submitit looks for srun on PATH before it builds a SLURM executor; never run
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    slurm_cfg.hydra.sweep.dir = str(tmp_path / "sweep")
+    hydra_launcher = instantiate(slurm_cfg.hydra.launcher)
+    hydra_launcher.setup(hydra_context=None, task_function=None, config=slurm_cfg)
+    submitted = {}
+
+    def map_array(executor, fn, *args):
+        submitted.update(executor=executor, fn=fn, args=args)
+        return []
+
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", map_array)
+    hydra_launcher.launch([["ac=full"], ["ac=selective"]], initial_job_idx=0)
+
+    assert submitted["fn"] is hydra_launcher and list(submitted["args"][0]) == [["ac=full"], ["ac=selective"]]
+    slurm = submitted["executor"]._executor
+    assert isinstance(slurm, submitit.SlurmExecutor)
+    sbatch = slurm._make_submission_file_text("python -u -m submitit.core._submit", "uid")
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=16", "--partition=h200", "--time=90"):
+        assert f"#SBATCH {line}\n" in sbatch, line
+    assert "srun " in sbatch
+    # Every task is a rank of one job: the world the config is validated against is nodes x GPUs.
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    config.validate(slurm_cfg)
