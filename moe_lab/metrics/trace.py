@@ -25,9 +25,9 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from omegaconf import OmegaConf
 
 # In priority order: a grouped GEMM inside the dispatch scope is expert GEMM, an all-to-all inside it is all-to-all.
 RULES = {
@@ -73,7 +73,7 @@ class StepProfiler:
 
     @classmethod
     def off(cls) -> StepProfiler:
-        return cls(OmegaConf.create({"enabled": False}), ".", 0)
+        return cls(SimpleNamespace(enabled=False), ".", 0)
 
     def __enter__(self):
         if self.profiler:
