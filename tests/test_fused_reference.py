@@ -137,3 +137,38 @@ def test_block_compiles_fullgraph_under_ac(ac, monkeypatch):
     assert len(calls) == (2 if ac is FullCheckpoint else 1)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _validation_error(dispatcher) -> str | None:
+    from omegaconf import OmegaConf
+
+    from moe_lab.config.errors import ConfigError
+
+    cfg = OmegaConf.create({"trainer": {"device": "auto"}, "parallel": {"ep": 1}, "model": {"hidden_size": 64, "moe_intermediate_size": 32}})
+    try:
+        dispatcher.validate(cfg)
+    except ConfigError as e:
+        return e.key
+    return None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure")
+def test_validate_rejects_gpu_backend_without_cuda():
+    assert _validation_error(FusedDispatcher(backend="gpu")) == "dispatcher.backend"
+    assert _validation_error(FusedDispatcher(backend="auto")) is None
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        make_experts_with(FusedDispatcher(backend="gpu"))(*make_problem(0)[:3])
+
+
+def test_validate_rejects_deep_gemm_when_absent():
+    import moe_lab.moe.fused as fused
+
+    if fused.deep_gemm_available():
+        pytest.skip("deep_gemm is importable here")
+    assert _validation_error(FusedDispatcher(gemm="deep_gemm")) == "dispatcher.gemm"
+
+
+def make_experts_with(dispatcher) -> GroupedExperts:
+    experts = make_experts()
+    experts.dispatcher = dispatcher
+    return experts

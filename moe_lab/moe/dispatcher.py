@@ -90,7 +90,8 @@ class FusedDispatcher:
 
     ``backend``: ``reference`` (plain PyTorch, CPU or GPU), ``gpu`` (Triton kernels, no host sync; CUDA only) or
     ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
-    ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable, else torch, with a logged notice).
+    ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
+    ``moe_lab.moe.fused.gpu_backend_name``).
     """
 
     def __init__(
@@ -104,7 +105,7 @@ class FusedDispatcher:
         self.backend, self.gemm = backend, gemm
         self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.group_name = ep_group.group_name if ep_group is not None and self.ep_size > 1 else ""
-        self._gpu_backend = fused.gpu_backend_name(gemm) if backend != "reference" and torch.cuda.is_available() else None
+        self._gpu_backend = fused.gpu_backend_name(gemm, self.ep_size) if backend != "reference" and torch.cuda.is_available() else None
 
     def validate(self, cfg) -> None:
         from moe_lab.moe import fused
@@ -116,7 +117,7 @@ class FusedDispatcher:
             raise ConfigError("dispatcher.gemm", f"deep_gemm cannot be imported here ({fused.deep_gemm_import_error()}); use torch or auto")
         if self.backend == "reference" or not cuda:
             return
-        multiple = 128 if fused.gpu_backend_name(self.gemm) == "gpu_deep_gemm" else 8
+        multiple = 128 if fused.gpu_backend_name(self.gemm, cfg.parallel.ep) == "gpu_deep_gemm" else 8
         for key in ("hidden_size", "moe_intermediate_size"):
             if cfg.model[key] % multiple:
                 raise ConfigError(f"model.{key}", f"the fused gpu backend's grouped GEMMs need a multiple of {multiple}, got {cfg.model[key]}")

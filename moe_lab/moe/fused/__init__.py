@@ -24,9 +24,14 @@ def deep_gemm_available() -> bool:
     return deep_gemm_import_error() is None
 
 
-def gpu_backend_name(gemm: str) -> str:
-    """The op backend for the gpu path with this ``gemm`` choice (auto: deep_gemm when importable)."""
-    if gemm == "torch":
+def gpu_backend_name(gemm: str, ep: int = 1) -> str:
+    """The op backend for the gpu path with this ``gemm`` choice.
+
+    auto: deep_gemm when importable and EP=1, else torch. DeepGEMM's contiguous layout runs over the whole receive
+    buffer, and at EP>1 that buffer holds the worst case (EP x the average rows): on two H200s its GEMMs took twice
+    their EP=1 time, while ``torch._grouped_mm`` stops at the last expert's rows (results/moe_layer_h200_ep2*.json).
+    """
+    if gemm == "torch" or (gemm == "auto" and ep > 1):
         return "gpu"
     if deep_gemm_available():
         return "gpu_deep_gemm"
