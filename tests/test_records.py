@@ -45,7 +45,11 @@ def test_every_point_has_one_record_with_its_status(sweep_dir):
             continue
         env = record["environment"]
         assert env["torch"] == torch.__version__ and env["host"] and env["gpu_count"] == 0 and env["gpu"] is None
-        assert env["git_commit"] == (git.stdout.strip() if git.returncode == 0 else None)
+        if git.returncode == 0:  # the commit the sweep ran from: HEAD then, HEAD or an ancestor now
+            ancestor = ["git", "-C", str(ROOT), "merge-base", "--is-ancestor", env["git_commit"], "HEAD"]
+            assert len(env["git_commit"]) == 40 and subprocess.run(ancestor).returncode == 0
+        else:
+            assert env["git_commit"] is None
         if record["status"] == "oom":
             assert record["error"]["type"] == "OutOfMemoryError" and "peak_gpu_mem_gib" in record["metrics"]
         elif record["status"] == "error":
