@@ -72,7 +72,10 @@ def run_point(mode: str, layers: int, steps: int, workdir: Path, timeout_s: floa
     result_file = run_dir / "result.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
     metrics = result.get("metrics") or {}
-    status = result.get("status") or ("killed" if isinstance(returncode, int) and returncode < 0 else "error")
+    if returncode == "timeout":
+        status = "timeout"  # neither fits nor fails: unresolved
+    else:
+        status = result.get("status") or ("killed" if returncode < 0 else "error")
     point = {
         "mode": mode,
         "num_layers": layers,
@@ -109,32 +112,52 @@ def predict(mode: str, points: list[dict], per_layer: int, gpu_gib: float, host_
     return max(1, min(limits)) if limits else last["num_layers"] * 2
 
 
+def outcome(point: dict) -> bool | None:
+    """True: fits; False: out of memory (GPU or host) or killed; None: unresolved (timed out, other error)."""
+    if point["status"] == "ok":
+        return True
+    if point["status"] in ("oom", "killed"):
+        return False
+    return None
+
+
+def summarize(mode: str, points: list[dict]) -> dict:
+    tried = [(p["num_layers"], outcome(p)) for p in points if p["mode"] == mode]
+    fits = [l for l, ok in tried if ok]
+    best = max(fits, default=None)
+    first_fail = min((l for l, ok in tried if ok is False and l > (best or 0)), default=None)
+    return {
+        "largest_fitting_num_layers": best,
+        "smallest_failing_num_layers": first_fail,
+        "unresolved_num_layers": sorted(l for l, ok in tried if ok is None),
+        "exact": best is not None and first_fail == best + 1,
+    }
+
+
 def search(mode: str, points: list[dict], per_layer: int, args, workdir: Path, deadline: float, save) -> dict:
-    tried = {p["num_layers"]: p["status"] == "ok" for p in points if p["mode"] == mode}
+    tried = {p["num_layers"]: outcome(p) for p in points if p["mode"] == mode}
     layers = predict(mode, points, per_layer, args.gpu_gib, args.host_gib)
     for _ in range(args.max_points):
         fits = [l for l, ok in tried.items() if ok]
-        fails = [l for l, ok in tried.items() if not ok]
+        fails = [l for l, ok in tried.items() if ok is False]
         best, first_fail = max(fits, default=0), min(fails, default=None)
         if first_fail is not None and first_fail == best + 1:
             break
-        if time.time() > deadline:
-            break
+        if time.time() > deadline or None in tried.values():
+            break  # out of time, or a point too slow to decide within --point-timeout-s
         layers = min(max(layers, best + 1), first_fail - 1) if first_fail is not None else max(layers, best + 1)
         point = run_point(mode, layers, args.search_steps, workdir, args.point_timeout_s)
         points.append(point)
         save()
-        tried[layers] = point["status"] == "ok"
+        tried[layers] = outcome(point)
         layers = predict(mode, points, per_layer, args.gpu_gib, args.host_gib) if point["status"] == "ok" else layers - 1
-    fits = [l for l, ok in tried.items() if ok]
-    fails = [l for l, ok in tried.items() if not ok]
-    best, first_fail = max(fits, default=None), min((l for l in fails if l > max(fits, default=0)), default=None)
-    return {"largest_fitting_num_layers": best, "smallest_failing_num_layers": first_fail, "exact": first_fail is not None and best is not None and first_fail == best + 1}
+    return summarize(mode, points)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", choices=["compare", "search", "both"], default="both")
+    parser.add_argument("--phase", choices=["compare", "search", "both", "summarize"], default="both",
+                        help="summarize: recompute each mode's search summary from the points already in --out")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=4, help="depth of the side-by-side comparison")
     parser.add_argument("--compare-steps", type=int, default=4)
@@ -144,6 +167,12 @@ def main() -> None:
     parser.add_argument("--point-timeout-s", type=float, default=240.0)
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
+    if args.phase == "summarize":
+        record = json.loads(args.out.read_text())
+        record["search"] = {mode: summarize(mode, record["points"]) for mode in record["search"]}
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        print(json.dumps(record["search"], indent=2))
+        return
     start = time.time()
     free, total = torch.cuda.mem_get_info(0)
     args.gpu_gib = total / 2**30
