@@ -26,7 +26,7 @@ from torch import nn
 from moe_lab import config
 from moe_lab.config import ConfigError
 from moe_lab.optim import numa
-from moe_lab.optim.host import local
+from moe_lab.optim.host import check_host_memory, local
 from moe_lab.optim.in_backward import InBackwardOptimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel import parallelize
@@ -304,3 +304,8 @@ def test_worker_failure_is_raised_not_swallowed():
         loss.backward()
         optimizer.step()
     assert "offload=full CPU optimizer worker" in e.value.__notes__[0]
+
+
+def test_host_memory_shortage_is_an_oom_before_allocating():
+    with pytest.raises(torch.OutOfMemoryError, match="host memory: offload=full test needs"):
+        check_host_memory(2**50, "offload=full test")

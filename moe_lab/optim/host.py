@@ -22,10 +22,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def check_host_memory(nbytes: int, what: str) -> None:
     """Fail with ``torch.OutOfMemoryError`` (recorded as an ``oom`` point) when the host has not ``nbytes``
-    available, instead of leaving the kernel's OOM killer to end the run later."""
-    available = psutil.virtual_memory().available
-    if nbytes > available:
-        raise torch.OutOfMemoryError(f"host memory: {what} needs {nbytes / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available")
+    available, less a reserve of 5 % of its RAM, instead of leaving the kernel's OOM killer (or a crawl through
+    reclaim at the very edge) to end the run later."""
+    memory = psutil.virtual_memory()
+    usable = memory.available - memory.total // 20
+    if nbytes > usable:
+        raise torch.OutOfMemoryError(
+            f"host memory: {what} needs {nbytes / 2**30:.1f} GiB, {usable / 2**30:.1f} GiB available "
+            f"(keeping 5 % of {memory.total / 2**30:.0f} GiB in reserve)"
+        )
 
 
 def host_empty(numel: int, dtype: torch.dtype, pinned: bool, what: str) -> torch.Tensor:
