@@ -7,11 +7,12 @@
 two steps), peak GPU memory, peak host RSS.
 
 ``search``: the largest ``model.num_layers`` that fits, per mode. Memory grows linearly with depth, so each mode's
-search is a secant walk on measured points: from the two latest measured points of that mode (the first guess
-uses the ``compare`` point and the mode's state bytes per parameter) it predicts the deepest fitting proxy from
-GPU memory and host memory (MemAvailable), runs it, and repeats; a prediction that fails steps down, one that
-fits steps up, until a fitting depth L and a failing L+1 are both measured, or ``--max-points`` runs, or the
-time budget ends. Every point is its own ``python -m moe_lab.train`` process, so an out-of-memory point (GPU or
+search is a secant walk on measured points: from the two deepest fitting points of that mode (the first guess
+uses the ``compare`` point and the mode's bytes per parameter) it predicts the deepest fitting proxy from GPU
+memory and host memory (MemAvailable less the 5 % reserve the offload code keeps), runs it, and repeats; after a
+failure it steps a quarter of the way back towards the deepest fit, until a fitting depth L and a failing L+1 are
+both measured, or ``--max-points`` runs, or the time budget ends, or a point times out (unresolved; a later run
+with a longer ``--point-timeout-s`` tries it again). Every point is its own ``python -m moe_lab.train`` process, so an out-of-memory point (GPU or
 host) is recorded from its result.json, or as killed, and the search goes on.
 
 Results are appended to ``--out`` after every point (JSON: environment, points, summary).
@@ -135,7 +136,8 @@ def summarize(mode: str, points: list[dict]) -> dict:
 
 
 def search(mode: str, points: list[dict], per_layer: int, args, workdir: Path, deadline: float, save) -> dict:
-    tried = {p["num_layers"]: outcome(p) for p in points if p["mode"] == mode}
+    # Unresolved points of an earlier run (timed out) count as not tried: a longer --point-timeout-s may decide them.
+    tried = {p["num_layers"]: outcome(p) for p in points if p["mode"] == mode and outcome(p) is not None}
     layers = predict(mode, points, per_layer, args.gpu_gib, args.host_gib)
     for _ in range(args.max_points):
         fits = [l for l, ok in tried.items() if ok]
@@ -150,7 +152,10 @@ def search(mode: str, points: list[dict], per_layer: int, args, workdir: Path, d
         points.append(point)
         save()
         tried[layers] = outcome(point)
-        layers = predict(mode, points, per_layer, args.gpu_gib, args.host_gib) if point["status"] == "ok" else layers - 1
+        if point["status"] == "ok":
+            layers = predict(mode, points, per_layer, args.gpu_gib, args.host_gib)
+        else:  # a quarter of the way back to the deepest fit: failures are cheap, fits cost a full run
+            layers -= max(1, (layers - max(fits, default=0)) // 4)
     return summarize(mode, points)
 
 
@@ -176,7 +181,8 @@ def main() -> None:
     start = time.time()
     free, total = torch.cuda.mem_get_info(0)
     args.gpu_gib = total / 2**30
-    args.host_gib = psutil.virtual_memory().available / 2**30
+    memory = psutil.virtual_memory()
+    args.host_gib = (memory.available - memory.total // 20) / 2**30  # the reserve moe_lab.optim.host keeps
     per_layer, outside = params_per_layer()
 
     record = json.loads(args.out.read_text()) if args.out.exists() else {"points": [], "search": {}, "environment": {}}
