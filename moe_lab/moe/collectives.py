@@ -46,17 +46,15 @@ def _(x, send_rows, recv_rows, group_name):
 
 
 def _setup_context(ctx, inputs, output):
-    x, send_rows, recv_rows, group_name = inputs
+    _, send_rows, recv_rows, group_name = inputs
     ctx.save_for_backward(send_rows, recv_rows)
-    ctx.group_name, ctx.rows = group_name, x.shape[0]
+    ctx.group_name = group_name
 
 
 def _backward(ctx, grad):
     # The gradient travels back the way the rows came: the same all-to-all with the splits swapped.
     send_rows, recv_rows = ctx.saved_tensors
-    grad_x = all_to_all_rows(grad, recv_rows, send_rows, ctx.group_name)
-    torch._check(grad_x.shape[0] == ctx.rows)
-    return grad_x, None, None, None
+    return all_to_all_rows(grad, recv_rows, send_rows, ctx.group_name), None, None, None
 
 
 all_to_all_rows.register_autograd(_backward, setup_context=_setup_context)

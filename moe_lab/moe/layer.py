@@ -78,16 +78,18 @@ class GroupedExperts(nn.Module):
     def num_local_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
-    @record_function("moe_lab::dispatch")  # profiler scope: what is not GEMM or all-to-all in here is dispatch glue
+    # Profiler scopes are entered inside the methods, not as decorators: torch.compile (before torch 2.13) traces a
+    # record_function only when it is created in the compiled code.
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return self.dispatcher(x, topk_ids, topk_weights, self)
+        with record_function("moe_lab::dispatch"):  # what is not GEMM or all-to-all in here is dispatch glue
+            return self.dispatcher(x, topk_ids, topk_weights, self)
 
-    @record_function("moe_lab::expert_compute")
     def compute(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Expert-contiguous rows in, expert outputs out: grouped GEMM -> SwiGLU -> grouped GEMM."""
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        x = x.to(dtype)
-        gate_up = torch._grouped_mm(x, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
+        with record_function("moe_lab::expert_compute"):
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+            x = x.to(dtype)
+            gate_up = torch._grouped_mm(x, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
