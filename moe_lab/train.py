@@ -64,10 +64,11 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
     code non-zero)."""
     adopt_slurm_environment()
     rank0 = os.environ.get("RANK", "0") == "0"
-    if multirun and cfg.trainer.skip_done and is_done(run_dir, meta["overrides"]):
+    done = multirun and cfg.trainer.skip_done and is_done(run_dir, meta["overrides"])
+    if done and not started_by_outer_launcher():  # under an outer launcher the ranks decide together, in worker
         log.info("point already done, skipped: %s", run_dir)
         return read_result(run_dir)
-    if rank0:
+    if rank0 and not done:
         (run_dir / RESULT).unlink(missing_ok=True)  # a failed earlier attempt of this point
     try:
         config_lib.validate(cfg)
@@ -124,6 +125,12 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
         run_dir = Path(shared_run_dir(str(run_dir)))
+    if meta.get("sweep") and cfg.trainer.skip_done and is_done(run_dir, meta["overrides"]):
+        # Reached under an outer launcher: every rank reads rank 0's run directory, so all ranks agree.
+        log.info("point already done, skipped: %s", run_dir)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return read_result(run_dir)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
     record = {**meta, "world_size": world, "config": OmegaConf.to_container(cfg), "environment": environment(device, world)}
