@@ -36,16 +36,22 @@ def test_sweep_of_two_rank_jobs(tmp_path):
         assert sorted(p.name for p in Path(run_dir).iterdir()) == [".hydra", "metrics.jsonl", "result.json", "train.log"]
 
 
-def test_outer_torchrun_only_rank0_leaves_files(tmp_path):
+@pytest.mark.parametrize("mode", ["run", "multirun"])
+def test_outer_torchrun_only_rank0_leaves_files(mode, tmp_path):
     """Under ``torchrun`` each rank runs the Hydra app; only rank 0's run directory appears, with one record."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "moe_lab.train", "parallel.ep=2", *SMALL]
+    sweep = ["-m"] if mode == "multirun" else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "moe_lab.train", *sweep, "parallel.ep=2", *SMALL]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     run_dirs = [p.parent for p in tmp_path.rglob("result.json")]
-    assert len(run_dirs) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
-    assert len(list((tmp_path / "outputs").glob("*/*"))) == 1  # no directory of another rank
-    assert sorted(p.name for p in run_dirs[0].iterdir()) == [".hydra", "metrics.jsonl", "result.json", "train.log"]
+    top = {"run": "outputs", "multirun": "multirun"}[mode]
+    assert len(run_dirs) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [top]
+    assert len(list((tmp_path / top).glob("*/*"))) == 1  # no directory of another rank
+    expected = [".hydra", "metrics.jsonl", "result.json", "train.log"]
+    assert sorted(p.name for p in run_dirs[0].iterdir()) == expected
+    if mode == "multirun":  # the sweep's own record, once
+        assert sorted(p.name for p in run_dirs[0].parent.iterdir()) == ["0", "multirun.yaml"]
     result = json.loads((run_dirs[0] / "result.json").read_text())
     assert result["status"] == "ok" and result["world_size"] == 2
 

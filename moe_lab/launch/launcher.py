@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import uuid
+from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
@@ -39,16 +41,19 @@ def adopt_slurm_environment() -> None:
 
 def rank_hydra_overrides() -> list[str]:
     """Extra Hydra overrides for this process. Under an outer launcher every rank runs the Hydra app; ranks other
-    than 0 then leave no files: no ``.hydra/`` copy of the config, no log file, and no directory of their own (their
-    Hydra directory is the working directory; the job's run directory is rank 0's, see ``shared_run_dir``)."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    than 0 then leave no files in the job's directories: no ``.hydra/`` copy of the config, no log file, and their
+    own Hydra directory (where a sweep still writes its multirun.yaml) is a fixed scratch directory per rank under
+    the system's temporary directory. The job's run directory is rank 0's, see ``shared_run_dir``."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if rank == "0":
         return []
+    scratch = Path(tempfile.gettempdir()) / f"moe_lab_hydra_rank{rank}"
     return [
         "hydra.output_subdir=null",
         "hydra/job_logging=disabled",
         "hydra/hydra_logging=disabled",
-        "hydra.run.dir=.",
-        "hydra.sweep.dir=.",
+        f"hydra.run.dir={scratch}",
+        f"hydra.sweep.dir={scratch}",
         "hydra.sweep.subdir=.",
     ]
 
