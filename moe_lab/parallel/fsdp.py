@@ -32,7 +32,8 @@ def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype) -> None:
 
 
 def _hook_at(module: torch.nn.Module, state) -> None:
-    """Move an FSDP state's forward hooks from its own module to ``module`` (an ancestor)."""
+    """Move an FSDP state's forward hooks from its own module to ``module`` (an ancestor). FSDP2 has no public API
+    for this; the hook handles are the ones ``fully_shard`` registered (torch 2.11 to 2.13 alike)."""
     state._pre_forward_hook_handle.remove()
     state._post_forward_hook_handle.remove()
     state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True)
