@@ -57,11 +57,9 @@ def test_outer_torchrun_only_rank0_leaves_files(mode, tmp_path):
 
 
 def test_slurm_task_becomes_a_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
-    for key, value in slurm.items():
-        monkeypatch.setenv(key, value)
+    os.environ.update(slurm)  # a private copy: what the launcher sets here does not leak into later tests
     assert launcher.started_by_outer_launcher()
     launcher.adopt_slurm_environment()
     env = os.environ
