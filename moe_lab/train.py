@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import math
@@ -121,15 +122,17 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = _device(cfg.trainer.device, local_rank)
-    if world > 1:
+    if world > 1 and not dist.is_initialized():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        # One process group per process: the points of a sweep under torchrun share it, because initialising the
+        # default group again on the launcher's store races (a rank can pick up the previous group's keys and hang).
+        atexit.register(dist.destroy_process_group)
+    if world > 1:
         run_dir = Path(shared_run_dir(str(run_dir)))
     if meta.get("sweep") and cfg.trainer.skip_done and is_done(run_dir, meta["overrides"]):
         # Reached under an outer launcher: every rank reads rank 0's run directory, so all ranks agree.
         log.info("point already done, skipped: %s", run_dir)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         return read_result(run_dir)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
@@ -150,8 +153,6 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
         raise
     finally:
         logger.finish(result)
-        if dist.is_initialized():
-            dist.destroy_process_group()
     if rank == 0:
         write_json_atomic(run_dir / RESULT, result)
     return result
