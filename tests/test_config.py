@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -95,6 +96,7 @@ BAD = [
     (["model.routing=foo"], {}, "model.routing"),
     (["model.routing_skew=0"], {}, "model.routing_skew"),
     (["trainer.device=tpu"], {}, "trainer.device"),
+    *([(["trainer.device=cuda"], {}, "trainer.device")] if not torch.cuda.is_available() else []),
     (["trainer.precision=fp8"], {}, "trainer.precision"),
     (["model.num_kv_heads=3"], {}, "model.num_kv_heads"),
     (["model.moe_intermediate_size=0"], {}, "model.moe_intermediate_size"),

@@ -148,3 +148,22 @@ def test_ep_matches_dense_reference(ep):
     loads = run_world(ep, check_all_cases, ep)
     assert all(load == loads[0] for load in loads)
     assert_coverage(loads[0])
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_forced_routing_is_a_traceable_function_of_the_token_index(routing):
+    """Forced routing gives K distinct experts per token, the same ids on every call (so recompute re-routes
+    identically), the intended load (balanced: equal; skewed: hottest expert far above the coldest), and compiles
+    with fullgraph=True to the same ids."""
+    E, K, T = 16, 4, 4096
+    router = Router(8, E, K, norm_topk_prob=True, routing=routing, routing_skew=1.2, seed=5)
+    ids = router.forced_ids(T, torch.device("cpu"))
+    assert torch.equal(ids, router.forced_ids(T, torch.device("cpu")))
+    assert (ids.sort(dim=-1).values.diff(dim=-1) != 0).all()
+    load = torch.bincount(ids.flatten(), minlength=E)
+    if routing == "balanced":
+        assert (load == T * K // E).all()
+    else:
+        assert load[0] > 5 * load[-1]
+    compiled = torch.compile(lambda n: router.forced_ids(n, torch.device("cpu")), fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(T), ids)

@@ -3,6 +3,8 @@ the sweep table, and the experiment presets."""
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import shutil
 import subprocess
@@ -99,7 +101,13 @@ def test_is_done_needs_an_ok_result_of_the_same_point(tmp_path):
 
 
 PRESETS = {
-    "grid_30b": dict(model="qwen3_30b", world=1, ep=1, seq=16384, sweep={"ac": "none,full,selective"}),
+    "grid_30b": dict(
+        model="qwen3_30b",
+        world=1,
+        ep=1,
+        seq=16384,
+        sweep={"dispatcher": "torch,fused", "ac": "full,selective", "offload": "none,optimizer,full"},
+    ),
     "reference_235b": dict(model="qwen3_235b", world=32, ep=8, seq=16384, sweep=None),
     "reference_30b": dict(model="qwen3_30b", world=8, ep=8, seq=16384, sweep=None),
     "routing_skew": dict(model="qwen3_30b", world=2, ep=2, seq=16384, sweep={"model.routing_skew": "0.25,0.5,1.0,1.5,2.0"}),
@@ -119,3 +127,8 @@ def test_experiment_preset_composes_and_validates(name, monkeypatch):
     for key, values in (want["sweep"] or {}).items():
         assert cfg.hydra.sweeper.params[key] == values
     config_lib.validate(cfg)
+    # Every point of the preset's sweep is a valid configuration.
+    axes = [[f"{key}={v}" for v in values.split(",")] for key, values in (want["sweep"] or {}).items()]
+    for point in itertools.product(*axes):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            config_lib.validate(compose("train", overrides=[f"+experiment={name}", *point]))

@@ -15,6 +15,7 @@ import os
 import types
 import typing
 
+import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -144,11 +145,6 @@ def check_rules(cfg: DictConfig) -> None:
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings, got {m.head_dim}")
     _require(m.routing_skew > 0, "model.routing_skew", f"must be > 0, got {m.routing_skew}")
     _require(
-        not (t.compile and m.routing == "skewed"),
-        "model.routing",
-        "skewed routing draws from a torch.Generator, which torch.compile cannot trace; use learned or balanced with trainer.compile=true",
-    )
-    _require(
         d.seq_len <= m.max_position_embeddings,
         "data.seq_len",
         f"must be <= model.max_position_embeddings={m.max_position_embeddings}, got {d.seq_len}",
@@ -163,6 +159,7 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.timing_skip >= 0, "trainer.timing_skip", f"must be >= 0, got {t.timing_skip}")
     _require(t.nproc_per_node >= 1, "trainer.nproc_per_node", f"must be >= 1, got {t.nproc_per_node}")
     _require(t.device in DEVICES, "trainer.device", f"must be one of {', '.join(DEVICES)}, got {t.device!r}")
+    _require(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "is cuda but this machine has no CUDA device; use auto or cpu")
     _require(t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be null or > 0, got {t.peak_flops}")
     pr = cfg.profile

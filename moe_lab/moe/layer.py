@@ -16,7 +16,7 @@ class Router(nn.Module):
     ``routing`` replaces the router's choice of experts for experiments (the weights still come from the router's
     probabilities, so it keeps its gradient): ``balanced`` is the forced round-robin of the published benchmarks,
     ``skewed`` draws experts from a Zipf-like law with exponent ``routing_skew``. Both are deterministic functions of
-    the token count, so activation recompute sees exactly the same routing.
+    the token index, so activation recompute sees exactly the same routing.
     """
 
     def __init__(
@@ -34,7 +34,6 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.routing, self.routing_skew, self.seed = routing, routing_skew, seed
-        self._forced_ids: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
@@ -48,16 +47,25 @@ class Router(nn.Module):
         return ids, weights.to(x.dtype)
 
     def forced_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        key = (num_tokens, device)
-        if key not in self._forced_ids:
-            if self.routing == "balanced":
-                ids = torch.arange(num_tokens * self.top_k) % self.num_experts
-            else:
-                law = (torch.arange(self.num_experts, dtype=torch.float64) + 1.0) ** -self.routing_skew
-                gen = torch.Generator().manual_seed(1000 + self.seed)
-                ids = torch.multinomial(law.expand(num_tokens, -1), self.top_k, replacement=False, generator=gen)
-            self._forced_ids[key] = ids.view(num_tokens, self.top_k).to(device)
-        return self._forced_ids[key]
+        """Experts chosen for the experiment, not by the router: a pure function of (token index, layer seed),
+        built from tensor ops alone so recompute sees the same routing and torch.compile traces it."""
+        if self.routing == "balanced":
+            ids = torch.arange(num_tokens * self.top_k, device=device) % self.num_experts
+            return ids.view(num_tokens, self.top_k)
+        # Gumbel-top-k: K distinct experts per token drawn with probability proportional to (e + 1) ** -skew, the
+        # uniforms coming from an integer hash of (token, expert, seed) instead of a random generator.
+        slot = torch.arange(num_tokens * self.num_experts, device=device, dtype=torch.int64)
+        uniform = (_hash32(slot, self.seed) >> 8).float().add_(0.5).div_(2.0**24).view(num_tokens, self.num_experts)
+        log_law = -self.routing_skew * torch.log(torch.arange(1, self.num_experts + 1, device=device, dtype=torch.float32))
+        return torch.topk(log_law - torch.log(-torch.log(uniform)), self.top_k, dim=-1).indices
+
+
+def _hash32(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """A 32-bit integer mixing hash (int64 arithmetic, no overflow): uniform-looking bits from consecutive ints."""
+    x = (x * 0x9E3779B1 + (seed + 1) * 0x85EBCA77) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
 
 
 class GroupedExperts(nn.Module):
