@@ -32,7 +32,9 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
 
 def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:
     """``fn(*args)`` on ``world`` gloo ranks; returns the per-rank results in rank order. ``fn`` must be importable
-    (module level) and its results picklable; a rank's exception is re-raised here with its traceback."""
+    (module level) and its results picklable without shared memory — numpy arrays or plain values, not tensors (a
+    tensor's shared-memory segment disappears when its rank exits); a rank's exception is re-raised here with its
+    traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()

@@ -9,11 +9,11 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import moe_lab.moe.collectives  # noqa: F401  (registers the moe_lab:: ops named in SAVED_OPS)
+import moe_lab.moe.fused.ops  # noqa: F401
 
 _aten = torch.ops.aten
-_funcol = torch.ops._c10d_functional
 
-# Outputs kept by selective checkpointing: matmuls, grouped GEMMs, attention, collectives and the routing
+# Outputs kept by selective checkpointing: matmuls, grouped GEMMs, attention, EP collectives and the routing
 # decisions (top-k, sorts), so recompute re-runs only norms and elementwise work and never re-routes or
 # re-communicates.
 SAVED_OPS = {
@@ -29,10 +29,9 @@ SAVED_OPS = {
     _aten.sort.stable,
     _aten.sort.default,
     _aten.bincount.default,
-    _funcol.all_to_all_single.default,
-    _funcol.wait_tensor.default,
     torch.ops.moe_lab.exchange_counts.default,
     torch.ops.moe_lab.all_to_all_rows.default,
+    torch.ops.moe_lab.fused_moe.default,  # the fused dispatcher: recompute never re-runs dispatch, experts, combine
 }
 
 

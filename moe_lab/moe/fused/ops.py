@@ -17,7 +17,6 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from moe_lab.moe.fused.layout import capacity
-from moe_lab.parallel.checkpointing import SAVED_OPS
 
 _BACKEND_MODULES = {"reference": "moe_lab.moe.fused.reference", "gpu": "moe_lab.moe.fused.gpu", "gpu_deep_gemm": "moe_lab.moe.fused.gpu"}
 # Rows of each expert's segment start at a multiple of this (DeepGEMM's contiguous layout needs its M block).
@@ -114,6 +113,3 @@ def _backward(ctx, dy, *unused_residual_grads):
 
 
 fused_moe.register_autograd(_backward, setup_context=_setup_context)
-
-# Selective activation checkpointing keeps this op's outputs: recompute never re-runs dispatch, experts or combine.
-SAVED_OPS.add(torch.ops.moe_lab.fused_moe.default)
