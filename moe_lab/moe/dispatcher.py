@@ -58,13 +58,14 @@ class TorchDispatcher:
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # (token, k) slots sorted by global expert
         tokens_per_expert = torch.bincount(flat_ids, minlength=experts.num_experts)
-        routed = x[order // top_k]
+        # index_select, not x[idx]: its backward is an index_add, where advanced indexing's backward sorts indices.
+        routed = x.index_select(0, order // top_k)
         if self.ep_size == 1:
             out = experts.compute(routed, tokens_per_expert)
         else:
             out = self._exchange_and_compute(routed, tokens_per_expert, experts)
         # Back to (token, k) order, weight, and sum over k.
-        unsorted = out[torch.argsort(order)]
+        unsorted = out.index_select(0, torch.argsort(order))
         return (unsorted.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1)
 
     def _exchange_and_compute(self, routed, tokens_per_expert, experts):
@@ -79,8 +80,8 @@ class TorchDispatcher:
             torch.arange(ep * local, device=routed.device), recv_per_expert, output_size=received.shape[0]
         )
         perm = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        out = experts.compute(received[perm], recv_per_expert.view(ep, local).sum(0))
-        out = out[torch.argsort(perm)]
+        out = experts.compute(received.index_select(0, perm), recv_per_expert.view(ep, local).sum(0))
+        out = out.index_select(0, torch.argsort(perm))
         return all_to_all_rows(out, recv_rows, send_rows, name)
 
 
