@@ -1,4 +1,4 @@
-"""The MoE layer with dispatcher=torch at EP=1, 2 and 4 equals a dense per-token reference loop, in forward and in
+"""The MoE layer with dispatcher=torch at EP=1, 2, 4 and 8 equals a dense per-token reference loop, in forward and in
 the gradients of the input, the router and the expert weights (issue 2, acceptance 2).
 
 Every rank holds the same global weights (one seed) and its own tokens (seeded by rank), so each rank can evaluate
@@ -143,7 +143,7 @@ def test_ep1_matches_dense_reference():
     assert_coverage(check_all_cases(1))
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", [2, 4, 8])  # 8: one expert per rank, the EP=8 layout of a full node, on CPU
 def test_ep_matches_dense_reference(ep):
     loads = run_world(ep, check_all_cases, ep)
     assert all(load == loads[0] for load in loads)
