@@ -12,8 +12,5 @@ def apply_compile(model) -> None:
     # A sweep may run several points in one process: compile each model afresh, so a point never inherits another's
     # compiled code or runs into the recompile limit (past which dynamo would quietly fall back to eager).
     torch._dynamo.reset()
-    # Forced routing fills a cache of expert ids on first use, a side effect inside the checkpointed block that
-    # recompute need not replay (the cache is already filled).
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, fullgraph=True)
