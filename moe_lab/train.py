@@ -155,6 +155,11 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
         logger.finish(result)
     if rank == 0:
         write_json_atomic(run_dir / RESULT, result)
+    if dist.is_initialized():
+        # Ranks leave together: a gloo rank that exits (and tears its group down) while a peer still talks to it
+        # can abort ("terminate called without an active exception"). Only successful jobs meet here; a failing rank
+        # exits at once and its launcher stops the others.
+        dist.barrier()
     return result
 
 
