@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from moe_lab import config as config_lib
 from moe_lab.config import ConfigError
+from moe_lab.config.validate import computes_in_bf16, runs_on_cuda
 from moe_lab.launch.launcher import (
     adopt_slurm_environment,
     launch_local,
@@ -121,7 +122,7 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = _device(cfg.trainer.device, local_rank)
+    device = _device(cfg.trainer, local_rank)
     if world > 1 and not dist.is_initialized():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
@@ -174,7 +175,7 @@ def train(
 ) -> dict:
     torch.manual_seed(cfg.trainer.seed)
     model_cfg = instantiate(cfg.model)
-    bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and device.type == "cuda")
+    bf16 = computes_in_bf16(cfg.trainer)
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
 
     with torch.device("meta"):
@@ -287,10 +288,8 @@ def summary_line(m: dict) -> str:
     )
 
 
-def _device(choice: str, local_rank: int) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but CUDA is not available")
+def _device(trainer, local_rank: int) -> torch.device:
+    if runs_on_cuda(trainer):  # validation has rejected trainer.device=cuda without CUDA
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

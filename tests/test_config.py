@@ -95,6 +95,7 @@ BAD = [
     (["model.num_experts=abc"], {}, "model.num_experts"),
     (["model.routing=foo"], {}, "model.routing"),
     (["model.routing_skew=0"], {}, "model.routing_skew"),
+    (["data.restart_prob=1.5"], {}, "data.restart_prob"),
     (["trainer.device=tpu"], {}, "trainer.device"),
     *([(["trainer.device=cuda"], {}, "trainer.device")] if not torch.cuda.is_available() else []),
     (["trainer.precision=fp8"], {}, "trainer.precision"),

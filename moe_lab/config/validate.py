@@ -4,7 +4,8 @@ Three layers, each failing with one ``ConfigError`` that names the key:
 1. top-level and schema-section keys against the structured schema; every group node against the signature of the
    class its ``_target_`` names (unknown keys, types, allowed literal values);
 2. cross-field rules (mesh vs world size, experts vs EP, sequence vs rope range, ...);
-3. each built option's own ``validate(cfg)`` hook (dispatcher, activation checkpointing, offload).
+3. each option built (its constructor's checks) and its own ``validate(cfg)`` hook (dispatcher, activation
+   checkpointing, offload, data).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import types
 import typing
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,13 +34,28 @@ def world_size(cfg: DictConfig) -> int:
     return int(os.environ.get("WORLD_SIZE", cfg.trainer.nproc_per_node))
 
 
+def runs_on_cuda(trainer) -> bool:
+    """The job's device is a GPU: ``trainer.device`` cuda, or auto on a machine with CUDA."""
+    return trainer.device != "cpu" and torch.cuda.is_available()
+
+
+def computes_in_bf16(trainer) -> bool:
+    """bf16 compute: ``trainer.precision`` bf16, or auto on a GPU (fp32 on CPU)."""
+    return trainer.precision == "bf16" or (trainer.precision == "auto" and runs_on_cuda(trainer))
+
+
 def validate(cfg: DictConfig) -> None:
     check_known_keys(cfg)
     for group in GROUPS:
         check_target_node(group, cfg[group])
     check_rules(cfg)
-    for group in ("dispatcher", "ac", "offload"):
-        option = instantiate(cfg[group])
+    for group in ("dispatcher", "ac", "offload", "data"):  # building an option runs its constructor's checks
+        try:
+            option = instantiate(cfg[group])
+        except InstantiationException as e:
+            if isinstance(e.__cause__, ConfigError):
+                raise e.__cause__ from None  # Hydra wraps what a constructor raises
+            raise
         if hasattr(option, "validate"):
             option.validate(cfg)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_lab.config.errors import ConfigError
+
 
 class SyntheticData:
     """A learnable language: runs of a fixed random cycle over the vocabulary, restarted at random.
@@ -16,7 +18,7 @@ class SyntheticData:
 
     def __init__(self, seq_len: int, batch_size: int, vocab_size: int, seed: int = 0, restart_prob: float = 0.1):
         if not 0.0 <= restart_prob <= 1.0:
-            raise ValueError(f"data.restart_prob must be in [0, 1], got {restart_prob}")
+            raise ConfigError("data.restart_prob", f"must be in [0, 1], got {restart_prob}")
         self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
         self.seed, self.restart_prob = seed, restart_prob
         self.cycle = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_lab.config.errors import ConfigError
+from moe_lab.config.validate import computes_in_bf16, runs_on_cuda
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 
 if TYPE_CHECKING:
@@ -48,9 +49,7 @@ class TorchDispatcher:
             if cfg.model[key] % 8:
                 raise ConfigError(f"model.{key}", f"the torch dispatcher's grouped GEMM needs a multiple of 8, got {cfg.model[key]}")
         # The compiler's shape rules for torch._grouped_mm (its meta kernel) accept bf16 only.
-        t = cfg.trainer
-        bf16 = t.precision == "bf16" or (t.precision == "auto" and t.device != "cpu" and torch.cuda.is_available())
-        if t.compile and not bf16:
+        if cfg.trainer.compile and not computes_in_bf16(cfg.trainer):
             raise ConfigError("trainer.precision", "trainer.compile=true with the torch dispatcher needs bf16 (torch._grouped_mm compiles in bf16 only); set trainer.precision=bf16")
 
     def __call__(self, x, topk_ids, topk_weights, experts):
@@ -111,7 +110,7 @@ class FusedDispatcher:
     def validate(self, cfg) -> None:
         from moe_lab.moe import fused
 
-        cuda = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+        cuda = runs_on_cuda(cfg.trainer)
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
         if self.gemm == "deep_gemm" and not fused.deep_gemm_available():

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from moe_lab.config.errors import ConfigError
+from moe_lab.config.validate import runs_on_cuda
 from moe_lab.optim import numa
 from moe_lab.optim.host import local
 from moe_lab.optim.in_backward import InBackwardOptimizer
@@ -108,8 +109,7 @@ class FullOffload:
         _check_chunking(self.chunk_mib, self.max_inflight)
         if self.timeout_s <= 0:
             raise ConfigError("offload.timeout_s", f"must be > 0, got {self.timeout_s}")
-        on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
-        if self.numa_bind and on_gpu:
+        if self.numa_bind and runs_on_cuda(cfg.trainer):
             gpus = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
             try:
                 for gpu in range(min(gpus, torch.cuda.device_count())):
