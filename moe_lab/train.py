@@ -44,6 +44,7 @@ from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
 from moe_lab.models.qwen3_moe import count_parameters
+from moe_lab.optim.host import local
 from moe_lab.parallel import parallelize
 from moe_lab.results.record import RESULT, MetricsLog, environment, failure, is_done, read_result, write_json_atomic
 
@@ -268,13 +269,13 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     sharded over all ranks, experts split by EP and sharded over the rest), so local squared norms sum to the
     global one."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    total = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+    shards = [local(g) for g in grads]
+    total = torch.stack([g.float().pow(2).sum() for g in shards]).sum()
     if dist.is_initialized():
         dist.all_reduce(total)
     norm = total.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(local, scale)
+    torch._foreach_mul_(shards, scale)
     return norm.item()
 
 

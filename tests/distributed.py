@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe_lab.launch.launcher import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
@@ -37,7 +32,7 @@ def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:
     traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -67,7 +67,7 @@ def shared_run_dir(run_dir: str) -> str:
     return holder[0]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -82,7 +82,7 @@ def launch_local(nproc: int, entrypoint: Callable, *args):
         nproc_per_node=nproc,
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
