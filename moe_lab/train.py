@@ -12,6 +12,7 @@ import gc
 import logging
 import math
 import os
+import re
 import resource
 import statistics
 import sys
@@ -86,21 +87,24 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
     if cfg.trainer.dry_run:
         return dry_run(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    result = None
     try:
         if cfg.trainer.nproc_per_node > 1 and not started_by_outer_launcher():
-            return launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
-        return worker(resolved, str(run_dir), meta)
+            result = launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
+        else:
+            result = worker(resolved, str(run_dir), meta)
     except Exception as e:
         if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
             write_json_atomic(run_dir / RESULT, {**meta, **failure(e)})
         if not multirun:
             raise
         log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
-    # Out of the except block the traceback, and with it the failed point's tensors, can be freed for the next point.
+    # The next point of a sweep runs in this process: free this one's model and host state (offload's reference
+    # cycles, and a failed point's traceback once out of the except block) before it builds its own.
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return read_result(run_dir)
+    return result if result is not None else read_result(run_dir)
 
 
 def dry_run(cfg: DictConfig) -> dict:
@@ -138,6 +142,7 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict) -> dict:
         return read_result(run_dir)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
+    _reset_peak_host_rss()
     record = {**meta, "world_size": world, "config": OmegaConf.to_container(cfg), "environment": environment(device, world)}
     logger = instantiate(cfg.logger) if rank == 0 else NoLogger()
     logger.start(run_dir, record)
@@ -247,7 +252,7 @@ def train(
         "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak else None,
         "flops_per_token": fpt["shared"],
         "peak_gpu_mem_gib": _peak_gpu_gib(device),
-        "peak_host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_host_rss_gib": _peak_host_rss_gib(),
     }
     if rank == 0:
         print(summary_line(metrics))
@@ -298,6 +303,23 @@ def _device(trainer, local_rank: int) -> torch.device:
 
 def _peak_gpu_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _reset_peak_host_rss() -> None:
+    """Restart the kernel's resident-set high-water mark (Linux), so that each point of a sweep run in one process
+    reports its own peak; where that is not possible the peak is the process's so far."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_host_rss_gib() -> float:
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 2**20
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 if __name__ == "__main__":

@@ -89,32 +89,42 @@ def test_gpu_backend_has_no_host_sync():
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_block_compiles_fullgraph_on_gpu(ac):
+    """The compiled block's gradients are as close to an fp32 eager model (reference backend) as eager bf16's are:
+    a learned router flips a few near-tied top-k choices under any bf16 rounding change (compile fuses the norms in
+    fp32), so compiled and eager bf16 are each compared with fp32 rather than with each other."""
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
     from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 
-    def build(checkpointing):
+    def build(dtype, backend, checkpointing=None):
         cfg = Qwen3MoeConfig(num_layers=1, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=16,
                              num_experts_per_tok=4, moe_intermediate_size=128)
         torch.manual_seed(0)
         model = cfg.build().cuda()
         model.init_weights()
-        model.to(torch.bfloat16)
-        apply_expert_parallel(model, FusedDispatcher(backend="gpu"), 0, 1)
+        model.to(dtype)
+        apply_expert_parallel(model, FusedDispatcher(backend=backend), 0, 1)
         if checkpointing is not None:
             checkpointing.apply(model)
         return model
 
+    def grads(model):
+        model(tokens).float().square().mean().backward()
+        return {name: p.grad.float() for name, p in model.named_parameters()}
+
     tokens = torch.randint(0, 512, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    eager = build(None)
-    eager(tokens).float().square().mean().backward()
-    compiled = build(FullCheckpoint() if ac == "full" else SelectiveCheckpoint())
-    layer = compiled.model.layers[0]
+    reference = grads(build(torch.float32, "reference"))
+    eager = grads(build(torch.bfloat16, "gpu"))
+    compiled_model = build(torch.bfloat16, "gpu", FullCheckpoint() if ac == "full" else SelectiveCheckpoint())
+    layer = compiled_model.model.layers[0]
     layer.forward = torch.compile(layer.forward, fullgraph=True)
-    compiled(tokens).float().square().mean().backward()
-    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-        err = ((q.grad.float() - p.grad.float()).norm() / p.grad.float().norm().clamp_min(1e-12)).item()
-        assert err < 2e-2, f"{name}: {err}"
+    compiled = grads(compiled_model)
+
+    def err(got, name):
+        return ((got[name] - reference[name]).norm() / reference[name].norm().clamp_min(1e-12)).item()
+
+    for name in reference:
+        assert err(compiled, name) < 2 * err(eager, name) + 1e-2, (name, err(compiled, name), err(eager, name))
 
 
 def _ep2_worker(rank, port, queue):

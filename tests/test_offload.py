@@ -309,3 +309,35 @@ def test_worker_failure_is_raised_not_swallowed():
 def test_host_memory_shortage_is_an_oom_before_allocating():
     with pytest.raises(torch.OutOfMemoryError, match="host memory: offload=full test needs"):
         check_host_memory(2**50, "offload=full test")
+
+
+def test_collected_optimizer_ends_its_worker_and_frees_its_host_state():
+    """A sweep runs its points in one process: once a point's model and optimizer go, so do the worker thread and
+    the host masters and moments it stepped."""
+    import gc
+    import weakref
+
+    model, loss = _two_chunk_model()
+    optimizer = InBackwardOptimizer(
+        list(model.parameters()), functools.partial(torch.optim.AdamW, lr=0.1), torch.float32,
+        chunk_numel=64, max_inflight=2, timeout_s=5, num_threads=1,
+    )
+    optimizer.attach()
+    loss.backward()
+    optimizer.step()
+    worker, collected, master = optimizer.worker, weakref.ref(optimizer), weakref.ref(optimizer.chunks[0].master)
+    del model, loss, optimizer
+    gc.collect()
+    worker.join(timeout=5)
+    assert collected() is None and master() is None
+    assert not worker.is_alive()
+
+
+def test_each_sweep_point_reports_its_own_peak_host_memory():
+    from moe_lab.train import _peak_host_rss_gib, _reset_peak_host_rss
+
+    ballast = torch.ones(2**28, dtype=torch.uint8)  # 256 MiB touched
+    del ballast
+    before = _peak_host_rss_gib()
+    _reset_peak_host_rss()
+    assert _peak_host_rss_gib() < before - 0.2

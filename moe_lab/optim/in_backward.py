@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -91,13 +92,19 @@ class InBackwardOptimizer:
         self.in_flight = 0
         self.done = threading.Condition()
         self.error: BaseException | None = None
-        self.worker = threading.Thread(target=self._work, name="offload-full-step", daemon=True)
+        # The worker holds the optimizer only while it steps a chunk, and ends once the optimizer is collected: a
+        # sweep that runs its points in one process frees each point's host state before the next point builds its own.
+        self.worker = threading.Thread(target=_work, args=(weakref.ref(self), self.ready), name="offload-full-step", daemon=True)
+        weakref.finalize(self, self.ready.put, None)
         self.worker.start()
 
     def attach(self) -> None:
         """Start stepping in backward: one post-accumulate-grad hook per parameter."""
+        # Through a weak reference: autograd keeps hooks where Python's garbage collector cannot see them, so a bound
+        # method would keep this optimizer (and its host state) alive as long as the parameters.
+        owner = weakref.WeakMethod(self._on_grad)
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(lambda p: owner()(p))
 
     def master_weights(self) -> list[torch.Tensor]:
         """fp32 master of each parameter (views of host memory), in parameter order."""
@@ -134,23 +141,19 @@ class InBackwardOptimizer:
             self.in_flight += 1
         self.ready.put((chunk, self.d2h.record()))
 
-    @torch.no_grad()
-    def _work(self) -> None:
-        torch.set_num_threads(self.num_threads)  # OpenMP's thread count is per calling thread
-        while True:
-            chunk, copied = self.ready.get()
-            try:
-                if self.error is None:
-                    self._step_chunk(chunk, copied)
-            except BaseException as e:
-                self.error = e
-            finally:
-                self.free.put(chunk.buffer)
-                chunk.buffer = None
-                chunk.received.clear()
-                with self.done:
-                    self.in_flight -= 1
-                    self.done.notify_all()
+    def _run(self, chunk: _Chunk, copied) -> None:
+        try:
+            if self.error is None:
+                self._step_chunk(chunk, copied)
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.free.put(chunk.buffer)
+            chunk.buffer = None
+            chunk.received.clear()
+            with self.done:
+                self.in_flight -= 1
+                self.done.notify_all()
 
     def _step_chunk(self, chunk: _Chunk, copied) -> None:
         wait(copied)
@@ -192,3 +195,18 @@ class InBackwardOptimizer:
             error.add_note("raised in the offload=full CPU optimizer worker")
             raise error  # as is, so a host OutOfMemoryError is still recorded as an oom point
 
+
+@torch.no_grad()
+def _work(owner: weakref.ref, ready: queue.Queue) -> None:
+    """The CPU worker's loop: step each submitted chunk; ``None`` (put when the optimizer is collected) ends it."""
+    optimizer = owner()
+    if optimizer is None:
+        return
+    torch.set_num_threads(optimizer.num_threads)  # OpenMP's thread count is per calling thread
+    del optimizer
+    while (item := ready.get()) is not None:
+        optimizer = owner()
+        if optimizer is None:
+            return
+        optimizer._run(*item)
+        del optimizer
