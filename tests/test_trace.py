@@ -74,6 +74,46 @@ def test_cuda_timeline_by_kernel_scope_and_exposed_collective():
     assert b["other_names"] == pytest.approx({"mystery_kernel": 5e-6})
 
 
+def test_fused_op_kernels_split_into_expert_gemm_glue_and_exchange():
+    def launch(ts, correlation):
+        return _x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=correlation)
+
+    events = [
+        _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _x("moe_lab::fused_moe", 10, 60),
+        launch(11, 1), launch(12, 2), launch(13, 3), launch(14, 4),
+        _x("gather_rows_kernel", 20, 10, cat="kernel", tid=7, stream=7, correlation=1),
+        _x("void deep_gemm::sm90_bf16_gemm_impl<0u, 2048u>", 30, 20, cat="kernel", tid=7, stream=7, correlation=2),
+        _x("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS5_17GroupProblemShapeIN4cute", 50, 10,
+           cat="kernel", tid=7, stream=7, correlation=3),
+        _x("c10d::symmetric_memory::barrier_kernel(unsigned int**, int)", 60, 5, cat="kernel", tid=7, stream=7, correlation=4),
+    ]
+    b = breakdown(events)
+    want = {"dispatch_glue": 10, "expert_gemm": 30, "ep_all_to_all": 5, "idle": 55}
+    assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
+
+
+def test_compute_stream_waiting_on_offloaded_optimizer():
+    """offload=optimizer: state copies fill a side stream for longer than the compute stream's kernels run, and the
+    compute stream's wait for them is optimizer time; offload=full: the wait for a CPU thread's step is too."""
+    def launch(ts, correlation):
+        return _x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=correlation)
+
+    events = [
+        _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _x("aten::mm", 1, 2), launch(2, 1),
+        _x("Optimizer.step#StreamedStateOptimizer.step", 40, 30, cat="user_annotation"),
+        _x("aten::copy_", 41, 1), launch(41, 2),
+        _x("nvjet_tst_128x256", 5, 20, cat="kernel", tid=7, stream=7, correlation=1),
+        _x("Memcpy HtoD (Pinned -> Device)", 30, 40, cat="gpu_memcpy", tid=9, stream=9, correlation=2),
+        # a CPU thread's host optimizer step while the compute stream idles
+        _x("Optimizer.step#AdamW.step", 75, 15, tid=2),
+    ]
+    b = breakdown(events)
+    want = {"dense_gemm": 20, "optimizer": 55, "idle": 25}
+    assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
+
+
 def test_backward_op_takes_the_scope_of_its_forward_op():
     events = [
         _x("ProfilerStep#1", 0, 100, cat="user_annotation"),

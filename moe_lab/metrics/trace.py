@@ -5,8 +5,10 @@
 and TensorBoard). ``breakdown(trace)`` then partitions the recorded steps' time into the categories below and
 averages over them, so the parts sum to one step:
 
-- on CUDA, the compute stream's timeline: each kernel's time goes to its category; idle time on the compute stream
-  goes to the collective running on another stream at that moment (exposed communication), else to ``idle``;
+- on CUDA, the compute stream's timeline (the stream with the most kernel time): each kernel's time goes to its
+  category; idle time on the compute stream goes to the collective running on another stream at that moment
+  (exposed communication), or else to an optimizer working on another stream or on a CPU thread (offload), else to
+  ``idle``;
 - on CPU, the main thread's timeline: each op's self time goes to its category; time in no op goes to ``idle``
   (Python and launch overhead).
 
@@ -30,21 +32,26 @@ from types import SimpleNamespace
 import torch
 
 # In priority order: a grouped GEMM inside the dispatch scope is expert GEMM, an all-to-all inside it is all-to-all.
+# The fused dispatcher's op (moe_lab::fused_moe) is glue but for its GEMMs (DeepGEMM's, or torch._grouped_mm's
+# cutlass kernels, whose mangled names say GroupProblemShape) and its symmetric-memory barriers (the EP exchange).
 RULES = {
-    "ep_all_to_all": r"all_?to_?all|alltoall|sendrecv|exchange_counts",
+    "ep_all_to_all": r"all_?to_?all|alltoall|sendrecv|exchange_counts|symmetric_memory",
     "fsdp_all_gather": r"all_?gather",
     "fsdp_reduce_scatter": r"reduce_?scatter|post_backward_reduce",
     "attention": r"attention|flash|fmha|sdpa",
-    "expert_gemm": r"grouped|moe_lab::expert_compute",
+    "expert_gemm": r"grouped|GroupProblemShape|deep_gemm|moe_lab::expert_compute",
     "dense_gemm": r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|gemm|nvjet|cutlass|cublas|xmma",
     "optimizer": r"^optimizer\.|multi_tensor_apply|adam",
-    "dispatch_glue": r"moe_lab::dispatch",
+    "dispatch_glue": r"moe_lab::dispatch|moe_lab::fused_moe",
 }
 # Kernels that no op or scope explains: compiled blocks launch Inductor's Triton kernels outside any aten op, and
 # inside a decoder block the sorting / indexing / scattering ones are the dispatcher's (embedding and loss run eager).
 KERNEL_RULES = {"dispatch_glue": r"^triton_.*(sort|scatter|gather|index|bincount|cumsum|histc|topk|repeat_interleave)"}
 CATEGORIES = (*RULES, "idle", "other")
 COMMUNICATION = ("ep_all_to_all", "fsdp_all_gather", "fsdp_reduce_scatter")
+# What the compute stream can wait for: collectives on their streams, and an optimizer working elsewhere (offload:
+# state streamed on side streams, or stepped by a CPU thread while the GPU waits).
+WAITED_ON = (*COMMUNICATION, "optimizer")
 _PATTERNS = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in RULES.items()]
 _KERNEL_PATTERNS = _PATTERNS + [(name, re.compile(pattern)) for name, pattern in KERNEL_RULES.items()]
 _STEP = re.compile(r"^ProfilerStep#\d+$")
@@ -69,6 +76,8 @@ class StepProfiler:
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
                 on_trace_ready=lambda prof: prof.export_chrome_trace(str(self.path)),
+                # offload=full steps the optimizer in a CPU thread of its own, which the GPU may wait for
+                experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True),
             )
 
     @classmethod
@@ -203,15 +212,18 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
     in_step = [k for k in device_work if k["ts"] < end and k["ts"] + k["dur"] > start]
     busy = defaultdict(float)
     for k in in_step:
-        if not k["name"].startswith("nccl"):
+        if k["cat"] == "kernel" and not k["name"].startswith("nccl"):  # copies may fill a side stream for longer
             busy[k["args"].get("stream")] += k["dur"]
     compute_stream = max(busy, key=busy.get) if busy else None
     parts = defaultdict(float)
-    compute, collectives = [], []
+    compute, elsewhere = [], []
     for k in in_step:
         launch = ops.launch_by_correlation.get(k["args"].get("correlation"))
-        category = classify(k["name"]) if k["name"].startswith("nccl") else None
-        category = category or (ops.category(launch) if launch is not None else None) or classify(k["name"], _KERNEL_PATTERNS)
+        if k["name"].startswith("nccl"):
+            category = classify(k["name"])
+        else:  # the higher-priority of what its op and scopes say and what its own name says
+            found = {ops.category(launch) if launch is not None else None, classify(k["name"], _KERNEL_PATTERNS)}
+            category = next((c for c in RULES if c in found), None)
         category = category or "other"
         op = ops.parent[launch] if launch is not None else -1
         op_name = ops.events[op]["name"] if op != -1 else k["name"]
@@ -219,8 +231,11 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
         span = (max(k["ts"], start), min(k["ts"] + k["dur"], end), category, name)
         if k["args"].get("stream") == compute_stream:
             compute.append(span)
-        elif category in COMMUNICATION:
-            collectives.append(span)
+        elif category in WAITED_ON:
+            elsewhere.append(span)
+    for i, e in enumerate(ops.events):  # a host optimizer step (offload=full's CPU worker) the GPU may wait for
+        if e["cat"] == "cpu_op" and e["ts"] < end and e["ts"] + e["dur"] > start and ops.category(i) == "optimizer":
+            elsewhere.append((max(e["ts"], start), min(e["ts"] + e["dur"], end), "optimizer", e["name"]))
     compute.sort()
     gaps, cursor = [], start
     for lo, hi, category, name in compute:
@@ -232,9 +247,10 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
             cursor = hi
     if end > cursor:
         gaps.append((cursor, end))
-    # Idle stretches of the compute stream under a collective are that collective's exposed time (by priority).
-    for category in COMMUNICATION:
-        covered, gaps = _cover(gaps, _union([(lo, hi) for lo, hi, c, _ in collectives if c == category]))
+    # Idle stretches of the compute stream under a collective or an optimizer working elsewhere are its exposed
+    # time (by priority).
+    for category in WAITED_ON:
+        covered, gaps = _cover(gaps, _union([(lo, hi) for lo, hi, c, _ in elsewhere if c == category]))
         parts[(category, category)] += covered
     parts[("idle", "idle")] += sum(hi - lo for lo, hi in gaps)
     return parts
