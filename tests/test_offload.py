@@ -162,11 +162,25 @@ def test_offload_modes_match_none_world2_fsdp_ep2(monkeypatch):
         assert max(differences.values()) <= 1e-6, differences
 
 
-def test_training_loop_runs_full_offload(tmp_path):
-    cfg = compose_train(["offload=full", "trainer.steps=3", "trainer.warmup_steps=1"] + SMALL_CHUNKS)
+@pytest.mark.parametrize("mode", ["none", "optimizer", "full"])
+def test_training_loop_runs_and_leaves_nothing_behind(tmp_path, mode):
+    """A sweep runs its points in one process: once train() returns, no model or offload thread of it remains."""
+    import gc
+
+    from moe_lab.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    cfg = compose_train([f"offload={mode}", "trainer.steps=3", "trainer.warmup_steps=1"] + (SMALL_CHUNKS if mode != "none" else []))
     config.validate(cfg)
+    threads = set(threading.enumerate())
     metrics = train(cfg, tmp_path, torch.device("cpu"), 0, 1)
     assert metrics["final_loss"] < metrics["first_loss"]
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, Qwen3MoeForCausalLM)]
+    for thread in set(threading.enumerate()) - threads:
+        if thread.name == "tqdm_monitor":  # tqdm's own, shared by every progress bar
+            continue
+        thread.join(timeout=5)
+        assert not thread.is_alive(), thread.name
 
 
 # ---- rules ----
