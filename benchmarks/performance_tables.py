@@ -1,0 +1,146 @@
+"""The tables of docs/performance.md, regenerated from the committed raw results.
+
+    python benchmarks/performance_tables.py           # rewrite every generated table in docs/performance.md
+    python benchmarks/performance_tables.py --check   # exit 1 if the doc's tables differ from the results
+
+A generated table sits between ``<!-- table: NAME -->`` and ``<!-- /table -->`` in the doc; everything else in the
+doc is prose. Sweep directories are read with ``moe_lab.results.load``, the same loader the notebook uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from moe_lab.results import load
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+DOC = ROOT / "docs" / "performance.md"
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+BREAKDOWN = ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "ep_all_to_all", "fsdp_all_gather",
+             "fsdp_reduce_scatter", "optimizer", "idle", "other")  # fmt: skip
+
+
+def markdown(rows: list[list], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def pct(x) -> str:
+    return "" if x is None or pd.isna(x) else f"{100 * x:.1f} %"
+
+
+def num(x, fmt=",.0f") -> str:
+    return "" if x is None or pd.isna(x) else format(x, fmt)
+
+
+def torchtitan(gpus: int) -> dict[str, dict]:
+    """torchtitan's points on ``gpus`` GPUs by AC mode."""
+    points = json.loads((RESULTS / f"torchtitan_h200_{gpus}gpu.json").read_text())["points"]
+    return {p["ac"]: p for p in points if p["gpus"] == gpus and p["status"] == "ok"}
+
+
+def grid_table(gpus: int) -> str:
+    df = load(RESULTS / f"grid_30b_h200_{gpus}gpu")
+    titan = torchtitan(gpus)
+    rows = []
+    for _, r in df.iterrows():
+        ok = r["status"] == "ok"
+        base = titan.get(r["ac"])
+        ratio = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if ok and base else ""
+        rows.append([r["offload"], r["dispatcher"], r["ac"], r["status"], num(r.get("s_per_step"), ".3f"),
+                     num(r.get("tokens_per_s_per_gpu")), pct(r.get("mfu")), pct(r.get("mfu_executed")),
+                     num(r.get("peak_gpu_mem_gib"), ".1f"), num(r.get("peak_host_rss_gib"), ".1f"), ratio])  # fmt: skip
+    header = ["offload", "dispatcher", "ac", "status", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB",
+              "peak host GiB", "vs torchtitan (same ac)"]  # fmt: skip
+    return markdown(rows, header)
+
+
+def torchtitan_table() -> str:
+    rows = []
+    for gpus in (1, 2):
+        for ac, p in torchtitan(gpus).items():
+            rows.append([gpus, ac, num(p["s_per_step"], ".3f"), num(p["tokens_per_s_per_gpu"]), pct(p["mfu"]),
+                         pct(p["mfu_executed"]), num(p["peak_gpu_mem_reserved_gib"], ".1f")])  # fmt: skip
+    return markdown(rows, ["GPUs", "ac", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB (reserved)"])
+
+
+def breakdown_table() -> str:
+    rows = []
+    for gpus in (1, 2):
+        df = load(RESULTS / f"grid_30b_h200_{gpus}gpu")
+        for _, r in df[df["status"] == "ok"].iterrows():
+            parts = [r.get(f"time.{c}") for c in BREAKDOWN]
+            total = sum(p for p in parts if p is not None and not pd.isna(p))
+            rows.append([gpus, r["offload"], r["dispatcher"], r["ac"], *(num(1e3 * p, ".1f") for p in parts),
+                         num(1e3 * r["time.step_s"], ".1f"), num(1e3 * total, ".1f")])  # fmt: skip
+    header = ["GPUs", "offload", "dispatcher", "ac", *BREAKDOWN, "profiled step", "sum of parts"]
+    return markdown(rows, header)
+
+
+def moe_layer_table(ep: int) -> str:
+    data = json.loads((RESULTS / f"moe_layer_h200_ep{ep}.json").read_text())
+    rows = []
+    for p in data["points"]:
+        if "speedup" not in p:
+            continue
+        rows.append([p["model"].removeprefix("qwen3_").upper(), num(p["tokens_per_gpu"]), p["routing"], num(p["torch_ms"], ".2f"),
+                     num(p["fused_ms"], ".2f"), num(p["torch_tflops"]), num(p["fused_tflops"]), f"{p['speedup']:.2f}x"])  # fmt: skip
+    header = ["shape", "tokens/GPU", "routing", "torch ms", "fused ms", "torch TFLOP/s", "fused TFLOP/s", "speedup"]
+    return markdown(rows, header)
+
+
+def offload_depth_table() -> str:
+    data = json.loads((RESULTS / "offload_gpu_h200.json").read_text())
+    rows = []
+    for mode in ("none", "optimizer", "full"):
+        at4 = next((p for p in data["points"] if p["mode"] == mode and p["num_layers"] == 4), None)
+        search = data["search"].get(mode, {})
+        fits, fails = search.get("largest_fitting_num_layers"), search.get("smallest_failing_num_layers")
+        deepest = f"{fits} (fails at {fails})" if search.get("exact") else f">= {fits} (not searched further)"
+        rows.append([mode, num(at4["s_per_step"], ".3f"), num(at4["peak_gpu_mem_gib"], ".1f"), num(at4["peak_host_rss_gib"], ".1f"), deepest])
+    return markdown(rows, ["offload", "s/step (4 layers)", "peak GPU GiB", "peak host GiB", "deepest proxy that fits one H200"])
+
+
+TABLES = {
+    "grid-2gpu": lambda: grid_table(2),
+    "grid-1gpu": lambda: grid_table(1),
+    "torchtitan": torchtitan_table,
+    "breakdown": breakdown_table,
+    "moe-layer-ep1": lambda: moe_layer_table(1),
+    "moe-layer-ep2": lambda: moe_layer_table(2),
+    "offload-depth": offload_depth_table,
+}
+
+
+def render(doc: str) -> str:
+    def table(m: re.Match) -> str:
+        if m["name"] not in TABLES:
+            raise KeyError(f"{DOC.name}: no generator for table {m['name']!r} (known: {', '.join(TABLES)})")
+        return m.group(1) + TABLES[m["name"]]() + m.group(4)
+
+    return BLOCK.sub(table, doc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if the doc's tables are not what the results give")
+    args = parser.parse_args()
+    doc = DOC.read_text()
+    new = render(doc)
+    if args.check:
+        if new != doc:
+            sys.exit(f"{DOC} is out of date with results/: run python benchmarks/performance_tables.py")
+        return
+    DOC.write_text(new)
+
+
+if __name__ == "__main__":
+    main()
