@@ -46,7 +46,7 @@ from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
 from moe_lab.models.qwen3_moe import count_parameters
 from moe_lab.optim.host import local
-from moe_lab.parallel import parallelize
+from moe_lab.parallel import compile_loss, parallelize
 from moe_lab.results.record import RESULT, MetricsLog, environment, failure, is_done, read_result, write_json_atomic
 
 log = logging.getLogger("moe_lab")
@@ -110,6 +110,7 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
 def dry_run(cfg: DictConfig) -> dict:
     model_cfg = instantiate(cfg.model)
     total, active = count_parameters(model_cfg)
+    loss_fn = compile_loss(lm_loss) if cfg.trainer.compile else lm_loss
     fpt = flops_per_token(model_cfg, cfg.data.seq_len)
     summary = {"total_params": total, "active_params": active, "flops_per_token": fpt["shared"]}
     print(
@@ -198,6 +199,7 @@ def train(
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if bf16 and world == 1 else nullcontext()
 
+    loss_fn = compile_loss(lm_loss) if cfg.trainer.compile else lm_loss
     fpt = flops_per_token(model_cfg, cfg.data.seq_len)
     peak = peak_flops(device, cfg.trainer.peak_flops)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
@@ -212,7 +214,7 @@ def train(
         inputs, labels = (t.to(device, non_blocking=True) for t in data.batch(step, dp_rank))
         with autocast:
             logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        loss = loss_fn(logits, labels)
         loss.backward()
         grad_norm = clip_grad_norm(model, cfg.trainer.grad_clip) if cfg.trainer.grad_clip else None
         optimizer.step()
@@ -257,6 +259,11 @@ def train(
     if rank == 0:
         print(summary_line(metrics))
     return metrics
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
 def lr_factor(step: int, trainer) -> float:

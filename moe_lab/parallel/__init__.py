@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
-from moe_lab.parallel.compile import apply_compile
+from moe_lab.parallel.compile import apply_compile, compile_loss
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from moe_lab.parallel.fsdp import apply_fsdp
 from moe_lab.parallel.mesh import build_meshes

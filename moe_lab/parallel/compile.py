@@ -1,4 +1,5 @@
-"""torch.compile per decoder block, after activation checkpointing and before FSDP (as in torchtitan).
+"""torch.compile per decoder block, after activation checkpointing and before FSDP (as in torchtitan), and of the
+loss.
 
 The block's ``forward`` is compiled, not its ``__call__``: FSDP2's hooks stay outside the graph and parameter names
 are unchanged (no ``_orig_mod.`` prefix). Each block is one graph (``fullgraph=True``; the dispatcher's collectives
@@ -14,3 +15,10 @@ def apply_compile(model) -> None:
     torch._dynamo.reset()
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, fullgraph=True)
+
+
+def compile_loss(loss_fn):
+    """The loss as one graph (torchtitan compiles it too): the upcast of the logits and the log-softmax over the
+    vocabulary fuse, so no fp32 copy of the [tokens, vocab] logits is materialised (10 GB and about 25 ms of copies
+    and softmax kernels per step at seq 16384 with Qwen3's 151,936-token vocabulary on an H200)."""
+    return torch.compile(loss_fn, fullgraph=True)
