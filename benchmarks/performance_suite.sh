@@ -8,7 +8,10 @@
 #              (FSDP2 + EP2); the MoE-layer benchmark at EP=2
 #   one_gpu    grid_30b on GPU 0 (dispatcher x ac x offload) while GPU 1 runs torchtitan's one-GPU points, then the
 #              one-GPU tests of the fused dispatcher and the trace breakdown
-#   depth      the fused dispatcher's EP=2 GPU test, then the offload depth search (deepest proxy per mode)
+#   depth      the fused dispatcher's EP=2 GPU test, then the offload depth search (deepest proxy per mode; a mode
+#              already resolved in results/offload_gpu_h200.json is not searched again)
+#   seq8192    grid_30b's offload=none points at seq 8192 on 2 GPUs, torchtitan beside them, and the routing-skew
+#              study's two ends (Zipf 0.5 and 2.0) with each dispatcher at seq 16384
 set -uo pipefail
 phase=$1
 out=$(realpath -m "$2")
@@ -28,7 +31,7 @@ two_gpu)
   pack grid_30b_2gpu "$work/grid_30b_2gpu"
   timeout 170 python3 benchmarks/torchtitan_baseline.py --seq-lens 16384 --points 2:full,2:selective --timeout 80 \
     --out "$out/torchtitan_h200_2gpu.json"
-  timeout 60 torchrun --nproc_per_node 2 benchmarks/moe_layer.py --gemm auto --tokens 8192,16384 \
+  timeout 150 torchrun --nproc_per_node 2 benchmarks/moe_layer.py --gemm auto --tokens 8192,16384 \
     --out "$out/moe_layer_h200_ep2.json"
   ;;
 one_gpu)
@@ -46,11 +49,21 @@ one_gpu)
 depth)
   timeout 90 python3 -m pytest -m gpu tests/test_fused_gpu.py -q -rs -p no:cacheprovider -k expert_parallel_2
   cp results/offload_gpu_h200.json "$out/offload_gpu_h200.json"
-  timeout 330 python3 benchmarks/offload_gpu.py --phase search --modes full,optimizer --budget-s 300 \
+  timeout 330 python3 benchmarks/offload_gpu.py --phase search --modes optimizer,full --budget-s 300 \
     --point-timeout-s 150 --out "$out/offload_gpu_h200.json"
   ;;
+seq8192)
+  timeout 260 python3 -m moe_lab.train -m +experiment=grid_30b offload=none data.seq_len=8192 \
+    trainer.nproc_per_node=2 parallel.ep=2 hydra.sweep.dir="$work/grid_30b_2gpu_seq8192"
+  pack grid_30b_2gpu_seq8192 "$work/grid_30b_2gpu_seq8192"
+  timeout 150 python3 benchmarks/torchtitan_baseline.py --seq-lens 8192 --points 2:full,2:selective --timeout 70 \
+    --out "$out/torchtitan_h200_2gpu_seq8192.json"
+  timeout 170 python3 -m moe_lab.train -m +experiment=routing_skew model.routing_skew=0.5,2.0 dispatcher=torch,fused \
+    ac=selective hydra.sweep.dir="$work/routing_skew_2gpu"
+  pack routing_skew_2gpu "$work/routing_skew_2gpu"
+  ;;
 *)
-  echo "unknown phase $phase (two_gpu, one_gpu, depth)" >&2
+  echo "unknown phase $phase (two_gpu, one_gpu, depth, seq8192)" >&2
   exit 2
   ;;
 esac

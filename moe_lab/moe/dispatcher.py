@@ -28,6 +28,33 @@ class TokenDispatcher(Protocol):
     def validate(self, cfg) -> None: ...
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, perm, inverse, repeats):
+        ctx.save_for_backward(inverse)
+        ctx.repeats = repeats
+        return x.index_select(0, perm // repeats if repeats > 1 else perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        if ctx.repeats > 1:
+            grad = grad.view(-1, ctx.repeats, grad.shape[-1]).sum(dim=1)
+        return grad, None, None, None
+
+
+def gather_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+    """``x.repeat_interleave(repeats, 0)[perm]`` for a permutation ``perm`` with inverse ``inverse``, without the
+    repeated copy. Its backward is a gather and a sum over the repeats: autograd's own for an index with repeated
+    rows is a scatter-add, whose bf16 atomics contend at top-8 (38 ms of a 323 ms H200 step at seq 16384)."""
+    return _GatherRows.apply(x, perm, inverse, repeats)
+
+
 class TorchDispatcher:
     """All-to-all over the EP group with plain PyTorch ops and grouped GEMMs.
 
@@ -56,15 +83,15 @@ class TorchDispatcher:
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # (token, k) slots sorted by global expert
+        unorder = inverse_permutation(order)
         tokens_per_expert = torch.bincount(flat_ids, minlength=experts.num_experts)
-        # index_select, not x[idx]: its backward is an index_add, where advanced indexing's backward sorts indices.
-        routed = x.index_select(0, order // top_k)
+        routed = gather_rows(x, order, unorder, top_k)
         if self.ep_size == 1:
             out = experts.compute(routed, tokens_per_expert)
         else:
             out = self._exchange_and_compute(routed, tokens_per_expert, experts)
         # Back to (token, k) order, weight, and sum over k.
-        unsorted = out.index_select(0, torch.argsort(order))
+        unsorted = gather_rows(out, unorder, order)
         return (unsorted.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1)
 
     def _exchange_and_compute(self, routed, tokens_per_expert, experts):
@@ -79,8 +106,9 @@ class TorchDispatcher:
             torch.arange(ep * local, device=routed.device), recv_per_expert, output_size=received.shape[0]
         )
         perm = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        out = experts.compute(received.index_select(0, perm), recv_per_expert.view(ep, local).sum(0))
-        out = out.index_select(0, torch.argsort(perm))
+        unperm = inverse_permutation(perm)
+        out = experts.compute(gather_rows(received, perm, unperm), recv_per_expert.view(ep, local).sum(0))
+        out = gather_rows(out, unperm, perm)
         return all_to_all_rows(out, recv_rows, send_rows, name)
 
 
