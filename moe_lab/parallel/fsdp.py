@@ -1,4 +1,4 @@
-"""FSDP2 per decoder block; experts on their own sub-mesh."""
+"""FSDP2 per decoder block, embedding, and final norm + LM head; experts on their own sub-mesh."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype) -> None:
     resharded when it ends (the block's pre-backward hook gathers them again before recompute and backward).
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Embedding, blocks, and final norm + LM head each their own group (as torchtitan does): the head's gradient
+    # (1.2 GB fp32 for Qwen3's vocabulary) is reduce-scattered while the blocks' backward runs, not after it, and
+    # the head stays gathered from its forward into backward, which starts with it.
+    fully_shard(model.model.embed_tokens, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
     for layer in model.model.layers:
         experts = layer.mlp.experts
         fully_shard(experts, mesh=meshes.expert_shard, mp_policy=policy, reshard_after_forward=True)
@@ -28,6 +32,7 @@ def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype) -> None:
             experts.set_force_sum_reduction_for_comms(True)
         _hook_at(layer, fully_shard.state(experts))
         fully_shard(layer, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
+    fully_shard([model.model.norm, model.lm_head], mesh=meshes.dense, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
 
 
