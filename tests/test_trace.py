@@ -45,10 +45,11 @@ def _x(name, ts, dur, cat="cpu_op", tid=1, **args):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
 
 
-def test_cuda_timeline_by_kernel_scope_and_exposed_collective():
-    def launch(ts, correlation):
-        return _x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=correlation)
+def launch(ts, correlation):
+    return _x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=correlation)
 
+
+def test_cuda_timeline_by_kernel_scope_and_exposed_collective():
     events = [
         _x("ProfilerStep#3", 0, 100, cat="user_annotation"),
         _x("aten::mm", 10, 5),
@@ -75,9 +76,6 @@ def test_cuda_timeline_by_kernel_scope_and_exposed_collective():
 
 
 def test_fused_op_kernels_split_into_expert_gemm_glue_and_exchange():
-    def launch(ts, correlation):
-        return _x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=correlation)
-
     events = [
         _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
         _x("moe_lab::fused_moe", 10, 60),
@@ -96,9 +94,6 @@ def test_fused_op_kernels_split_into_expert_gemm_glue_and_exchange():
 def test_compute_stream_waiting_on_offloaded_optimizer():
     """offload=optimizer: state copies fill a side stream for longer than the compute stream's kernels run, and the
     compute stream's wait for them is optimizer time; offload=full: the wait for a CPU thread's step is too."""
-    def launch(ts, correlation):
-        return _x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=correlation)
-
     events = [
         _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
         _x("aten::mm", 1, 2), launch(2, 1),
