@@ -11,8 +11,10 @@ finishes them):
    the chunk's pinned transfer buffer, then frees the device gradient;
 2. when the chunk's last gradient is queued, a CPU worker thread waits for the copies, widens the gradients into an
    fp32 scratch buffer and steps the chunk's optimizer (torch's fused, vectorised, multi-threaded CPU kernel);
-3. it writes the new weights into the same transfer buffer and copies them host -> device on another side stream.
-``step()`` waits for the worker to finish every chunk. At most ``max_inflight`` transfer buffers exist; a hook that
+3. it writes the new weights into the same transfer buffer and copies them host -> device on another side stream,
+   and moves on to the next chunk without waiting for that copy: the next gradients copied into the buffer are
+   ordered after it on the GPU.
+``step()`` waits for the worker to finish every chunk and orders the compute stream after the weights' copies. At most ``max_inflight`` transfer buffers exist; a hook that
 finds none free, or a ``step()`` that waits longer than ``timeout_s``, raises instead of hanging.
 """
 
@@ -83,8 +85,8 @@ class InBackwardOptimizer:
 
         pinned = device.type == "cuda"
         self.free: queue.Queue = queue.Queue()
-        for _ in range(buffers):
-            self.free.put(host_empty(largest, compute_dtype, pinned, "offload=full transfer buffers"))
+        for _ in range(buffers):  # (buffer, event after which its last weights have left it)
+            self.free.put((host_empty(largest, compute_dtype, pinned, "offload=full transfer buffers"), None))
         self.grad_scratch = host_empty(largest, torch.float32, False, "offload=full fp32 gradient buffer")
         self.d2h, self.h2d = SideStream(device), SideStream(device)
 
@@ -129,12 +131,15 @@ class InBackwardOptimizer:
 
     def _take_buffer(self) -> torch.Tensor:
         try:
-            return self.free.get(timeout=self.timeout_s)
+            buffer, weights_sent = self.free.get(timeout=self.timeout_s)
         except queue.Empty:
             raise TimeoutError(
                 f"offload=full: no free transfer buffer after {self.timeout_s} s (offload.timeout_s): the CPU "
                 f"optimizer worker is stuck or far behind backward (offload.max_inflight buffers are all in use)"
             ) from None
+        if weights_sent is not None:
+            self.d2h.stream.wait_event(weights_sent)  # gradients go in once the last chunk's weights have left
+        return buffer
 
     def _submit(self, chunk: _Chunk) -> None:
         with self.done:
@@ -142,20 +147,21 @@ class InBackwardOptimizer:
         self.ready.put((chunk, self.d2h.record()))
 
     def _run(self, chunk: _Chunk, copied) -> None:
+        weights_sent = None
         try:
             if self.error is None:
-                self._step_chunk(chunk, copied)
+                weights_sent = self._step_chunk(chunk, copied)
         except BaseException as e:
             self.error = e
         finally:
-            self.free.put(chunk.buffer)
+            self.free.put((chunk.buffer, weights_sent))
             chunk.buffer = None
             chunk.received.clear()
             with self.done:
                 self.in_flight -= 1
                 self.done.notify_all()
 
-    def _step_chunk(self, chunk: _Chunk, copied) -> None:
+    def _step_chunk(self, chunk: _Chunk, copied):
         wait(copied)
         buffer = chunk.buffer[: chunk.numel]
         grad = self.grad_scratch[: chunk.numel]
@@ -166,7 +172,7 @@ class InBackwardOptimizer:
         buffer.copy_(chunk.master)
         for p, (offset, size) in chunk.offsets.items():
             self.h2d.copy(local(p).view(-1), buffer[offset : offset + size], after_current=False)
-        wait(self.h2d.record())  # the buffer is free again only once the weights are on the device
+        return self.h2d.record()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -174,6 +180,8 @@ class InBackwardOptimizer:
         steps with a zero gradient), then wait for the worker."""
         for chunk in self.chunks:
             if chunk.received and len(chunk.received) < len(chunk.params):
+                if self.h2d.stream is not None:  # a host write: the buffer's last weights must have left it
+                    self.h2d.stream.synchronize()
                 for p in chunk.params:
                     if p not in chunk.received:
                         offset, size = chunk.offsets[p]
@@ -184,6 +192,8 @@ class InBackwardOptimizer:
         self._raise_worker_error()
         if not finished:
             raise TimeoutError(f"offload=full: {self.in_flight} chunk(s) not stepped after {self.timeout_s} s (offload.timeout_s)")
+        if self.h2d.stream is not None:  # the next forward reads the new weights
+            torch.cuda.current_stream(self.h2d.stream.device).wait_stream(self.h2d.stream)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
