@@ -8,7 +8,7 @@
 #              (FSDP2 + EP2); the MoE-layer benchmark at EP=2
 #   one_gpu    grid_30b on GPU 0 (dispatcher x ac x offload) while GPU 1 runs torchtitan's one-GPU points, then the
 #              one-GPU tests of the fused dispatcher, the trace breakdown and the offload modes
-#   depth      the fused dispatcher's EP=2 GPU test, then the offload depth search (deepest proxy per mode; a mode
+#   depth      the two-GPU tests (fused dispatcher at EP=2, distinct experts per EP rank), then the offload depth search (deepest proxy per mode; a mode
 #              already resolved in results/offload_gpu_h200.json is not searched again)
 #   seq8192    grid_30b's offload=none points at seq 8192 on 2 GPUs, torchtitan beside them, and the routing-skew
 #              study's two ends (Zipf 0.5 and 2.0) with each dispatcher at seq 16384
@@ -47,7 +47,8 @@ one_gpu)
   pack grid_30b_1gpu "$work/grid_30b_1gpu"
   ;;
 depth)
-  timeout 90 python3 -m pytest -m gpu tests/test_fused_gpu.py -q -rs -p no:cacheprovider -k expert_parallel_2
+  timeout 120 python3 -m pytest -m gpu tests/test_fused_gpu.py tests/test_distributed_training.py -q -rs \
+    -p no:cacheprovider -k "expert_parallel_2 or different_experts"
   cp results/offload_gpu_h200.json "$out/offload_gpu_h200.json"
   timeout 330 python3 benchmarks/offload_gpu.py --phase search --modes optimizer,full --budget-s 300 \
     --point-timeout-s 150 --out "$out/offload_gpu_h200.json"

@@ -180,20 +180,10 @@ def train(
     logger: NoLogger = NoLogger(),
     profiler: StepProfiler = StepProfiler.off(),
 ) -> dict:
-    torch.manual_seed(cfg.trainer.seed)
     model_cfg = instantiate(cfg.model)
     bf16 = computes_in_bf16(cfg.trainer)
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
-
-    with torch.device("meta"):
-        model = model_cfg.build()
-    parallelize(model, cfg, device, compute_dtype)
-    model.to_empty(device=device)
-    if cfg.trainer.init_checkpoint:
-        load_hf_checkpoint(model, cfg.trainer.init_checkpoint)
-    else:
-        torch.manual_seed(cfg.trainer.seed + rank)
-        model.init_weights()
+    model = build_model(cfg, device, rank, compute_dtype)
     optimizer = instantiate(cfg.offload).build(model, instantiate(cfg.optimizer), compute_dtype)
     data = instantiate(cfg.data)
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
@@ -259,6 +249,24 @@ def train(
     if rank == 0:
         print(summary_line(metrics))
     return metrics
+
+
+def build_model(cfg: DictConfig, device: torch.device, rank: int, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """The configured model, parallelised, on ``device``: from ``trainer.init_checkpoint``, or initialised shard by
+    shard from this rank's generator (DTensor's own random ops on CUDA draw every rank from rank 0's seed at each
+    shard's offset in its tensor, which would give the experts of different EP ranks, separate tensors of one
+    shape, the same values)."""
+    torch.manual_seed(cfg.trainer.seed)
+    with torch.device("meta"):
+        model = instantiate(cfg.model).build()
+    parallelize(model, cfg, device, compute_dtype)
+    model.to_empty(device=device)
+    if cfg.trainer.init_checkpoint:
+        load_hf_checkpoint(model, cfg.trainer.init_checkpoint)
+    else:
+        torch.manual_seed(cfg.trainer.seed + rank)
+        model.init_weights({name: local(p) for name, p in model.named_parameters()})
+    return model
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks (CPU processes) and collect what each returns."""
+"""Run a function on N gloo ranks (CPU processes), or N NCCL ranks on N GPUs, and collect what each returns."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import torch.multiprocessing as mp
 from moe_lab.launch.launcher import free_port
 
 
-def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         queue.put((rank, "ok", fn(*args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -25,15 +27,15 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:
-    """``fn(*args)`` on ``world`` gloo ranks; returns the per-rank results in rank order. ``fn`` must be importable
+def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
+    """``fn(*args)`` on ``world`` gloo ranks (or NCCL ranks, one GPU each); returns the per-rank results in rank order. ``fn`` must be importable
     (module level) and its results picklable without shared memory — numpy arrays or plain values, not tensors (a
     tensor's shared-memory segment disappears when its rank exits); a rank's exception is re-raised here with its
     traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}

@@ -67,3 +67,38 @@ def test_mesh_shapes_train_like_one_rank(tmp_path):
     for name, run in runs.items():
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), name
+
+
+def _first_expert_rows(device_type: str, world: int) -> list[float]:
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab import config
+    from moe_lab.optim.host import local
+    from moe_lab.train import build_model
+
+    config.register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"parallel.ep={world}"])
+    rank = torch.distributed.get_rank()
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    model = build_model(cfg, device, rank, torch.float32)
+    return local(model.model.layers[0].mlp.experts.gate_up_proj)[0, 0, :8].cpu().tolist()
+
+
+def _assert_distinct_experts(device_type: str, backend: str) -> None:
+    from tests.distributed import run_world
+
+    rows = run_world(2, _first_expert_rows, device_type, 2, backend=backend)
+    assert rows[0] != rows[1], "EP ranks start from equal experts"
+
+
+def test_ep_ranks_start_from_different_experts():
+    """Each EP rank's local experts are its own draw, not a copy of another rank's (they are separate tensors of one
+    shape: a random op seeded alike on every rank would repeat the first rank's experts on the others)."""
+    _assert_distinct_experts("cpu", "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ep_ranks_start_from_different_experts_on_gpu():
+    _assert_distinct_experts("cuda", "nccl")  # where DTensor's random ops would sync every rank to rank 0's seed

@@ -29,8 +29,7 @@ from moe_lab.optim import numa
 from moe_lab.optim.host import check_host_memory, local
 from moe_lab.optim.in_backward import InBackwardOptimizer
 from moe_lab.optim.optimizers import SignSGD
-from moe_lab.parallel import parallelize
-from moe_lab.train import lr_factor, train
+from moe_lab.train import build_model, lr_factor, train
 from tests.distributed import run_world
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -53,14 +52,8 @@ def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> 
     device = torch.device(device)
     bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and device.type == "cuda")
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = instantiate(cfg.model).build()
-    parallelize(model, cfg, device, compute_dtype)
-    model.to_empty(device=device)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    torch.manual_seed(rank)
-    model.init_weights()
+    model = build_model(cfg, device, rank, compute_dtype)
     optimizer = instantiate(cfg.offload).build(model, instantiate(cfg.optimizer), compute_dtype)
     data = instantiate(cfg.data)
     for step in range(steps):

@@ -159,15 +159,17 @@ class Qwen3MoeForCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids))
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) for matrices, ones for norms; output projections scaled by depth (GPT-2 style)."""
+    def init_weights(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Normal(0, init_std) for matrices, ones for norms; output projections scaled by depth (GPT-2 style).
+        ``tensors``: what to fill, by parameter name; the parameters themselves by default (a caller that has split
+        the parameters passes the pieces it holds)."""
         out_std = self.config.init_std / math.sqrt(2 * self.config.num_layers)
-        for name, p in self.named_parameters():
+        for name, p in (dict(self.named_parameters()) if tensors is None else tensors).items():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 std = out_std if name.endswith(("o_proj.weight", "down_proj")) else self.config.init_std
-                p.normal_(0.0, std, generator=generator)
+                p.normal_(0.0, std)
 
 
 def count_parameters(cfg: Qwen3MoeConfig) -> tuple[int, int]:
