@@ -110,7 +110,6 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
 def dry_run(cfg: DictConfig) -> dict:
     model_cfg = instantiate(cfg.model)
     total, active = count_parameters(model_cfg)
-    loss_fn = compile_loss(lm_loss) if cfg.trainer.compile else lm_loss
     fpt = flops_per_token(model_cfg, cfg.data.seq_len)
     summary = {"total_params": total, "active_params": active, "flops_per_token": fpt["shared"]}
     print(

@@ -333,11 +333,13 @@ def test_collected_optimizer_ends_its_worker_and_frees_its_host_state():
     loss.backward()
     optimizer.step()
     worker, collected, master = optimizer.worker, weakref.ref(optimizer), weakref.ref(optimizer.chunks[0].master)
-    del model, loss, optimizer
+    del loss, optimizer
     gc.collect()
     worker.join(timeout=5)
     assert collected() is None and master() is None
     assert not worker.is_alive()
+    model(torch.randn(4, 8)).sum().backward()  # a model that outlives its optimizer still trains, unstepped
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_each_sweep_point_reports_its_own_peak_host_memory():

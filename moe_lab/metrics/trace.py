@@ -219,8 +219,8 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
     compute, elsewhere = [], []
     for k in in_step:
         launch = ops.launch_by_correlation.get(k["args"].get("correlation"))
-        if k["name"].startswith("nccl"):
-            category = classify(k["name"])
+        if k["name"].startswith("nccl"):  # by its own name first: NCCL kernels say which collective they are
+            category = classify(k["name"]) or (ops.category(launch) if launch is not None else None)
         else:  # the higher-priority of what its op and scopes say and what its own name says
             found = {ops.category(launch) if launch is not None else None, classify(k["name"], _KERNEL_PATTERNS)}
             category = next((c for c in RULES if c in found), None)

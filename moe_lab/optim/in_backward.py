@@ -59,7 +59,7 @@ class InBackwardOptimizer:
         """``params`` still hold their fp32 initial values: they become the masters. The caller casts the device
         parameters to ``compute_dtype`` afterwards and then calls ``attach()``."""
         self.params = [p for p in params if p.requires_grad]
-        device = local(self.params[0]).device
+        self.device = device = local(self.params[0]).device
         self.timeout_s, self.num_threads = timeout_s, num_threads
         groups = chunked(reversed(self.params), chunk_numel)
         total = sum(local(p).numel() for p in self.params)
@@ -105,8 +105,13 @@ class InBackwardOptimizer:
         # Through a weak reference: autograd keeps hooks where Python's garbage collector cannot see them, so a bound
         # method would keep this optimizer (and its host state) alive as long as the parameters.
         owner = weakref.WeakMethod(self._on_grad)
+
+        def on_grad(p: nn.Parameter) -> None:
+            if (hook := owner()) is not None:  # an optimizer that is gone steps nothing
+                hook(p)
+
         for p in self.params:
-            p.register_post_accumulate_grad_hook(lambda p: owner()(p))
+            p.register_post_accumulate_grad_hook(on_grad)
 
     def master_weights(self) -> list[torch.Tensor]:
         """fp32 master of each parameter (views of host memory), in parameter order."""
@@ -147,22 +152,23 @@ class InBackwardOptimizer:
         self.ready.put((chunk, self.d2h.record()))
 
     def _run(self, chunk: _Chunk, copied) -> None:
-        weights_sent = None
         try:
+            wait(copied)  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
             if self.error is None:
-                weights_sent = self._step_chunk(chunk, copied)
+                with torch.profiler.record_function("optimizer.offload_full_chunk"):
+                    self._step_chunk(chunk)
         except BaseException as e:
             self.error = e
         finally:
-            self.free.put((chunk.buffer, weights_sent))
+            # Reused once the weights queued from it have left (and after a failure, whatever was queued).
+            self.free.put((chunk.buffer, self.h2d.record()))
             chunk.buffer = None
             chunk.received.clear()
             with self.done:
                 self.in_flight -= 1
                 self.done.notify_all()
 
-    def _step_chunk(self, chunk: _Chunk, copied):
-        wait(copied)
+    def _step_chunk(self, chunk: _Chunk) -> None:
         buffer = chunk.buffer[: chunk.numel]
         grad = self.grad_scratch[: chunk.numel]
         grad.copy_(buffer)
@@ -172,7 +178,6 @@ class InBackwardOptimizer:
         buffer.copy_(chunk.master)
         for p, (offset, size) in chunk.offsets.items():
             self.h2d.copy(local(p).view(-1), buffer[offset : offset + size], after_current=False)
-        return self.h2d.record()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -213,6 +218,8 @@ def _work(owner: weakref.ref, ready: queue.Queue) -> None:
     if optimizer is None:
         return
     torch.set_num_threads(optimizer.num_threads)  # OpenMP's thread count is per calling thread
+    if optimizer.device.type == "cuda":
+        torch.cuda.set_device(optimizer.device)  # else its stream switches would open a context on GPU 0
     del optimizer
     while (item := ready.get()) is not None:
         optimizer = owner()
