@@ -10,6 +10,7 @@ doc is prose. Sweep directories are read with ``moe_lab.results.load``, the same
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -17,14 +18,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.results import load
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 DOC = ROOT / "docs" / "performance.md"
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
-BREAKDOWN = ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "ep_all_to_all", "fsdp_all_gather",
-             "fsdp_reduce_scatter", "optimizer", "idle", "other")  # fmt: skip
 
 
 def markdown(rows: list[list], header: list[str]) -> str:
@@ -41,6 +41,13 @@ def num(x, fmt=",.0f") -> str:
     return "" if x is None or pd.isna(x) else format(x, fmt)
 
 
+@functools.cache
+def grid(gpus: int) -> pd.DataFrame:
+    """The grid_30b sweep on ``gpus`` GPUs, one row per point."""
+    return load(RESULTS / f"grid_30b_h200_{gpus}gpu")
+
+
+@functools.cache
 def torchtitan(gpus: int) -> dict[str, dict]:
     """torchtitan's points on ``gpus`` GPUs by AC mode."""
     points = json.loads((RESULTS / f"torchtitan_h200_{gpus}gpu.json").read_text())["points"]
@@ -48,7 +55,7 @@ def torchtitan(gpus: int) -> dict[str, dict]:
 
 
 def grid_table(gpus: int) -> str:
-    df = load(RESULTS / f"grid_30b_h200_{gpus}gpu")
+    df = grid(gpus)
     titan = torchtitan(gpus)
     rows = []
     for _, r in df.iterrows():
@@ -75,13 +82,13 @@ def torchtitan_table() -> str:
 def breakdown_table() -> str:
     rows = []
     for gpus in (1, 2):
-        df = load(RESULTS / f"grid_30b_h200_{gpus}gpu")
+        df = grid(gpus)
         for _, r in df[df["status"] == "ok"].iterrows():
-            parts = [r.get(f"time.{c}") for c in BREAKDOWN]
+            parts = [r.get(f"time.{c}") for c in CATEGORIES]
             total = sum(p for p in parts if p is not None and not pd.isna(p))
             rows.append([gpus, r["offload"], r["dispatcher"], r["ac"], *(num(1e3 * p, ".1f") for p in parts),
                          num(1e3 * r["time.step_s"], ".1f"), num(1e3 * total, ".1f")])  # fmt: skip
-    header = ["GPUs", "offload", "dispatcher", "ac", *BREAKDOWN, "profiled step", "sum of parts"]
+    header = ["GPUs", "offload", "dispatcher", "ac", *CATEGORIES, "profiled step", "sum of parts"]
     return markdown(rows, header)
 
 

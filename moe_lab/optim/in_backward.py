@@ -14,8 +14,9 @@ finishes them):
 3. it writes the new weights into the same transfer buffer and copies them host -> device on another side stream,
    and moves on to the next chunk without waiting for that copy: the next gradients copied into the buffer are
    ordered after it on the GPU.
-``step()`` waits for the worker to finish every chunk and orders the compute stream after the weights' copies. At most ``max_inflight`` transfer buffers exist; a hook that
-finds none free, or a ``step()`` that waits longer than ``timeout_s``, raises instead of hanging.
+``step()`` waits for the worker to finish every chunk and orders the compute stream after the weights' copies.
+At most ``max_inflight`` transfer buffers exist; a hook that finds none free, or a ``step()`` that waits longer than
+``timeout_s``, raises instead of hanging.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class InBackwardOptimizer:
         self.done = threading.Condition()
         self.error: BaseException | None = None
         # The worker holds the optimizer only while it steps a chunk, and ends once the optimizer is collected: a
-        # sweep that runs its points in one process frees each point's host state before the next point builds its own.
+        # sweep that runs its points in one process frees each point's host state before the next point builds
+        # its own.
         self.worker = threading.Thread(target=_work, args=(weakref.ref(self), self.ready), name="offload-full-step", daemon=True)
         weakref.finalize(self, self.ready.put, None)
         self.worker.start()
