@@ -167,3 +167,14 @@ def test_forced_routing_is_a_traceable_function_of_the_token_index(routing):
         assert load[0] > 5 * load[-1]
     compiled = torch.compile(lambda n: router.forced_ids(n, torch.device("cpu")), fullgraph=True, dynamic=True)
     assert torch.equal(compiled(T), ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_forced_routing_compiles_for_cuda_to_the_eager_ids(routing):
+    """Inductor's Triton code for the routing hash gives the eager CPU ids (its 32-bit constants once overflowed an
+    int32 index expression there), at the 30B proxy's shape."""
+    E, K, T = 128, 8, 16384
+    router = Router(8, E, K, norm_topk_prob=True, routing=routing, routing_skew=0.5, seed=3)
+    compiled = torch.compile(lambda n: router.forced_ids(n, torch.device("cuda")), fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(T).cpu(), router.forced_ids(T, torch.device("cpu")))

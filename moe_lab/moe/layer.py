@@ -54,7 +54,9 @@ class Router(nn.Module):
             return ids.view(num_tokens, self.top_k)
         # Gumbel-top-k: K distinct experts per token drawn with probability proportional to (e + 1) ** -skew, the
         # uniforms coming from an integer hash of (token, expert, seed) instead of a random generator.
-        slot = torch.arange(num_tokens * self.num_experts, device=device, dtype=torch.int64)
+        # The slot index as a scan, not an arange: Inductor (torch 2.11) folds arithmetic on an arange into an int32
+        # Triton index expression, where the hash's 32-bit constants do not fit.
+        slot = torch.ones(num_tokens * self.num_experts, device=device, dtype=torch.int64).cumsum(0) - 1
         uniform = (_hash32(slot, self.seed) >> 8).float().add_(0.5).div_(2.0**24).view(num_tokens, self.num_experts)
         log_law = -self.routing_skew * torch.log(torch.arange(1, self.num_experts + 1, device=device, dtype=torch.float32))
         return torch.topk(log_law - torch.log(-torch.log(uniform)), self.top_k, dim=-1).indices
