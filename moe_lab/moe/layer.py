@@ -54,17 +54,17 @@ class Router(nn.Module):
             return ids.view(num_tokens, self.top_k)
         # Gumbel-top-k: K distinct experts per token drawn with probability proportional to (e + 1) ** -skew, the
         # uniforms coming from an integer hash of (token, expert, seed) instead of a random generator.
-        # The slot index as a scan, not an arange: Inductor (torch 2.11) folds arithmetic on an arange into an int32
-        # Triton index expression, where the hash's 32-bit constants do not fit.
-        slot = torch.ones(num_tokens * self.num_experts, device=device, dtype=torch.int64).cumsum(0) - 1
+        slot = torch.arange(num_tokens * self.num_experts, device=device, dtype=torch.int64)
         uniform = (_hash32(slot, self.seed) >> 8).float().add_(0.5).div_(2.0**24).view(num_tokens, self.num_experts)
         log_law = -self.routing_skew * torch.log(torch.arange(1, self.num_experts + 1, device=device, dtype=torch.float32))
         return torch.topk(log_law - torch.log(-torch.log(uniform)), self.top_k, dim=-1).indices
 
 
 def _hash32(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """A 32-bit integer mixing hash (int64 arithmetic, no overflow): uniform-looking bits from consecutive ints."""
-    x = (x * 0x9E3779B1 + (seed + 1) * 0x85EBCA77) & 0xFFFFFFFF
+    """A 32-bit integer mixing hash (int64 arithmetic, no overflow): uniform-looking bits from consecutive ints.
+    The seed is mixed in by XOR first: Inductor (torch 2.11) folds multiply-adds on an arange into an int32 Triton
+    index expression, where 32-bit constants do not fit; an XOR makes it a value."""
+    x = ((x ^ (((seed + 1) * 0x85EBCA77) & 0xFFFFFFFF)) * 0x9E3779B1) & 0xFFFFFFFF
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     return (x >> 16) ^ x
