@@ -42,23 +42,22 @@ def num(x, fmt=",.0f") -> str:
 
 
 @functools.cache
-def grid(gpus: int) -> pd.DataFrame:
-    """The grid_30b sweep on ``gpus`` GPUs, one row per point."""
-    return load(RESULTS / f"grid_30b_h200_{gpus}gpu")
+def grid(sweep: str) -> pd.DataFrame:
+    """A grid_30b sweep directory under results/, one row per point."""
+    return load(RESULTS / sweep)
 
 
 @functools.cache
-def torchtitan(gpus: int) -> dict[str, dict]:
-    """torchtitan's points on ``gpus`` GPUs by AC mode."""
-    points = json.loads((RESULTS / f"torchtitan_h200_{gpus}gpu.json").read_text())["points"]
-    return {p["ac"]: p for p in points if p["gpus"] == gpus and p["status"] == "ok"}
+def torchtitan(name: str) -> dict[str, dict]:
+    """torchtitan's successful points in results/NAME.json by AC mode (one GPU count and seq per file)."""
+    points = json.loads((RESULTS / f"{name}.json").read_text())["points"]
+    return {p["ac"]: p for p in points if p["status"] == "ok"}
 
 
-def grid_table(gpus: int) -> str:
-    df = grid(gpus)
-    titan = torchtitan(gpus)
+def grid_table(sweep: str, baseline: str) -> str:
+    titan = torchtitan(baseline)
     rows = []
-    for _, r in df.iterrows():
+    for _, r in grid(sweep).iterrows():
         ok = r["status"] == "ok"
         base = titan.get(r["ac"])
         ratio = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if ok and base else ""
@@ -70,19 +69,38 @@ def grid_table(gpus: int) -> str:
     return markdown(rows, header)
 
 
-def torchtitan_table() -> str:
+def torchtitan_table(names: list[str]) -> str:
+    rows = []
+    for name in names:
+        for ac, p in torchtitan(name).items():
+            rows.append([p["gpus"], num(p["seq_len"]), ac, num(p["s_per_step"], ".3f"), num(p["tokens_per_s_per_gpu"]),
+                         pct(p["mfu"]), pct(p["mfu_executed"]), num(p["peak_gpu_mem_reserved_gib"], ".1f"), f"`{name}.json`"])  # fmt: skip
+    header = ["GPUs", "seq", "ac", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB (reserved)", "raw"]
+    return markdown(rows, header)
+
+
+def changes_table(before: str) -> str:
+    """offload=none tokens/s/GPU of the earlier sitting (sweeps and torchtitan files suffixed ``_BEFORE``) beside
+    this page's, per GPU count: what the changes since then bought, with torchtitan as the run-to-run yardstick."""
     rows = []
     for gpus in (1, 2):
-        for ac, p in torchtitan(gpus).items():
-            rows.append([gpus, ac, num(p["s_per_step"], ".3f"), num(p["tokens_per_s_per_gpu"]), pct(p["mfu"]),
-                         pct(p["mfu_executed"]), num(p["peak_gpu_mem_reserved_gib"], ".1f")])  # fmt: skip
-    return markdown(rows, ["GPUs", "ac", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB (reserved)"])
+        old, new = grid(f"grid_30b_h200_{gpus}gpu_{before}"), grid(f"grid_30b_h200_{gpus}gpu")
+        key = ["offload", "dispatcher", "ac"]
+        both = old.merge(new, on=key, suffixes=("_before", "_now"))
+        for _, r in both[both["offload"] == "none"].iterrows():
+            a, b = r["tokens_per_s_per_gpu_before"], r["tokens_per_s_per_gpu_now"]
+            rows.append([gpus, "moe_lab", r["dispatcher"], r["ac"], num(a), num(b), f"{b / a:.2f}x"])
+        titan_old, titan_new = torchtitan(f"torchtitan_h200_{gpus}gpu_{before}"), torchtitan(f"torchtitan_h200_{gpus}gpu")
+        for ac in titan_new:
+            a, b = titan_old[ac]["tokens_per_s_per_gpu"], titan_new[ac]["tokens_per_s_per_gpu"]
+            rows.append([gpus, "torchtitan", "", ac, num(a), num(b), f"{b / a:.2f}x"])
+    return markdown(rows, ["GPUs", "framework", "dispatcher", "ac", f"tokens/s/GPU at {before}", "tokens/s/GPU now", "now / before"])
 
 
 def breakdown_table() -> str:
     rows = []
     for gpus in (1, 2):
-        df = grid(gpus)
+        df = grid(f"grid_30b_h200_{gpus}gpu")
         for _, r in df[df["status"] == "ok"].iterrows():
             parts = [r.get(f"time.{c}") for c in CATEGORIES]
             total = sum(p for p in parts if p is not None and not pd.isna(p))
@@ -92,8 +110,8 @@ def breakdown_table() -> str:
     return markdown(rows, header)
 
 
-def moe_layer_table(ep: int) -> str:
-    data = json.loads((RESULTS / f"moe_layer_h200_ep{ep}.json").read_text())
+def moe_layer_table(name: str) -> str:
+    data = json.loads((RESULTS / f"{name}.json").read_text())
     rows = []
     for p in data["points"]:
         if "speedup" not in p:
@@ -117,12 +135,15 @@ def offload_depth_table() -> str:
 
 
 TABLES = {
-    "grid-2gpu": lambda: grid_table(2),
-    "grid-1gpu": lambda: grid_table(1),
-    "torchtitan": torchtitan_table,
+    "grid-2gpu": lambda: grid_table("grid_30b_h200_2gpu", "torchtitan_h200_2gpu"),
+    "grid-1gpu": lambda: grid_table("grid_30b_h200_1gpu", "torchtitan_h200_1gpu"),
+    "grid-2gpu-seq8192": lambda: grid_table("grid_30b_h200_2gpu_seq8192", "torchtitan_h200_2gpu_seq8192"),
+    "torchtitan": lambda: torchtitan_table(["torchtitan_h200_1gpu", "torchtitan_h200_2gpu", "torchtitan_h200_2gpu_seq8192"]),
+    "changes": lambda: changes_table("6e11ad8"),
     "breakdown": breakdown_table,
-    "moe-layer-ep1": lambda: moe_layer_table(1),
-    "moe-layer-ep2": lambda: moe_layer_table(2),
+    "moe-layer-ep1": lambda: moe_layer_table("moe_layer_h200_ep1"),
+    "moe-layer-ep2": lambda: moe_layer_table("moe_layer_h200_ep2"),
+    "moe-layer-ep2-before": lambda: moe_layer_table("moe_layer_h200_ep2_3166bb1"),
     "offload-depth": offload_depth_table,
 }
 

@@ -90,8 +90,10 @@ class TorchDispatcher:
             out = experts.compute(routed, tokens_per_expert)
         else:
             out = self._exchange_and_compute(routed, tokens_per_expert, experts)
-        # Back to (token, k) order, weight, and sum over k.
-        unsorted = gather_rows(out, unorder, order)
+        # Back to (token, k) order, weight, and sum over k. This gather and the two in _exchange_and_compute are
+        # plain: a permutation's backward scatter-add has no repeated rows to contend on, and torch 2.11 fails to
+        # compile gather_rows' backward over EP's data-dependent row counts under selective AC.
+        unsorted = out.index_select(0, unorder)
         return (unsorted.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1)
 
     def _exchange_and_compute(self, routed, tokens_per_expert, experts):
@@ -106,9 +108,8 @@ class TorchDispatcher:
             torch.arange(ep * local, device=routed.device), recv_per_expert, output_size=received.shape[0]
         )
         perm = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        unperm = inverse_permutation(perm)
-        out = experts.compute(gather_rows(received, perm, unperm), recv_per_expert.view(ep, local).sum(0))
-        out = gather_rows(out, unperm, perm)
+        out = experts.compute(received.index_select(0, perm), recv_per_expert.view(ep, local).sum(0))
+        out = out.index_select(0, inverse_permutation(perm))
         return all_to_all_rows(out, recv_rows, send_rows, name)
 
 
