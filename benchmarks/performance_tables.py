@@ -89,7 +89,8 @@ def changes_table(before: str) -> str:
         both = old.merge(new, on=key, suffixes=("_before", "_now"))
         for _, r in both[both["offload"] == "none"].iterrows():
             a, b = r["tokens_per_s_per_gpu_before"], r["tokens_per_s_per_gpu_now"]
-            rows.append([gpus, "moe_lab", r["dispatcher"], r["ac"], num(a), num(b), f"{b / a:.2f}x"])
+            ratio = "" if pd.isna(a) or pd.isna(b) else f"{b / a:.2f}x"
+            rows.append([gpus, "moe_lab", r["dispatcher"], r["ac"], num(a) or r["status_before"], num(b) or r["status_now"], ratio])
         titan_old, titan_new = torchtitan(f"torchtitan_h200_{gpus}gpu_{before}"), torchtitan(f"torchtitan_h200_{gpus}gpu")
         for ac in titan_new:
             a, b = titan_old[ac]["tokens_per_s_per_gpu"], titan_new[ac]["tokens_per_s_per_gpu"]
