@@ -7,7 +7,7 @@
 #   two_gpu    grid_30b's dispatcher x ac at offload=none on 2 GPUs (dp_shard 2 x ep 2); torchtitan 0.2.2 beside it
 #              (FSDP2 + EP2); the MoE-layer benchmark at EP=2
 #   one_gpu    grid_30b on GPU 0 (dispatcher x ac x offload) while GPU 1 runs torchtitan's one-GPU points, then the
-#              one-GPU tests of the fused dispatcher, the trace breakdown and the offload modes
+#              one-GPU tests of the fused dispatcher, the trace breakdown, the offload modes and forced routing
 #   depth      the two-GPU tests (fused dispatcher at EP=2, distinct experts per EP rank), then the offload depth search (deepest proxy per mode; a mode
 #              already resolved in results/offload_gpu_h200.json is not searched again)
 #   seq8192    grid_30b's offload=none points at seq 8192 on 2 GPUs, torchtitan beside them, and the routing-skew
@@ -39,7 +39,7 @@ one_gpu)
     export CUDA_VISIBLE_DEVICES=1
     timeout 250 python3 benchmarks/torchtitan_baseline.py --seq-lens 16384 --points 1:full,1:selective --timeout 120 \
       --out "$out/torchtitan_h200_1gpu.json"
-    timeout 270 python3 -m pytest -m gpu tests/test_fused_gpu.py tests/test_trace.py tests/test_offload.py -q -rs \
+    timeout 270 python3 -m pytest -m gpu tests/test_fused_gpu.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py -q -rs \
       -p no:cacheprovider -k "not expert_parallel_2"
   ) > "$out/lane_gpu1.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=0 timeout 520 python3 -m moe_lab.train -m +experiment=grid_30b hydra.sweep.dir="$work/grid_30b_1gpu"
