@@ -104,6 +104,10 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # Offload's pinned host buffers go back to PyTorch's pinned-block cache, which keeps them (tens of GiB)
+        # for reuse; a next point with other sizes would pin beside them. (torch 2.13 made this public.)
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache
+        empty_host_cache()
     return result if result is not None else read_result(run_dir)
 
 
