@@ -80,7 +80,7 @@ def torchtitan_table(names: list[str]) -> str:
 
 
 def changes_table(before: str) -> str:
-    """offload=none tokens/s/GPU of the earlier sitting (sweeps and torchtitan files suffixed ``_BEFORE``) beside
+    """offload=none tokens/s/GPU of the earlier sitting (sweeps and torchtitan files with the suffix ``_{before}``) beside
     this page's, per GPU count: what the changes since then bought, with torchtitan as the run-to-run yardstick."""
     rows = []
     for gpus in (1, 2):
