@@ -48,7 +48,7 @@ class _GatherRows(torch.autograd.Function):
         return grad, None, None, None
 
 
-def gather_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, repeats: int) -> torch.Tensor:
     """``x.repeat_interleave(repeats, 0)[perm]`` for a permutation ``perm`` with inverse ``inverse``, without the
     repeated copy. Its backward is a gather and a sum over the repeats: autograd's own for an index with repeated
     rows is a scatter-add, whose bf16 atomics contend at top-8 (38 ms of a 323 ms H200 step at seq 16384)."""
