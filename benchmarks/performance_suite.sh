@@ -10,8 +10,8 @@
 #              one-GPU tests of the fused dispatcher, the trace breakdown, the offload modes and forced routing
 #   depth      the two-GPU tests (fused dispatcher at EP=2, distinct experts per EP rank), then the offload depth search (deepest proxy per mode; a mode
 #              already resolved in results/offload_gpu_h200.json is not searched again)
-#   seq8192    grid_30b's offload=none points at seq 8192 on 2 GPUs, torchtitan beside them, and the routing-skew
-#              study's two ends (Zipf 0.5 and 2.0) with each dispatcher at seq 16384
+#   seq8192    grid_30b's offload=none points at seq 8192 on 2 GPUs, torchtitan beside them
+#   routing_skew  the routing-skew study's two ends (Zipf 0.5 and 2.0) with each dispatcher at seq 16384 on 2 GPUs
 set -uo pipefail
 phase=$1
 out=$(realpath -m "$2")
@@ -59,12 +59,14 @@ seq8192)
   pack grid_30b_2gpu_seq8192 "$work/grid_30b_2gpu_seq8192"
   timeout 150 python3 benchmarks/torchtitan_baseline.py --seq-lens 8192 --points 2:full,2:selective --timeout 70 \
     --out "$out/torchtitan_h200_2gpu_seq8192.json"
+  ;;
+routing_skew)
   timeout 170 python3 -m moe_lab.train -m +experiment=routing_skew model.routing_skew=0.5,2.0 dispatcher=torch,fused \
     ac=selective hydra.sweep.dir="$work/routing_skew_2gpu"
   pack routing_skew_2gpu "$work/routing_skew_2gpu"
   ;;
 *)
-  echo "unknown phase $phase (two_gpu, one_gpu, depth, seq8192)" >&2
+  echo "unknown phase $phase (two_gpu, one_gpu, depth, seq8192, routing_skew)" >&2
   exit 2
   ;;
 esac

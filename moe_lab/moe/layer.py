@@ -62,9 +62,11 @@ class Router(nn.Module):
 
 def _hash32(x: torch.Tensor, seed: int) -> torch.Tensor:
     """A 32-bit integer mixing hash (int64 arithmetic, no overflow): uniform-looking bits from consecutive ints.
-    The seed is mixed in by XOR first: Inductor (torch 2.11) folds multiply-adds on an arange into an int32 Triton
-    index expression, where 32-bit constants do not fit; an XOR makes it a value."""
-    x = ((x ^ (((seed + 1) * 0x85EBCA77) & 0xFFFFFFFF)) * 0x9E3779B1) & 0xFFFFFFFF
+    The seed is XORed in first, as an int64 tensor: Inductor (torch 2.11) folds multiply-adds on an arange into an
+    int32 index expression, where 32-bit constants do not fit, and types a symbolic int seed (each layer has its own,
+    so compile makes it dynamic) as float32 in a bitwise op."""
+    seed_bits = torch.full((), ((seed + 1) * 0x85EBCA77) & 0xFFFFFFFF, dtype=torch.int64, device=x.device)
+    x = ((x ^ seed_bits) * 0x9E3779B1) & 0xFFFFFFFF
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     return (x >> 16) ^ x
