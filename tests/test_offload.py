@@ -128,8 +128,9 @@ def test_offload_modes_on_gpu(optimizer):
     the fused CPU kernel and its reference with the fused CUDA one; where their last-bit difference flips a bf16
     weight, that weight's later gradients differ, and AdamW's normalised update moves it by up to about lr per step
     whatever the gradient's size (5 of 32768 embedding entries by up to 3.0e-3 after 4 steps on an H200, with
-    lr summing to 3.0e-3). So: 99.9 % of the masters within 1e-5, all within twice the summed lr; a missed copy or a
-    stale weight moves most entries by far more than 1e-5."""
+    lr summing to 3.0e-3), and the flipped weights change every later gradient a little (18 % of the masters
+    beyond 1e-5 on an H200). So: the median master within 1e-5, all within twice the summed lr; a missed copy or a
+    stale weight moves most entries by about lr (1e-3), far more than 1e-5."""
     cuda = ["trainer.device=cuda", f"optimizer={optimizer}"]
     none = run_steps(cuda + ["offload=none"], device="cuda")
     assert_all_close(run_steps(cuda + ["offload=optimizer"] + SMALL_CHUNKS, device="cuda"), none, atol=1e-6)
@@ -138,7 +139,7 @@ def test_offload_modes_on_gpu(optimizer):
     cfg = compose_train([f"trainer.steps={STEPS}"] + cuda)
     assert_all_close(actual, expected, atol=2 * sum(cfg.optimizer.lr * lr_factor(s, cfg.trainer) for s in range(STEPS)))
     differences = torch.cat([(a - e).abs().flatten() for a, e in zip(actual, expected)])
-    assert (differences <= 1e-5).float().mean() >= 0.999
+    assert differences.median() <= 1e-5
 
 
 def _world2_max_differences(optimizer: str) -> dict:

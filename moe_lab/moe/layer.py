@@ -54,10 +54,15 @@ class Router(nn.Module):
             return ids.view(num_tokens, self.top_k)
         # Gumbel-top-k: K distinct experts per token drawn with probability proportional to (e + 1) ** -skew, the
         # uniforms coming from an integer hash of (token, expert, seed) instead of a random generator.
-        slot = torch.arange(num_tokens * self.num_experts, device=device, dtype=torch.int64)
-        uniform = (_hash32(slot, self.seed) >> 8).float().add_(0.5).div_(2.0**24).view(num_tokens, self.num_experts)
         log_law = -self.routing_skew * torch.log(torch.arange(1, self.num_experts + 1, device=device, dtype=torch.float32))
-        return torch.topk(log_law - torch.log(-torch.log(uniform)), self.top_k, dim=-1).indices
+        gumbel = -torch.log(-torch.log(self.hashed_uniforms(num_tokens, device)))
+        return torch.topk(log_law + gumbel, self.top_k, dim=-1).indices
+
+    def hashed_uniforms(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """(num_tokens, num_experts) uniforms in (0, 1) from 24 hashed bits each: exact in float32, so they are
+        the same on every device and backend (the logs after them may differ in the last bit)."""
+        slot = torch.arange(num_tokens * self.num_experts, device=device, dtype=torch.int64)
+        return (_hash32(slot, self.seed) >> 8).float().add_(0.5).div_(2.0**24).view(num_tokens, self.num_experts)
 
 
 def _hash32(x: torch.Tensor, seed: int) -> torch.Tensor:
