@@ -61,7 +61,7 @@ seq8192)
     --out "$out/torchtitan_h200_2gpu_seq8192.json"
   ;;
 routing_skew)
-  timeout 170 python3 -m moe_lab.train -m +experiment=routing_skew model.routing_skew=0.5,2.0 dispatcher=torch,fused \
+  timeout 280 python3 -m moe_lab.train -m +experiment=routing_skew model.routing_skew=0.5,2.0 dispatcher=torch,fused \
     ac=selective hydra.sweep.dir="$work/routing_skew_2gpu"
   pack routing_skew_2gpu "$work/routing_skew_2gpu"
   ;;

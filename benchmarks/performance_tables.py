@@ -111,6 +111,29 @@ def breakdown_table() -> str:
     return markdown(rows, header)
 
 
+def routing_table(balanced: str, skewed: list[str]) -> str:
+    """offload=none, ac=selective on 2 GPUs: the balanced grid's points beside the routing-skew sweeps' (a point
+    that failed in one sweep and ran in a later one shows once, as run), with each dispatcher's share of the step
+    in expert GEMMs and the EP all-to-all, and fused over torch at each routing."""
+    grid_points = grid(balanced)
+    points = grid_points[(grid_points["offload"] == "none") & (grid_points["ac"] == "selective")].assign(routing="balanced")
+    for sweep in skewed:
+        points = pd.concat([points, grid(sweep).assign(routing=lambda d: "Zipf " + d["model.routing_skew"].astype(str))])
+    points = points.sort_values("status", key=lambda s: s != "ok").drop_duplicates(["routing", "dispatcher"])
+    rows = []
+    for routing in points["routing"].unique():
+        pair = points[points["routing"] == routing].set_index("dispatcher")
+        for dispatcher, r in pair.sort_index(ascending=False).iterrows():
+            ratio = pair["tokens_per_s_per_gpu"].get("fused", float("nan")) / pair["tokens_per_s_per_gpu"].get("torch", float("nan"))
+            rows.append([routing, dispatcher, r["status"], num(r.get("s_per_step"), ".3f"), num(r.get("tokens_per_s_per_gpu")),
+                         pct(r.get("mfu")), num(1e3 * r.get("time.expert_gemm"), ".1f"), num(1e3 * r.get("time.ep_all_to_all"), ".1f"),
+                         num(r.get("peak_gpu_mem_gib"), ".1f"), "" if pd.isna(ratio) else f"{ratio:.2f}x",
+                         f"`{Path(r['run_dir']).parent.name}`"])  # fmt: skip
+    header = ["routing", "dispatcher", "status", "s/step", "tokens/s/GPU", "MFU", "expert GEMM ms", "EP all-to-all ms",
+              "peak GPU GiB", "fused / torch", "raw"]  # fmt: skip
+    return markdown(rows, header)
+
+
 def moe_layer_table(name: str) -> str:
     data = json.loads((RESULTS / f"{name}.json").read_text())
     rows = []
@@ -142,6 +165,7 @@ TABLES = {
     "torchtitan": lambda: torchtitan_table(["torchtitan_h200_1gpu", "torchtitan_h200_2gpu", "torchtitan_h200_2gpu_seq8192"]),
     "changes": lambda: changes_table("6e11ad8"),
     "breakdown": breakdown_table,
+    "routing": lambda: routing_table("grid_30b_h200_2gpu", ["routing_skew_h200_2gpu", "routing_skew_h200_2gpu_rerun"]),
     "moe-layer-ep1": lambda: moe_layer_table("moe_layer_h200_ep1"),
     "moe-layer-ep2": lambda: moe_layer_table("moe_layer_h200_ep2"),
     "moe-layer-ep2-before": lambda: moe_layer_table("moe_layer_h200_ep2_3166bb1"),
