@@ -123,8 +123,9 @@ def routing_table(balanced: str, skewed: list[str]) -> str:
     rows = []
     for routing in points["routing"].unique():
         pair = points[points["routing"] == routing].set_index("dispatcher")
+        speed = pair["tokens_per_s_per_gpu"]
+        ratio = speed.get("fused", float("nan")) / speed.get("torch", float("nan"))
         for dispatcher, r in pair.sort_index(ascending=False).iterrows():
-            ratio = pair["tokens_per_s_per_gpu"].get("fused", float("nan")) / pair["tokens_per_s_per_gpu"].get("torch", float("nan"))
             rows.append([routing, dispatcher, r["status"], num(r.get("s_per_step"), ".3f"), num(r.get("tokens_per_s_per_gpu")),
                          pct(r.get("mfu")), num(1e3 * r.get("time.expert_gemm"), ".1f"), num(1e3 * r.get("time.ep_all_to_all"), ".1f"),
                          num(r.get("peak_gpu_mem_gib"), ".1f"), "" if pd.isna(ratio) else f"{ratio:.2f}x",
