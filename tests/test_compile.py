@@ -23,7 +23,7 @@ from moe_lab.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.parallel import parallelize
 from tests.distributed import run_world
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
 LAYERS = 2  # the tiny model
 # Per block and step, the torch dispatcher runs 3 all-to-alls forward (counts, tokens out, tokens back) and 2
 # backward (the token exchanges' gradients); full AC re-runs the 3 forward ones to recompute the block.
