@@ -104,6 +104,13 @@ BAD = [
     (["data.batch_size=0"], {}, "data.batch_size"),
     (["model.hidden_size=60"], {}, "model.hidden_size"),  # the torch dispatcher's grouped GEMM alignment
     (["trainer.grad_clip=-1"], {}, "trainer.grad_clip"),
+    (["data.vocab_size=0"], {}, "data.vocab_size"),
+    (["optimizer.weight_decay=-1"], {}, "optimizer.weight_decay"),
+    (["optimizer.betas=[0.9,2.0]"], {}, "optimizer.betas"),
+    (["optimizer.eps=-1"], {}, "optimizer.eps"),
+    (["optimizer.lr=inf"], {}, "optimizer.lr"),
+    (["trainer.init_checkpoint=/nonexistent/checkpoint"], {}, "trainer.init_checkpoint"),
+    (["trainer.init_checkpoint=''"], {}, "trainer.init_checkpoint"),
 ]
 
 
@@ -130,6 +137,19 @@ def test_bad_override_fails_naming_its_key(overrides, env, key, monkeypatch):
         assert kind == f"validate:{key}", message  # ConfigError.key is the offending key
         assert message.startswith(f"{key}: ")
     assert key in message, message
+
+
+def test_validation_returns_the_options_it_built():
+    """Validation builds each option once and hands it over: the trainer builds nothing from the config again."""
+    options = config.validate(compose_train(["dispatcher=fused", "offload=optimizer"]))
+    assert type(options.dispatcher).__name__ == "FusedDispatcher" and type(options.offload).__name__ == "OptimizerOffload"
+    assert options.model.num_layers == 2 and options.data.seq_len == 128
+
+
+def test_huge_vocabulary_fails_without_allocating_it():
+    """Building the data option allocates nothing per vocabulary entry before its size is checked."""
+    kind, message = failure(["model.vocab_size=20000000000", "data.vocab_size=20000000001"])
+    assert kind == "validate:data.vocab_size", message
 
 
 def test_unknown_option_lists_the_allowed_ones():

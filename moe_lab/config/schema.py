@@ -1,5 +1,7 @@
-"""Structured schema of the top-level config. Group options (model, dispatcher, ...) are checked against the
+"""Structured schema of the top-level config: the one source of the trainer / parallel / profile defaults (train.yaml
+holds only the defaults list and Hydra's settings). Group options (model, dispatcher, ...) are checked against the
 signature of the class their ``_target_`` names (``moe_lab.config.validate``), so each option's class is its schema.
+Each field's ``help`` is what ``python -m moe_lab.train --help`` prints for it.
 """
 
 from __future__ import annotations
@@ -10,36 +12,52 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 
+def _key(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainerConfig:
-    steps: int = 100
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    grad_clip: Optional[float] = None  # max global grad norm; null disables clipping
-    timing_skip: int = 2  # first steps excluded from s/step (compile, allocator warm-up)
-    nproc_per_node: int = 1  # ranks this job starts itself; ignored under an outer torchrun / srun
-    device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-    compile: bool = False  # torch.compile each decoder block
-    seed: int = 0
-    dry_run: bool = False  # build on the meta device, print parameter counts, stop
-    init_checkpoint: Optional[str] = None  # Hugging Face safetensors directory to load
-    peak_flops: Optional[float] = None  # per-GPU peak FLOP/s for MFU; null looks the GPU up
-    skip_done: bool = True  # in a sweep, skip points whose directory already holds an ok result of the same overrides
+    steps: int = _key(100, "optimizer steps of the run")
+    warmup_steps: int = _key(10, "linear LR warmup steps, then cosine decay to the last step")
+    min_lr_ratio: float = _key(0.1, "cosine decays to optimizer.lr * min_lr_ratio")
+    grad_clip: Optional[float] = _key(None, "max global gradient norm; null disables clipping")
+    timing_skip: int = _key(2, "first steps left out of s/step (compile, allocator warm-up)")
+    nproc_per_node: int = _key(1, "ranks this job starts itself; ignored under an outer torchrun / srun")
+    device: str = _key("auto", "auto | cpu | cuda")
+    precision: str = _key("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32")
+    compile: bool = _key(False, "torch.compile each decoder block (fullgraph) and the loss")
+    seed: int = _key(0, "initial weights: the same seed gives the same model on every mesh shape")
+    dry_run: bool = _key(False, "build on the meta device, print parameter counts, stop")
+    init_checkpoint: Optional[str] = _key(None, "Hugging Face safetensors directory to start from")
+    peak_flops: Optional[float] = _key(None, "per-GPU peak FLOP/s for MFU; null looks the GPU up")
+    skip_done: bool = _key(True, "in a sweep, skip points whose directory holds an ok result of the same config")
 
 
 @dataclass
 class ParallelConfig:
-    dp_shard: int = -1  # ranks the dense weights are sharded over (FSDP2); -1 means all ranks
-    ep: int = 1  # expert-parallel degree, borrowed from dp_shard
+    dp_shard: int = _key(-1, "ranks the dense weights are sharded over (FSDP2); -1 means all ranks")
+    ep: int = _key(1, "expert-parallel degree, borrowed from dp_shard (EP groups are consecutive ranks)")
 
 
 @dataclass
 class ProfileConfig:
-    enabled: bool = False  # torch.profiler over a window of steps: a trace per rank + a time breakdown in the result
-    wait: int = 2  # steps skipped before the window (compile, allocator warm-up)
-    warmup: int = 1  # steps traced but discarded (profiler start-up)
-    active: int = 2  # steps recorded; the breakdown is their mean
+    enabled: bool = _key(False, "torch.profiler over a window of steps: a trace per rank + a time breakdown")
+    wait: int = _key(2, "steps skipped before the window (compile, allocator warm-up)")
+    warmup: int = _key(1, "steps traced but discarded (profiler start-up)")
+    active: int = _key(2, "steps recorded; the breakdown is their mean")
+
+
+# One line per config group, for --help (the options' own lines come from their classes' docstrings).
+GROUPS = {
+    "model": "the Qwen3-MoE shape (model.num_layers cuts a proxy of the published depth)",
+    "dispatcher": "how tokens reach their experts and come back",
+    "ac": "activation checkpointing per decoder block",
+    "offload": "where weights and optimizer state live",
+    "optimizer": "the optimizer (a torch.optim class, built per parameter chunk by the offload mode)",
+    "data": "training batches",
+    "logger": "experiment logger on rank 0, beside metrics.jsonl and result.json",
+}
 
 
 @dataclass

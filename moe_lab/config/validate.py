@@ -1,63 +1,47 @@
-"""Validation of a composed config, before anything is built or allocated.
+"""Validation of a composed config, before any model is built or memory allocated; it returns the options it built,
+so that nothing is built twice.
 
 Three layers, each failing with one ``ConfigError`` that names the key:
 1. top-level and schema-section keys against the structured schema; every group node against the signature of the
    class its ``_target_`` names (unknown keys, types, allowed literal values);
-2. cross-field rules (mesh vs world size, experts vs EP, sequence vs rope range, ...);
-3. each option built (its constructor's checks) and its own ``validate(cfg)`` hook (dispatcher, activation
-   checkpointing, offload, data).
+2. cross-field rules on plain values (mesh vs world size, experts vs EP, sequence vs rope range, ...);
+3. each option built once (its constructor's checks) and its own ``validate(cfg)`` hook for the cross-group rules
+   it owns (dispatcher, activation checkpointing, offload).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
+import math
 import types
 import typing
+from pathlib import Path
 
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import get_object, instantiate
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from moe_lab.config.errors import ConfigError
-from moe_lab.config.schema import TrainConfig
+from moe_lab.config.options import Options, build_options
+from moe_lab.config.runtime import computes_in_bf16, runs_on_cuda, world_size  # noqa: F401  (the last two: until importers move to runtime)
+from moe_lab.config.schema import GROUPS, TrainConfig
 
-GROUPS = ("model", "dispatcher", "ac", "offload", "optimizer", "data", "logger")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
+CHECKPOINT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
-def world_size(cfg: DictConfig) -> int:
-    """Ranks of this job: an outer launcher's WORLD_SIZE, else the ranks the job starts itself."""
-    return int(os.environ.get("WORLD_SIZE", cfg.trainer.nproc_per_node))
-
-
-def runs_on_cuda(trainer) -> bool:
-    """The job's device is a GPU: ``trainer.device`` cuda, or auto on a machine with CUDA."""
-    return trainer.device != "cpu" and torch.cuda.is_available()
-
-
-def computes_in_bf16(trainer) -> bool:
-    """bf16 compute: ``trainer.precision`` bf16, or auto on a GPU (fp32 on CPU)."""
-    return trainer.precision == "bf16" or (trainer.precision == "auto" and runs_on_cuda(trainer))
-
-
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig) -> Options:
+    """Check ``cfg`` and return its options, built."""
     check_known_keys(cfg)
     for group in GROUPS:
         check_target_node(group, cfg[group])
     check_rules(cfg)
-    for group in ("dispatcher", "ac", "offload", "data"):  # building an option runs its constructor's checks
-        try:
-            option = instantiate(cfg[group])
-        except InstantiationException as e:
-            if isinstance(e.__cause__, ConfigError):
-                raise e.__cause__ from None  # Hydra wraps what a constructor raises
-            raise
-        if hasattr(option, "validate"):
-            option.validate(cfg)
+    options = build_options(cfg)
+    for option in options.with_rules():
+        option.validate(cfg)
+    return options
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -166,8 +150,8 @@ def check_rules(cfg: DictConfig) -> None:
         "data.seq_len",
         f"must be <= model.max_position_embeddings={m.max_position_embeddings}, got {d.seq_len}",
     )
-    _require(d.vocab_size <= m.vocab_size, "data.vocab_size", f"must be <= model.vocab_size={m.vocab_size}, got {d.vocab_size}")
-    _require(cfg.optimizer.lr > 0, "optimizer.lr", f"must be > 0, got {cfg.optimizer.lr}")
+    _require(1 <= d.vocab_size <= m.vocab_size, "data.vocab_size", f"must be in [1, model.vocab_size={m.vocab_size}], got {d.vocab_size}")
+    check_optimizer(cfg.optimizer)
     _require(t.steps >= 1, "trainer.steps", f"must be >= 1, got {t.steps}")
     # A warmup longer than the run is allowed: a short smoke run (trainer.steps=3) then stays in warmup.
     _require(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
@@ -179,6 +163,7 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "is cuda but this machine has no CUDA device; use auto or cpu")
     _require(t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be null or > 0, got {t.peak_flops}")
+    check_init_checkpoint(t.init_checkpoint)
     pr = cfg.profile
     # The first step span opens when the profiler starts, before the model is built: never record it.
     _require(pr.wait >= 1, "profile.wait", f"must be >= 1, got {pr.wait}")
@@ -205,6 +190,27 @@ def check_rules(cfg: DictConfig) -> None:
         f"must be >= 1 and divide the job's {dp_shard} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
     )
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
+
+
+def check_optimizer(o) -> None:
+    """Ranges of the hyperparameters torch's optimizers share (a key the option lacks is not checked)."""
+    _require(math.isfinite(o.lr) and o.lr > 0, "optimizer.lr", f"must be finite and > 0, got {o.lr}")
+    if "weight_decay" in o:
+        _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay", f"must be finite and >= 0, got {o.weight_decay}")
+    if "eps" in o:
+        _require(math.isfinite(o.eps) and o.eps > 0, "optimizer.eps", f"must be finite and > 0, got {o.eps}")
+    if "betas" in o:
+        _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", f"each must be in [0, 1), got {list(o.betas)}")
+
+
+def check_init_checkpoint(path) -> None:
+    if path is None:
+        return
+    _require(
+        path != "" and any((Path(path) / name).is_file() for name in CHECKPOINT_FILES),
+        "trainer.init_checkpoint",
+        f"must be null or a directory holding {' or '.join(CHECKPOINT_FILES)}, got {path!r}",
+    )
 
 
 def _require(ok: bool, key: str, message: str) -> None:

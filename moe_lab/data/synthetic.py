@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moe_lab.config.errors import ConfigError
@@ -21,7 +23,12 @@ class SyntheticData:
             raise ConfigError("data.restart_prob", f"must be in [0, 1], got {restart_prob}")
         self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
         self.seed, self.restart_prob = seed, restart_prob
-        self.cycle = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+
+    @functools.cached_property
+    def cycle(self) -> torch.Tensor:
+        # Made at the first batch, not when the option is built: validation builds it before the vocabulary's size
+        # has been checked against the model's.
+        return torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
 
     def batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels), each [batch_size, seq_len] int64 on the CPU."""

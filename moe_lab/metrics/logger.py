@@ -2,7 +2,7 @@
 
 A logger is told ``start(run_dir, record)`` before the first step (record: choices, overrides, sweep, resolved
 config, environment), ``log(row, step)`` after each step, and ``finish(result)`` at the end, also when the run
-failed. Console progress (tqdm bar, per-step loss and s/step) is the training loop's own and needs no logger.
+failed; ``where()`` then says, in lines for the run's log, where it put the run and how to reach it. Console progress (tqdm bar, per-step loss and s/step) is the training loop's own and needs no logger.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ class NoLogger:
     def finish(self, result: dict) -> None:
         pass
 
+    def where(self) -> list[str]:
+        return []
+
 
 class WandbLogger:
     """Weights & Biases, offline by default (``logger.mode=online`` to sync as it runs; an offline run is uploaded
@@ -41,6 +44,7 @@ class WandbLogger:
         self.project, self.entity, self.mode, self.group, self.name = project, entity, mode, group, name
         self.run = None
         self.saved_env: dict[str, str | None] = {}
+        self.location: list[str] = []
 
     DIRS = {"WANDB_CACHE_DIR": "cache", "WANDB_DATA_DIR": "data", "WANDB_CONFIG_DIR": "config", "WANDB_ARTIFACT_DIR": "artifacts"}
 
@@ -80,6 +84,11 @@ class WandbLogger:
         )
         if result.get("error"):
             self.run.summary["error"] = f"{result['error']['type']}: {result['error']['message']}"[:1000]
+        run_dir = Path(self.run.dir).parent  # wandb/offline-run-<time>-<id> (the run's files are in its files/)
+        if self.mode == "offline":
+            self.location = [f"wandb offline run: {run_dir}", f"upload it with: wandb sync {run_dir}"]
+        elif self.mode == "online":
+            self.location = [f"wandb run: {self.run.url}"]
         self.run.finish(exit_code=0 if result["status"] == "ok" else 1)
         self.run = None
         for var, value in self.saved_env.items():
@@ -87,3 +96,6 @@ class WandbLogger:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
+
+    def where(self) -> list[str]:
+        return self.location

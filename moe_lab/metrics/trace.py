@@ -97,6 +97,12 @@ class StepProfiler:
         if self.profiler:
             self.profiler.step()
 
+    def where(self) -> list[str]:
+        """Where the trace went, in lines for the run's log."""
+        if not (self.enabled and self.path.exists()):
+            return []
+        return [f"trace: {self.path} (Perfetto or TensorBoard; breakdown: python -m moe_lab.metrics.trace {self.path})"]
+
     def breakdown(self) -> dict | None:
         """The recorded steps' breakdown; a trace it cannot read is reported in place of the breakdown rather than
         failing a run that trained fine."""

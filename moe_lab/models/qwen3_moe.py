@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lab.models.init import fill_normal_rows
 from moe_lab.moe.layer import GroupedExperts, Router
 
 
@@ -159,17 +160,20 @@ class Qwen3MoeForCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids))
 
     @torch.no_grad()
-    def init_weights(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    def init_weights(self, seed: int = 0, shards: dict[str, tuple[torch.Tensor, int]] | None = None) -> None:
         """Normal(0, init_std) for matrices, ones for norms; output projections scaled by depth (GPT-2 style).
-        ``tensors``: what to fill, by parameter name; the parameters themselves by default (a caller that has split
-        the parameters passes the pieces it holds)."""
+        Values are a function of (seed, parameter name, row) alone (``moe_lab.models.init``). ``shards``: what to
+        fill, by parameter name, as (tensor, index of its first row in the whole parameter); by default each
+        parameter itself (a caller that has split the parameters passes the pieces it holds)."""
         out_std = self.config.init_std / math.sqrt(2 * self.config.num_layers)
-        for name, p in (dict(self.named_parameters()) if tensors is None else tensors).items():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
+        if shards is None:
+            shards = {name: (p, 0) for name, p in self.named_parameters()}
+        for name, (tensor, first_row) in shards.items():
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
             else:
                 std = out_std if name.endswith(("o_proj.weight", "down_proj")) else self.config.init_std
-                p.normal_(0.0, std)
+                fill_normal_rows(tensor, std, seed=seed, name=name, first_row=first_row)
 
 
 def count_parameters(cfg: Qwen3MoeConfig) -> tuple[int, int]:

@@ -87,6 +87,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts  # global count; the parameters may hold a slice of them
+        self.expert_offset = 0  # index of the first expert held here (set by expert parallelism)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.dispatcher = TorchDispatcher()

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 
 from moe_lab.parallel.compile import apply_compile, compile_loss
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from moe_lab.parallel.fsdp import apply_fsdp
 from moe_lab.parallel.mesh import build_meshes
 
+__all__ = ["compile_loss", "parallelize"]
 
-def parallelize(model: torch.nn.Module, cfg, device: torch.device, compute_dtype: torch.dtype) -> None:
+
+def parallelize(model: torch.nn.Module, dispatcher, ac, *, ep: int, compile: bool, device: torch.device, compute_dtype: torch.dtype) -> None:
     """In torchtitan's order: EP, then AC, then compile, then FSDP. A single rank gets no process group at all."""
-    ep = cfg.parallel.ep
     meshes = build_meshes(device.type, ep) if dist.is_initialized() and dist.get_world_size() > 1 else None
     ep_group = meshes.ep.get_group() if meshes is not None and ep > 1 else None
     ep_rank = meshes.ep.get_local_rank() if meshes is not None else 0
-    apply_expert_parallel(model, instantiate(cfg.dispatcher, ep_group=ep_group), ep_rank, ep)
-    instantiate(cfg.ac).apply(model)
-    if cfg.trainer.compile:
+    dispatcher.ep_group = ep_group
+    apply_expert_parallel(model, dispatcher, ep_rank, ep)
+    ac.apply(model)
+    if compile:
         apply_compile(model)
     if meshes is not None:
         apply_fsdp(model, meshes, compute_dtype)

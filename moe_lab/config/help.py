@@ -1,0 +1,63 @@
+"""``python -m moe_lab.train --help``: every config group with its options and every schema key, each in a line,
+fed from the schema (``moe_lab.config.schema``) and the option files' leading comments or classes' docstrings."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import yaml
+from hydra.core.config_store import ConfigStore
+from hydra.utils import get_object
+
+from moe_lab.config.schema import GROUPS, ParallelConfig, ProfileConfig, TrainerConfig
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+SECTIONS = {"trainer": TrainerConfig, "parallel": ParallelConfig, "profile": ProfileConfig}
+
+
+def option_line(path: Path) -> str:
+    """What an option is: the first line of its file's leading comment, else of its class's docstring."""
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("# ").strip()
+        if text and not text.startswith("@package"):
+            return text
+    target = (yaml.safe_load(path.read_text()) or {}).get("_target_")
+    try:
+        return (inspect.getdoc(get_object(target)) or "").splitlines()[0] if target else ""
+    except Exception:  # an option whose class cannot be imported here still gets listed
+        return ""
+
+
+def help_text() -> str:
+    lines = [
+        "moe_lab: Mixture-of-Experts parallelism experiments on Qwen3-MoE, one Hydra config group per axis.",
+        "",
+        "  python -m moe_lab.train [group=option ...] [key=value ...]      one run",
+        "  python -m moe_lab.train -m ac=full,selective dispatcher=torch,fused   a sweep: one result.json per point",
+        "  python -m moe_lab.train [overrides] --cfg job                   the whole resolved config, nothing run",
+        "",
+        "== Config groups (group=option; the default first) ==",
+    ]
+    defaults = {next(iter(d)): d[next(iter(d))] for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"] if isinstance(d, dict)}
+    for group, what in GROUPS.items():
+        options = sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))
+        lines.append(f"{group}: {what}")
+        lines += [f"    {p.stem:<12} {option_line(p)}" for p in options]
+    lines += ["", "== Keys (key=value; the default shown) =="]
+    for section, schema in SECTIONS.items():
+        for f in dataclasses.fields(schema):
+            default = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
+            lines.append(f"  {section}.{f.name}={default}".ljust(36) + f" {f.metadata['help']}")
+    lines += ["", "Group options' own keys (model.num_layers, dispatcher.backend, ...): see --cfg job.", "", "$FLAGS_HELP"]
+    return "\n".join(lines).replace("${", "$${") + "\n"
+
+
+def register_help() -> str:
+    """Store the help page as Hydra's ``hydra/help=moe_lab`` option; returns the override that selects it."""
+    node = {"app_name": "moe_lab", "header": "", "footer": "", "template": help_text()}
+    ConfigStore.instance().store(group="hydra/help", name="moe_lab", node=node)
+    return "hydra/help=moe_lab"

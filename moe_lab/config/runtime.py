@@ -1,0 +1,23 @@
+"""Facts about where a config runs that validation and building both need: the job's world size, its device, its
+compute precision."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def world_size(cfg) -> int:
+    """Ranks of this job: an outer launcher's WORLD_SIZE, else the ranks the job starts itself."""
+    return int(os.environ.get("WORLD_SIZE", cfg.trainer.nproc_per_node))
+
+
+def runs_on_cuda(trainer) -> bool:
+    """The job's device is a GPU: ``trainer.device`` cuda, or auto on a machine with CUDA."""
+    return trainer.device != "cpu" and torch.cuda.is_available()
+
+
+def computes_in_bf16(trainer) -> bool:
+    """bf16 compute: ``trainer.precision`` bf16, or auto on a GPU (fp32 on CPU)."""
+    return trainer.precision == "bf16" or (trainer.precision == "auto" and runs_on_cuda(trainer))

@@ -1,0 +1,257 @@
+"""The lifecycle of one job (a single run or one sweep point): it ends with exactly one result.json, written by rank 0.
+
+- A point whose directory already holds an ok record of the same configuration is skipped (a resumed sweep); a
+  directory holding the record of another configuration is never written to.
+- An invalid configuration is recorded as ``invalid`` before anything is built; a failure as ``oom`` / ``error``.
+  In a sweep the failed point is returned so Hydra's launcher goes on; a single run exits non-zero.
+- The job starts its ranks itself (``trainer.nproc_per_node``) or runs as one rank of an outer torchrun / srun.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from moe_lab import config
+from moe_lab.config import ConfigError, Options
+from moe_lab.config.runtime import runs_on_cuda
+from moe_lab.launch.launcher import adopt_slurm_environment, launch_local, shared_run_dir, started_by_outer_launcher
+from moe_lab.metrics.logger import NoLogger
+from moe_lab.metrics.trace import StepProfiler
+from moe_lab.results.record import RESULT, environment, failure, read_result, write_json_atomic
+from moe_lab.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
+
+log = logging.getLogger("moe_lab")
+
+# Keys that say how a point is run, not what it computes: a record made with another value is still this point's.
+NOT_PART_OF_THE_POINT = ("trainer.skip_done",)
+
+
+class SweepDirGuard(Callback):
+    """Refuses a sweep into a ``hydra.sweep.dir`` that holds another sweep (other task overrides), before Hydra
+    writes its multirun.yaml there or any point overwrites a record; the same sweep again is a resume."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+            return  # other ranks of an outer launcher sweep in a scratch directory of their own
+        saved = Path(config.hydra.sweep.dir) / "multirun.yaml"
+        if not saved.exists():
+            return
+        before = _point_overrides(OmegaConf.load(saved).hydra.overrides.task)
+        now = _point_overrides(config.hydra.overrides.task)
+        if before != now:
+            raise SweepDirInUse(
+                f"hydra.sweep.dir={config.hydra.sweep.dir} holds another sweep ({' '.join(before) or 'no overrides'}); "
+                f"this one ({' '.join(now) or 'no overrides'}) would overwrite its points. Choose another "
+                "hydra.sweep.dir, or run the same overrides again to resume that sweep."
+            )
+
+
+class SweepDirInUse(SystemExit):
+    """Stops the sweep with its message (Hydra turns a callback's Exception into a warning and goes on)."""
+
+
+def _point_overrides(overrides) -> list[str]:
+    return [o for o in overrides if o.lstrip("+~").partition("=")[0] not in NOT_PART_OF_THE_POINT]
+
+
+def point_config(cfg: DictConfig) -> dict:
+    """The resolved configuration that identifies a point (what it computes), as its record stores it."""
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an invalid config may hold an interpolation that does not resolve
+        resolved = OmegaConf.to_container(cfg)
+    resolved.pop("hydra", None)
+    return json.loads(json.dumps(resolved, default=str))
+
+
+def _comparable(point: dict) -> dict:
+    point = json.loads(json.dumps(point))
+    for dotted in NOT_PART_OF_THE_POINT:
+        section, _, key = dotted.partition(".")
+        point.get(section, {}).pop(key, None)
+    return point
+
+
+def same_point(record: dict, cfg: DictConfig) -> bool:
+    return _comparable(record.get("config") or {}) == _comparable(point_config(cfg))
+
+
+def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) -> dict | None:
+    adopt_slurm_environment()
+    rank0 = os.environ.get("RANK", "0") == "0"
+    outer = started_by_outer_launcher()
+    if not outer:  # under an outer launcher only rank 0 knows the run directory: the ranks decide in worker()
+        try:
+            earlier = earlier_record(run_dir, cfg, multirun)
+        except RunDirInUse as e:
+            if not multirun:
+                sys.exit(str(e))
+            log.error("point not run: %s", e)
+            return None
+        if earlier is not None:
+            return earlier
+    try:
+        options = config.validate(cfg)
+    except ConfigError as e:
+        return _record_invalid(cfg, run_dir, meta, multirun, rank0, {"type": "ConfigError", "key": e.key, "message": str(e)})
+    except Exception as e:  # a check that failed in an unexpected way is still a config this job cannot run
+        error = {"type": type(e).__name__, "key": None, "message": f"validation failed: {e}"}
+        return _record_invalid(cfg, run_dir, meta, multirun, rank0, error)
+    if cfg.trainer.dry_run:
+        return dry_run(cfg, options)
+    resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    try:
+        if cfg.trainer.nproc_per_node > 1 and not outer:
+            # Fresh processes build their own options from the resolved config.
+            return launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
+        return worker(resolved, str(run_dir), meta, options)
+    except Exception as e:
+        if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
+            write_json_atomic(run_dir / RESULT, {**meta, "config": point_config(cfg), **failure(e)})
+        if not multirun:
+            raise
+        log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
+        return read_result(run_dir)
+    finally:
+        _free_point_memory()
+
+
+def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | None:
+    """The record to return instead of running: this point's own ok record when resuming a sweep. A record of
+    another configuration is never overwritten: the job stops naming it."""
+    record = read_result(run_dir)
+    if record is None:
+        return None
+    if not same_point(record, cfg):
+        raise RunDirInUse(
+            f"{run_dir / RESULT} holds the record of another configuration; a new one would overwrite it. "
+            "Use another hydra.run.dir / hydra.sweep.dir."
+        )
+    if multirun and cfg.trainer.skip_done and record.get("status") == "ok":
+        log.info("point already done, skipped: %s", run_dir)
+        return record
+    if os.environ.get("RANK", "0") == "0":
+        (run_dir / RESULT).unlink()  # this point's failed earlier attempt, or a deliberate re-run
+    return None
+
+
+class RunDirInUse(RuntimeError):
+    pass
+
+
+def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool, error: dict) -> None:
+    if rank0:
+        write_json_atomic(run_dir / RESULT, {**meta, "status": "invalid", "error": error, "config": point_config(cfg)})
+    if multirun:
+        log.error("invalid config, point recorded and skipped: %s", error["message"])
+        return None
+    sys.exit(f"invalid config: {error['message']}")
+
+
+def dry_run(cfg: DictConfig, options: Options) -> dict:
+    from moe_lab.metrics.flops import flops_per_token
+    from moe_lab.models.qwen3_moe import count_parameters
+
+    model = options.model
+    total, active = count_parameters(model)
+    fpt = flops_per_token(model, cfg.data.seq_len)
+    print(
+        f"{model.name} ({model.num_layers} layers): {total / 1e9:.2f}B total, {active / 1e9:.2f}B active "
+        f"parameters; {fpt['shared'] / 1e9:.2f} GFLOP/token at seq {cfg.data.seq_len}"
+    )
+    return {"total_params": total, "active_params": active, "flops_per_token": fpt["shared"]}
+
+
+def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None = None) -> dict:
+    """One rank of a job. Rank 0 writes metrics.jsonl and result.json; every failure is recorded before it is
+    re-raised."""
+    cfg = OmegaConf.create(resolved_yaml)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = _device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+    if rank == 0:
+        _log_to_run_files(meta.get("log_file"))
+    if world > 1 and not dist.is_initialized():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        # One process group per process: the points of a sweep under torchrun share it, because initialising the
+        # default group again on the launcher's store races (a rank can pick up the previous group's keys and hang).
+        atexit.register(dist.destroy_process_group)
+    run_dir = Path(shared_run_dir(run_dir))
+    if started_by_outer_launcher():  # every rank reads rank 0's run directory, so all ranks agree
+        earlier = earlier_record(run_dir, cfg, bool(meta.get("sweep")))
+        if earlier is not None:
+            return earlier
+    options = options or config.build_options(cfg)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
+    reset_peak_host_rss()
+    record = {**meta, "world_size": world, "config": point_config(cfg), "environment": environment(device, world)}
+    logger = options.logger if rank == 0 else NoLogger()
+    logger.start(run_dir, record)
+    result = {**record, "status": "error"}  # until the run says otherwise
+    try:
+        with StepProfiler(cfg.profile, run_dir, rank) as profiler:
+            metrics = train(cfg, options, run_dir, device, rank, world, logger, profiler)
+        if rank == 0:
+            metrics["trace_breakdown"] = profiler.breakdown()
+        result = {**record, "status": "ok", "error": None, "metrics": metrics}
+    except Exception as e:
+        result = {**record, **failure(e), "metrics": {"peak_gpu_mem_gib": peak_gpu_gib(device)}}
+        if rank == 0:
+            write_json_atomic(run_dir / RESULT, result)
+        raise
+    finally:
+        logger.finish(result)
+    if rank == 0:
+        write_json_atomic(run_dir / RESULT, result)
+        log.info(summary_line(result["metrics"]))
+        for line in [f"run directory: {run_dir}", *profiler.where(), *logger.where()]:
+            log.info(line)
+    if dist.is_initialized():
+        # Ranks leave together: a gloo rank that exits (and tears its group down) while a peer still talks to it
+        # can abort ("terminate called without an active exception"). Only successful jobs meet here; a failing rank
+        # exits at once and its launcher stops the others.
+        dist.barrier()
+    return result
+
+
+def _device(cfg: DictConfig, local_rank: int) -> torch.device:
+    if runs_on_cuda(cfg.trainer):  # validation has rejected trainer.device=cuda without CUDA
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _log_to_run_files(log_file: str | None) -> None:
+    """A rank the job started itself has no Hydra logging: send moe_lab's log to the console and to the run's
+    log file (Hydra's train.log, opened by the job's own process), as Hydra does in that process."""
+    if logging.getLogger().handlers or not log_file:
+        return
+    formatter = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(log_file)):
+        handler.setFormatter(formatter)
+        logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+
+
+def _free_point_memory() -> None:
+    """The next point of a sweep runs in this process: free this one's model and host state (offload's reference
+    cycles, and a failed point's traceback) before it builds its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        # Offload's pinned host buffers go back to PyTorch's pinned-block cache, which keeps them (tens of GiB)
+        # for reuse; a next point with other sizes would pin beside them. (torch 2.13 made this public.)
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache
+        empty_host_cache()

@@ -1,0 +1,210 @@
+"""One rank's training run: build the model and its optimizer once from the built options, step, loop, summarise.
+
+The loop knows no option by name: the dispatcher, checkpointing and offload objects carry their behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import resource
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from moe_lab.config import Options
+from moe_lab.config.runtime import computes_in_bf16
+from moe_lab.metrics.flops import flops_per_token, peak_flops
+from moe_lab.metrics.logger import NoLogger
+from moe_lab.metrics.trace import StepProfiler
+from moe_lab.models.checkpoint import load_hf_checkpoint
+from moe_lab.moe.layer import GroupedExperts
+from moe_lab.optim.host import local as local_shard
+from moe_lab.parallel import compile_loss, parallelize
+from moe_lab.results.record import MetricsLog
+
+log = logging.getLogger("moe_lab")
+
+
+def train(
+    cfg: DictConfig,
+    options: Options,
+    run_dir: Path,
+    device: torch.device,
+    rank: int,
+    world: int,
+    logger=NoLogger(),
+    profiler: StepProfiler = StepProfiler.off(),
+) -> dict:
+    """Train for ``trainer.steps`` steps; rank 0 writes metrics.jsonl as it goes. Returns the run's metrics."""
+    t = cfg.trainer
+    bf16 = computes_in_bf16(t)
+    compute_dtype = torch.bfloat16 if bf16 else torch.float32
+    model = build_model(cfg, options, device, compute_dtype)
+    optimizer = options.offload.build(model, options.make_optimizer, compute_dtype)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, t))
+    autocast = torch.autocast(device.type, dtype=compute_dtype) if bf16 and world == 1 else nullcontext()
+    loss_fn = compile_loss(lm_loss) if t.compile else lm_loss
+    data = options.data
+    dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
+
+    fpt = flops_per_token(options.model, cfg.data.seq_len)
+    peak = peak_flops(device, t.peak_flops)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
+    metrics_log = MetricsLog(run_dir) if rank == 0 else None
+    step_times, losses = [], []
+    bar = tqdm(range(t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
+    for step in bar:
+        start = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        inputs, labels = (x.to(device, non_blocking=True) for x in data.batch(step, dp_rank))
+        with autocast:
+            logits = model(inputs)
+        loss = loss_fn(logits, labels)
+        loss.backward()
+        grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)  # gloo has no AVG
+            loss = loss / world
+        loss = loss.item()  # also waits for the step to finish, so the wall clock below is the step's time
+        elapsed = time.perf_counter() - start
+        step_times.append(elapsed)
+        losses.append(loss)
+        profiler.step()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}")
+        if metrics_log:
+            row = {"step": step, "loss": loss, "lr": lr, "s_per_step": elapsed, "tokens_per_s_per_gpu": tokens_per_step / elapsed}
+            if grad_norm is not None:
+                row["grad_norm"] = grad_norm
+            metrics_log.write(row)
+            logger.log(row, step)
+            bar.set_postfix(loss=f"{loss:.4f}", s_step=f"{elapsed:.3f}")
+    if metrics_log:
+        metrics_log.close()
+
+    timed = step_times[t.timing_skip :] or step_times
+    s_per_step = statistics.median(timed)
+    tokens_per_s = tokens_per_step / s_per_step
+    return {
+        "steps": t.steps,
+        "final_loss": losses[-1],
+        "first_loss": losses[0],
+        "losses": losses,
+        "s_per_step": s_per_step,
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "mfu": tokens_per_s * fpt["shared"] / peak if peak else None,
+        "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak else None,
+        "flops_per_token": fpt["shared"],
+        "peak_gpu_mem_gib": peak_gpu_gib(device),
+        "peak_host_rss_gib": peak_host_rss_gib(),
+    }
+
+
+def build_model(cfg: DictConfig, options: Options, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """The configured model, parallelised, on ``device``: from ``trainer.init_checkpoint``, or initialised from
+    ``trainer.seed``, each rank filling the rows it holds, so every mesh shape starts from the same weights."""
+    with torch.device("meta"):
+        model = options.model.build()
+    parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=device, compute_dtype=compute_dtype)
+    model.to_empty(device=device)
+    if cfg.trainer.init_checkpoint:
+        load_hf_checkpoint(model, cfg.trainer.init_checkpoint)
+    else:
+        model.init_weights(cfg.trainer.seed, local_rows(model))
+    return model
+
+
+def local_rows(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each parameter's local piece on this rank and the index of its first row in the whole parameter: the FSDP
+    shard's offset, plus the EP slice's first expert for expert stacks."""
+    pieces = {}
+    for module_name, module in model.named_modules():
+        first_expert = module.expert_offset if isinstance(module, GroupedExperts) else 0
+        for name, p in module.named_parameters(recurse=False):
+            pieces[f"{module_name}.{name}" if module_name else name] = (local_shard(p), first_expert + _shard_offset(p))
+    return pieces
+
+
+def _shard_offset(p: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def lr_factor(step: int, trainer) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at the last step."""
+    if step < trainer.warmup_steps:
+        return (step + 1) / trainer.warmup_steps
+    decay_steps = max(1, trainer.steps - trainer.warmup_steps - 1)
+    progress = min(1.0, (step - trainer.warmup_steps) / decay_steps)
+    return trainer.min_lr_ratio + (1 - trainer.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global-norm clipping across every mesh: each gradient element lives on exactly one rank (dense weights are
+    sharded over all ranks, experts split by EP and sharded over the rest), so local squared norms sum to the
+    global one."""
+    shards = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
+    total = torch.stack([g.float().pow(2).sum() for g in shards]).sum()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(shards, scale)
+    return norm.item()
+
+
+def summary_line(m: dict) -> str:
+    mfu = "n/a (CPU)" if m["mfu"] is None else f"{100 * m['mfu']:.1f}% (executed {100 * m['mfu_executed']:.1f}%)"
+    gpu = "n/a" if m["peak_gpu_mem_gib"] is None else f"{m['peak_gpu_mem_gib']:.2f} GiB"
+    return (
+        f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | {m['s_per_step']:.3f} s/step | "
+        f"{m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU | MFU {mfu} | peak GPU mem {gpu} | "
+        f"peak host RSS {m['peak_host_rss_gib']:.2f} GiB"
+    )
+
+
+def peak_gpu_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def reset_peak_host_rss() -> None:
+    """Restart the kernel's resident-set high-water mark (Linux), so that each point of a sweep run in one process
+    reports its own peak; where that is not possible the peak is the process's so far."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_host_rss_gib() -> float:
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 2**20
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -1,0 +1,93 @@
+"""A job's lifecycle as a user meets it (issue 14): a sweep never lands on another sweep's records, a point's record
+is never overwritten by another configuration, --help explains every group and key, and a run says where its files
+went, in its log file too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1"]
+
+
+def train_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "moe_lab.train", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def records(sweep: Path) -> dict[str, tuple[str, bytes]]:
+    return {p.parent.name: (json.loads(p.read_text())["choices"]["ac"], p.read_bytes()) for p in sweep.glob("*/result.json")}
+
+
+def test_another_sweep_never_lands_on_a_sweep_directory(tmp_path):
+    sweep = tmp_path / "sweep"
+    first = train_cli("-m", "ac=none,full", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before, multirun_yaml = records(sweep), (sweep / "multirun.yaml").read_bytes()
+    assert sorted(ac for ac, _ in before.values()) == ["full", "none"]
+
+    other = train_cli("-m", "ac=selective,full", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert other.returncode != 0
+    assert f"hydra.sweep.dir={sweep} holds another sweep" in other.stderr + other.stdout
+    assert records(sweep) == before and (sweep / "multirun.yaml").read_bytes() == multirun_yaml
+
+    again = train_cli("-m", "ac=none,full", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # the same sweep resumes
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("point already done, skipped") == 2 and records(sweep) == before
+
+
+def test_a_point_record_of_another_configuration_is_never_overwritten(tmp_path):
+    """The same overrides over an edited preset are another configuration: the point is not skipped on the strength
+    of its overrides, and its directory's record is left alone."""
+    sweep = tmp_path / "sweep"
+    assert train_cli("-m", "ac=none", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path).returncode == 0
+    path = sweep / "0" / "result.json"
+    record = json.loads(path.read_text())
+    record["config"]["data"]["seq_len"] = 32  # as if the preset had said 32 when the point ran
+    path.write_text(json.dumps(record))
+    edited = path.read_bytes()
+    proc = train_cli("-m", "ac=none", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert "holds the record of another configuration" in proc.stdout + proc.stderr
+    assert "point already done" not in proc.stdout and path.read_bytes() == edited
+
+    single = tmp_path / "run"  # a single run into a directory holding another run's record stops, naming it
+    assert train_cli(*SMALL, f"hydra.run.dir={single}", cwd=tmp_path).returncode == 0
+    proc = train_cli(*SMALL, "ac=full", f"hydra.run.dir={single}", cwd=tmp_path)
+    assert proc.returncode != 0 and "holds the record of another configuration" in proc.stderr
+    assert json.loads((single / "result.json").read_text())["choices"]["ac"] == "none"
+
+
+def test_help_explains_every_group_and_key(tmp_path):
+    proc = train_cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from moe_lab.config.schema import GROUPS, TrainerConfig
+
+    for group, what in GROUPS.items():
+        assert f"{group}: {what}" in proc.stdout
+    for option in ("tiny", "qwen3_30b", "fused", "selective", "optimizer", "signsgd", "wandb"):
+        assert f"    {option} " in proc.stdout, option
+    for key in TrainerConfig.__dataclass_fields__:
+        assert f"trainer.{key}=" in proc.stdout, key
+    assert "parallel.ep=1" in proc.stdout and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_run_says_where_its_files_went_in_its_log(nproc, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMALL, f"trainer.nproc_per_node={nproc}", "logger=wandb", "profile.enabled=true", "profile.wait=1",
+            "profile.warmup=0", "profile.active=1", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc = train_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    offline = next((run_dir / "wandb").glob("offline-run-*"))
+    for line in ("done: loss", f"run directory: {run_dir}", f"trace: {run_dir / 'trace_rank0.json.gz'}",
+                 f"wandb offline run: {offline}", f"upload it with: wandb sync {offline}"):  # fmt: skip
+        assert line in log and line in proc.stdout, line
