@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_dir
 from moe_lab import config as config_lib
 from moe_lab.config.validate import world_size
 from moe_lab.results import load
-from moe_lab.results.record import RESULT, is_done, write_json_atomic
+from moe_lab.job import RunDirInUse, earlier_record, point_config
+from moe_lab.results.record import RESULT, write_json_atomic
 from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
 
 
@@ -92,12 +93,39 @@ def test_rerun_skips_done_points_and_completes_the_rest(sweep_dir, tmp_path):
     assert proc.stdout.count("point already done, skipped") == 4
 
 
-def test_is_done_needs_an_ok_result_of_the_same_point(tmp_path):
-    assert not is_done(tmp_path, ["ac=full"])
-    write_json_atomic(tmp_path / RESULT, {"status": "ok", "overrides": ["ac=full"]})
-    assert is_done(tmp_path, ["ac=full"]) and not is_done(tmp_path, ["ac=selective"])
-    write_json_atomic(tmp_path / RESULT, {"status": "oom", "overrides": ["ac=full"]})
-    assert not is_done(tmp_path, ["ac=full"])
+def test_only_an_ok_record_of_the_same_configuration_is_skipped(tmp_path):
+    config_lib.register()
+    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["ac=full"])
+        other = compose("train", overrides=["ac=full", "data.seq_len=32"])
+        resumed = compose("train", overrides=["ac=full", "trainer.skip_done=false"])
+    assert earlier_record(tmp_path, cfg, multirun=True) is None
+    write_json_atomic(tmp_path / RESULT, {"status": "ok", "config": point_config(cfg)})
+    assert earlier_record(tmp_path, cfg, multirun=True)["status"] == "ok"
+    with pytest.raises(RunDirInUse):
+        earlier_record(tmp_path, other, multirun=True)
+    assert (tmp_path / RESULT).exists()
+    assert earlier_record(tmp_path, resumed, multirun=True) is None  # a deliberate re-run of the same point
+    assert not (tmp_path / RESULT).exists()
+    write_json_atomic(tmp_path / RESULT, {"status": "oom", "config": point_config(cfg)})
+    assert earlier_record(tmp_path, cfg, multirun=True) is None and not (tmp_path / RESULT).exists()
+
+
+def test_atomic_write_leaves_a_readable_record_and_no_temp_file_on_failure(tmp_path):
+    write_json_atomic(tmp_path / RESULT, {"status": "ok"})
+    assert (tmp_path / RESULT).stat().st_mode & 0o044 == 0o044  # group and others may read it (umask allowing)
+    with pytest.raises(TypeError):
+        _write_unserialisable(tmp_path / RESULT)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RESULT]
+    assert json.loads((tmp_path / RESULT).read_text()) == {"status": "ok"}
+
+
+def _write_unserialisable(path):
+    class Unprintable:
+        def __str__(self):
+            raise TypeError("cannot serialise")
+
+    write_json_atomic(path, {"bad": Unprintable()})
 
 
 PRESETS = {

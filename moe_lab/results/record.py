@@ -20,14 +20,23 @@ SOURCE_DIR = Path(__file__).resolve().parents[1]  # the moe_lab package
 
 
 def write_json_atomic(path: str | Path, obj) -> None:
+    """Write ``obj`` to ``path`` whole or not at all (temp file + rename); a failed write leaves no temp file. The
+    record is readable by the group and others, as a plain file write would be (mkstemp makes it owner-only)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_result(run_dir: str | Path) -> dict | None:
@@ -36,13 +45,6 @@ def read_result(run_dir: str | Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def is_done(run_dir: str | Path, overrides: list[str]) -> bool:
-    """True when ``run_dir`` already holds an ok result of the same point (same overrides), so a resumed sweep can
-    skip it. Comparing overrides guards against a sweep whose points were renumbered (a value added to an axis)."""
-    result = read_result(run_dir)
-    return bool(result) and result.get("status") == "ok" and result.get("overrides") == list(overrides)
 
 
 class MetricsLog:
