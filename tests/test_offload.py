@@ -25,11 +25,13 @@ from torch import nn
 
 from moe_lab import config
 from moe_lab.config import ConfigError
-from moe_lab.optim import numa
-from moe_lab.optim.host import check_host_memory, local
-from moe_lab.optim.in_backward import InBackwardOptimizer
+from moe_lab.optim.offload import numa
+from moe_lab.optim.offload.full import InBackwardOptimizer
+from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.optimizers import SignSGD
-from moe_lab.train import build_model, lr_factor, train
+from moe_lab.optim.schedule import warmup_cosine
+from moe_lab.parallel.sharding import local_shard
+from moe_lab.train import build_model, train
 from tests.distributed import run_world
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -55,19 +57,35 @@ def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     model = build_model(cfg, device, rank, compute_dtype)
     optimizer = instantiate(cfg.offload).build(model, instantiate(cfg.optimizer), compute_dtype)
+    scheduler = schedule(optimizer, cfg)
     data = instantiate(cfg.data)
     for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.optimizer.lr * lr_factor(step, cfg.trainer)
         inputs, labels = (t.to(device) for t in data.batch(step, rank))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(inputs)
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    if hasattr(optimizer, "master_weights"):
+    if isinstance(optimizer, InBackwardOptimizer):
         return [w.clone() for w in optimizer.master_weights()]
-    return [local(p).detach().float().cpu() for p in model.parameters()]
+    return [local_shard(p).detach().float().cpu() for p in model.parameters()]
+
+
+def schedule(optimizer: torch.optim.Optimizer, cfg):
+    return warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
+
+
+def scheduled_lrs(cfg, steps: int = STEPS) -> list[float]:
+    """The LR of each step under ``cfg``'s schedule, read off a throwaway optimizer."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optimizer.lr)
+    scheduler = schedule(optimizer, cfg)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
 
 
 def reference_bf16_masters(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> list[torch.Tensor]:
@@ -80,14 +98,13 @@ def reference_bf16_masters(overrides: list[str], steps: int = STEPS, device: str
     model.init_weights()
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     optimizer = instantiate(cfg.optimizer)(masters)
+    scheduler = schedule(optimizer, cfg)
     model.to(torch.bfloat16)
     data = instantiate(cfg.data)
     for step in range(steps):
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters):
                 p.copy_(m)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.optimizer.lr * lr_factor(step, cfg.trainer)
         inputs, labels = (t.to(device) for t in data.batch(step, 0))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             logits = model(inputs)
@@ -96,6 +113,7 @@ def reference_bf16_masters(overrides: list[str], steps: int = STEPS, device: str
             m.grad = p.grad.float()
             p.grad = None
         optimizer.step()
+        scheduler.step()
     return [m.detach().cpu() for m in masters]
 
 
@@ -137,7 +155,7 @@ def test_offload_modes_on_gpu(optimizer):
     expected = reference_bf16_masters(cuda, device="cuda")
     actual = run_steps(cuda + ["offload=full"] + SMALL_CHUNKS, device="cuda")
     cfg = compose_train([f"trainer.steps={STEPS}"] + cuda)
-    assert_all_close(actual, expected, atol=2 * sum(cfg.optimizer.lr * lr_factor(s, cfg.trainer) for s in range(STEPS)))
+    assert_all_close(actual, expected, atol=2 * sum(scheduled_lrs(cfg)))
     differences = torch.cat([(a - e).abs().flatten() for a, e in zip(actual, expected)])
     assert differences.median() <= 1e-5
 
