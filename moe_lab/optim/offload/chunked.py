@@ -57,7 +57,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             if p.grad is not None:
-                p.grad = None if set_to_none else p.grad.detach().zero_()
+                p.grad = None if set_to_none else p.grad.detach().zero_()  # zeroed in place, out of any graph
 
     def state_dict(self):
         raise NotImplementedError(f"{type(self).__name__} keeps its state in its chunk optimizers; saving it is not implemented")
