@@ -44,6 +44,8 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Step every chunk with its group's current LR; ``closure`` (forward and backward, returning the loss) runs
+        first where given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -52,6 +54,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_chunks(self) -> None:
+        """Backward has ended: step the chunks (each subclass moves state or weights its own way)."""
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
