@@ -182,7 +182,7 @@ def main() -> None:
     free, total = torch.cuda.mem_get_info(0)
     args.gpu_gib = total / 2**30
     memory = psutil.virtual_memory()
-    args.host_gib = (memory.available - memory.total // 20) / 2**30  # the reserve moe_lab.optim.host keeps
+    args.host_gib = (memory.available - memory.total // 20) / 2**30  # the reserve moe_lab.optim.offload.host keeps
     per_layer, outside = params_per_layer()
 
     record = json.loads(args.out.read_text()) if args.out.exists() else {"points": [], "search": {}, "environment": {}}

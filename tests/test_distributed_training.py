@@ -73,7 +73,7 @@ def _first_expert_rows(device_type: str, world: int) -> list[float]:
     from hydra import compose, initialize_config_dir
 
     from moe_lab import config
-    from moe_lab.optim.host import local
+    from moe_lab.parallel.sharding import local_shard
     from moe_lab.train import build_model
 
     config.register()
@@ -82,7 +82,7 @@ def _first_expert_rows(device_type: str, world: int) -> list[float]:
     rank = torch.distributed.get_rank()
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     model = build_model(cfg, device, rank, torch.float32)
-    return local(model.model.layers[0].mlp.experts.gate_up_proj)[0, 0, :8].cpu().tolist()
+    return local_shard(model.model.layers[0].mlp.experts.gate_up_proj)[0, 0, :8].cpu().tolist()
 
 
 def _assert_distinct_experts(device_type: str, backend: str) -> None:

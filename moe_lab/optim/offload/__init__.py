@@ -1,5 +1,6 @@
 """Where weights and optimizer state live: the ``offload`` group. Each option turns (model, optimizer factory,
-compute dtype) into the optimizer the training loop steps; the loop never asks which option it has.
+compute dtype) into the ``torch.optim.Optimizer`` the training loop steps and an LR scheduler drives; the loop never
+asks which option it has.
 
 | option      | on the device                              | in host memory                        | optimizer step    |
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
@@ -8,6 +9,9 @@ compute dtype) into the optimizer the training loop steps; the loop never asks w
 | `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, fp32 grad buffer | host, in backward |
 
 ``none`` and ``optimizer`` compute in bf16 on GPU through autocast (one rank) or FSDP2's mixed-precision policy.
+The implementations sit beside this module: ``optimizer.py`` (streamed optimizer state), ``full.py`` (the
+in-backward host optimizer), ``chunked.py`` (the chunk split and the optimizer both are made of), ``host.py`` (host
+buffers, side-stream copies), ``numa.py`` (CPU binding for ``full``).
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from omegaconf import DictConfig
 
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.validate import runs_on_cuda
-from moe_lab.optim import numa
-from moe_lab.optim.host import local
-from moe_lab.optim.in_backward import InBackwardOptimizer
-from moe_lab.optim.state_offload import StreamedStateOptimizer
+from moe_lab.optim.offload import numa
+from moe_lab.optim.offload.full import InBackwardOptimizer
+from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
+from moe_lab.parallel.sharding import local_shard
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +36,8 @@ log = logging.getLogger(__name__)
 HOST_OPTIMIZERS = ("torch.optim.AdamW", "moe_lab.optim.optimizers.SignSGD")
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    return local(next(model.parameters())).device
+def _training_device(model: torch.nn.Module) -> torch.device:
+    return local_shard(next(model.parameters())).device
 
 
 def _check_chunking(chunk_mib: float, max_inflight: int) -> None:
@@ -66,13 +70,13 @@ class OptimizerOffload:
 
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> StreamedStateOptimizer:
         chunk_numel = int(self.chunk_mib * 2**20) // 4
-        return StreamedStateOptimizer(list(model.parameters()), make_optimizer, _device(model), chunk_numel, self.max_inflight)
+        return StreamedStateOptimizer(list(model.parameters()), make_optimizer, _training_device(model), chunk_numel, self.max_inflight)
 
 
 class FullOffload:
     """fp32 master weights, optimizer state and the fp32 gradient buffer in host RAM; the device keeps
     compute-dtype weights (bf16 on GPU) and activations. The optimizer steps on the host, inside backward
-    (``moe_lab.optim.in_backward``). AdamW or SignSGD only; no gradient clipping (a global norm does not exist
+    (``moe_lab.optim.offload.full``). AdamW or SignSGD only; no gradient clipping (a global norm does not exist
     until backward ends, and by then the weights have been stepped).
 
     Each rank's CPU threads are bound to its GPU's NUMA node (``<sysfs_root>/bus/pci/devices/<bus>/numa_node`` and
@@ -118,7 +122,7 @@ class FullOffload:
                 raise ConfigError("offload.numa_bind", f"{e}; set offload.numa_bind=false to run without binding") from None
 
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> InBackwardOptimizer:
-        cpus = self._bind(_device(model))  # before any host state exists
+        cpus = self._bind(_training_device(model))  # before any host state exists
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // local_world)
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
-"""Pieces the offload modes share: local shards of (FSDP2 / DTensor) parameters, host buffers, side-stream copies,
-and the split of parameters into chunks that move and step together.
+"""Host-memory pieces the offload modes share: host buffers sized against the RAM available, copies on a side
+stream, and the host optimizer with its fused CPU kernel.
 
 On a CPU-only run "host" and "device" are the same memory: buffers are not pinned and copies are synchronous, but
 every code path is the one a GPU run takes.
@@ -7,17 +7,12 @@ every code path is the one a GPU run takes.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Callable, Iterable
+from typing import Callable
 
 import psutil
 import torch
-from torch.distributed.tensor import DTensor
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard (same storage), else the tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def check_host_memory(nbytes: int, what: str) -> None:
@@ -68,30 +63,18 @@ class SideStream:
             return src.to(device, non_blocking=True)
 
     def record(self) -> torch.cuda.Event | None:
+        """An event after the copies queued so far; None on CPU, where they are done already."""
         return self.stream.record_event() if self.stream is not None else None
 
 
-def wait(event: torch.cuda.Event | None) -> None:
+def synchronize(event: torch.cuda.Event | None) -> None:
+    """Block the calling CPU thread until ``event`` (from ``SideStream.record``) has passed."""
     if event is not None:
         event.synchronize()
 
 
-def chunked(params: Iterable[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of parameters of at most ``max_numel`` local elements (a larger one gets a run of its own)."""
-    chunks: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for p in params:
-        n = local(p).numel()
-        if chunks[-1] and size + n > max_numel:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(p)
-        size += n
-    return [c for c in chunks if c]
-
-
-def make_fused(make_optimizer: Callable, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def host_optimizer(make_optimizer: Callable, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """The optimizer over host tensors, with its fused (vectorised, multi-threaded) CPU kernel where it has one."""
-    cls = getattr(make_optimizer, "func", make_optimizer)
+    cls = make_optimizer.func if isinstance(make_optimizer, functools.partial) else make_optimizer
     fused = "fused" in inspect.signature(cls).parameters
     return make_optimizer(params, fused=True) if fused else make_optimizer(params)

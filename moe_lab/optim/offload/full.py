@@ -29,24 +29,32 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moe_lab.optim.host import SideStream, check_host_memory, chunked, host_empty, local, make_fused, wait
+from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked
+from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, host_optimizer, synchronize
+from moe_lab.parallel.sharding import local_shard
 
 
-class _Chunk:
+class MasterChunk:
+    """Consecutive parameters whose fp32 masters form one flat host tensor, stepped by a host optimizer of their
+    own as soon as all their gradients are in."""
+
     def __init__(self, params: list[nn.Parameter], master: torch.Tensor, make_optimizer: Callable):
         self.params = params
-        self.offsets, offset = {}, 0
+        self.offsets, offset = {}, 0  # parameter -> (offset, numel) of its local shard in the master
         for p in params:
-            self.offsets[p] = (offset, local(p).numel())
-            offset += local(p).numel()
+            self.offsets[p] = (offset, local_shard(p).numel())
+            offset += local_shard(p).numel()
         self.numel = offset
         self.master = nn.Parameter(master)
-        self.optimizer = make_fused(make_optimizer, [self.master])
+        self.optimizer = host_optimizer(make_optimizer, [self.master])
         self.buffer: torch.Tensor | None = None  # the transfer buffer it holds while in flight
         self.received: set[nn.Parameter] = set()
 
 
-class InBackwardOptimizer:
+class InBackwardOptimizer(ChunkedOptimizer):
+    """offload=full's optimizer (see the module's docstring). Its ``param_groups`` are the chunks' host optimizers'
+    groups, which the CPU worker reads when it steps a chunk during the next backward."""
+
     def __init__(
         self,
         params: list[nn.Parameter],
@@ -59,12 +67,12 @@ class InBackwardOptimizer:
     ):
         """``params`` still hold their fp32 initial values: they become the masters. The caller casts the device
         parameters to ``compute_dtype`` afterwards and then calls ``attach()``."""
-        self.params = [p for p in params if p.requires_grad]
-        self.device = device = local(self.params[0]).device
+        params = [p for p in params if p.requires_grad]
+        self.device = device = local_shard(params[0]).device
         self.timeout_s, self.num_threads = timeout_s, num_threads
-        groups = chunked(reversed(self.params), chunk_numel)
-        total = sum(local(p).numel() for p in self.params)
-        largest = max(sum(local(p).numel() for p in group) for group in groups)
+        groups = chunked(reversed(params), chunk_numel)
+        total = sum(local_shard(p).numel() for p in params)
+        largest = max(sum(local_shard(p).numel() for p in group) for group in groups)
         buffers = max(1, min(max_inflight, len(groups)))
         # Masters, AdamW's two moments (the most state a host optimizer here has; its first step creates them),
         # the transfer buffers and the fp32 gradient buffer, all checked before any is allocated.
@@ -72,17 +80,18 @@ class InBackwardOptimizer:
             total * 3 * 4 + largest * (buffers * compute_dtype.itemsize + 4), "offload=full host state and buffers"
         )
         masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
-        self.chunks, start = [], 0
+        self.chunks: list[MasterChunk] = []
+        start = 0
         for group in groups:
-            n = sum(local(p).numel() for p in group)
-            chunk = _Chunk(group, masters[start : start + n], make_optimizer)
+            n = sum(local_shard(p).numel() for p in group)
+            chunk = MasterChunk(group, masters[start : start + n], make_optimizer)
             start += n
             with torch.no_grad():
                 for p, (offset, size) in chunk.offsets.items():
-                    chunk.master[offset : offset + size].copy_(local(p).reshape(-1))
+                    chunk.master[offset : offset + size].copy_(local_shard(p).reshape(-1))
             self.chunks.append(chunk)
         self.chunk_of = {p: c for c in self.chunks for p in c.params}
-        self.param_groups = [g for c in self.chunks for g in c.optimizer.param_groups]
+        super().__init__(params, [c.optimizer for c in self.chunks])
 
         pinned = device.type == "cuda"
         self.free: queue.Queue = queue.Queue()
@@ -98,7 +107,7 @@ class InBackwardOptimizer:
         # The worker holds the optimizer only while it steps a chunk, and ends once the optimizer is collected: a
         # sweep that runs its points in one process frees each point's host state before the next point builds
         # its own.
-        self.worker = threading.Thread(target=_work, args=(weakref.ref(self), self.ready), name="offload-full-step", daemon=True)
+        self.worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self.ready), name="offload-full-step", daemon=True)
         weakref.finalize(self, self.ready.put, None)
         self.worker.start()
 
@@ -120,7 +129,7 @@ class InBackwardOptimizer:
         out = {}
         for c in self.chunks:
             for p, (offset, size) in c.offsets.items():
-                out[p] = c.master.detach()[offset : offset + size].view(local(p).shape)
+                out[p] = c.master.detach()[offset : offset + size].view(local_shard(p).shape)
         return [out[p] for p in self.params]
 
     @torch.no_grad()
@@ -130,7 +139,7 @@ class InBackwardOptimizer:
         if chunk.buffer is None:
             chunk.buffer = self._take_buffer()
         offset, size = chunk.offsets[p]
-        self.d2h.copy(chunk.buffer[offset : offset + size], local(p.grad).reshape(-1))
+        self.d2h.copy(chunk.buffer[offset : offset + size], local_shard(p.grad).reshape(-1))
         p.grad = None  # the copy keeps the device gradient alive until it has run
         chunk.received.add(p)
         if len(chunk.received) == len(chunk.params):
@@ -148,14 +157,14 @@ class InBackwardOptimizer:
             self.d2h.stream.wait_event(weights_sent)  # gradients go in once the last chunk's weights have left
         return buffer
 
-    def _submit(self, chunk: _Chunk) -> None:
+    def _submit(self, chunk: MasterChunk) -> None:
         with self.done:
             self.in_flight += 1
         self.ready.put((chunk, self.d2h.record()))
 
-    def _run(self, chunk: _Chunk, copied) -> None:
+    def _run_chunk(self, chunk: MasterChunk, copied: torch.cuda.Event | None) -> None:
         try:
-            wait(copied)  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
+            synchronize(copied)  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
             if self.error is None:
                 with torch.profiler.record_function("optimizer.offload_full_chunk"):
                     self._step_chunk(chunk)
@@ -170,7 +179,7 @@ class InBackwardOptimizer:
                 self.in_flight -= 1
                 self.done.notify_all()
 
-    def _step_chunk(self, chunk: _Chunk) -> None:
+    def _step_chunk(self, chunk: MasterChunk) -> None:
         buffer = chunk.buffer[: chunk.numel]
         grad = self.grad_scratch[: chunk.numel]
         grad.copy_(buffer)
@@ -179,10 +188,9 @@ class InBackwardOptimizer:
         chunk.master.grad = None
         buffer.copy_(chunk.master)
         for p, (offset, size) in chunk.offsets.items():
-            self.h2d.copy(local(p).view(-1), buffer[offset : offset + size], after_current=False)
+            self.h2d.copy(local_shard(p).view(-1), buffer[offset : offset + size], after_current=False)
 
-    @torch.no_grad()
-    def step(self) -> None:
+    def _step_chunks(self) -> None:
         """Backward has ended: step the chunks that got only some of their gradients (a parameter without one
         steps with a zero gradient), then wait for the worker."""
         for chunk in self.chunks:
@@ -202,10 +210,6 @@ class InBackwardOptimizer:
         if self.h2d.stream is not None:  # the next forward reads the new weights
             torch.cuda.current_stream(self.h2d.stream.device).wait_stream(self.h2d.stream)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
     def _raise_worker_error(self) -> None:
         if self.error is not None:
             error, self.error = self.error, None
@@ -214,7 +218,7 @@ class InBackwardOptimizer:
 
 
 @torch.no_grad()
-def _work(owner: weakref.ref, ready: queue.Queue) -> None:
+def _worker_loop(owner: weakref.ref, ready: queue.Queue) -> None:
     """The CPU worker's loop: step each submitted chunk; ``None`` (put when the optimizer is collected) ends it."""
     optimizer = owner()
     if optimizer is None:
@@ -227,5 +231,5 @@ def _work(owner: weakref.ref, ready: queue.Queue) -> None:
         optimizer = owner()
         if optimizer is None:
             return
-        optimizer._run(*item)
+        optimizer._run_chunk(*item)
         del optimizer

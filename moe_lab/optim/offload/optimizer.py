@@ -9,19 +9,24 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moe_lab.optim.host import SideStream, chunked, host_empty, local, wait
+from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked
+from moe_lab.optim.offload.host import SideStream, host_empty, synchronize
+from moe_lab.parallel.sharding import local_shard
 
 
-class _Chunk:
+class StateChunk:
+    """Consecutive parameters and an optimizer of their own whose per-element state is kept in host memory
+    between steps."""
+
     def __init__(self, params: list[nn.Parameter], make_optimizer: Callable):
         self.params = params
         # Plain tensors sharing storage with the local shards: the optimizer steps those, never a DTensor.
-        self.shards = [nn.Parameter(local(p).detach()) for p in params]
+        self.shards = [nn.Parameter(local_shard(p).detach()) for p in params]
         self.optimizer = make_optimizer(self.shards)
         self.host: dict[tuple[int, str], torch.Tensor] = {}  # (shard index, state key) -> host copy
 
 
-class StreamedStateOptimizer:
+class StreamedStateOptimizer(ChunkedOptimizer):
     """Weights and gradients stay on the device, in the ``none`` precision scheme (fp32 parameters, bf16 compute
     through autocast / FSDP2's mixed-precision policy); the optimizer is the configured one, unchanged.
 
@@ -30,22 +35,22 @@ class StreamedStateOptimizer:
     ``max_inflight`` chunks' state is on the device at once, so the state costs a few chunks of device memory and
     never adds to the activations' peak. State is created on the device by the optimizer's first step and moved to
     host memory right after it. A state tensor with no elements per parameter (AdamW's step count) stays put.
+    Its ``param_groups`` are the chunk optimizers' groups.
     """
 
     def __init__(self, params: list[nn.Parameter], make_optimizer: Callable, device: torch.device, chunk_numel: int, max_inflight: int):
-        self.params = [p for p in params if p.requires_grad]
-        self.chunks = [_Chunk(c, make_optimizer) for c in chunked(self.params, chunk_numel)]
-        self.param_groups = [g for c in self.chunks for g in c.optimizer.param_groups]
+        params = [p for p in params if p.requires_grad]
+        self.chunks = [StateChunk(c, make_optimizer) for c in chunked(params, chunk_numel)]
+        super().__init__(params, [c.optimizer for c in self.chunks])
         self.pinned = device.type == "cuda"
         self.max_inflight = max(1, max_inflight)
         self.h2d, self.d2h = SideStream(device), SideStream(device)
 
-    @torch.no_grad()
-    def step(self) -> None:
+    def _step_chunks(self) -> None:
         for chunk in self.chunks:
             for p, shard in zip(chunk.params, chunk.shards):
-                shard.data = local(p)  # FSDP2 may have re-created the local shard since the last step
-                shard.grad = None if p.grad is None else local(p.grad)
+                shard.data = local_shard(p)  # FSDP2 may have re-created the local shard since the last step
+                shard.grad = None if p.grad is None else local_shard(p.grad)
         if self.h2d.stream is not None:
             self.h2d.stream.wait_stream(self.d2h.stream)  # last step's state is home before it is read again
         offloads: deque = deque()
@@ -56,21 +61,17 @@ class StreamedStateOptimizer:
             chunk.optimizer.step()
             offloads.append(self._offload(chunk))
             if len(offloads) >= self.max_inflight:
-                wait(offloads.popleft())  # bounds the chunks whose state is on the device
+                synchronize(offloads.popleft())  # bounds the chunks whose state is on the device
         for chunk in self.chunks:
             for shard in chunk.shards:
                 shard.grad = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def _load(self, chunk: _Chunk) -> dict:
+    def _load(self, chunk: StateChunk) -> dict:
         """Start copying a chunk's state to the device: its tensors by (shard, key), and the copy's event."""
         tensors = {(i, key): self.h2d.fetch(host, chunk.shards[i].device) for (i, key), host in chunk.host.items()}
         return {"tensors": tensors, "event": self.h2d.record()}
 
-    def _install(self, chunk: _Chunk, loaded: dict) -> None:
+    def _install(self, chunk: StateChunk, loaded: dict) -> None:
         if loaded["event"] is not None:
             current = torch.cuda.current_stream()
             current.wait_event(loaded["event"])
@@ -79,7 +80,7 @@ class StreamedStateOptimizer:
         for (i, key), tensor in loaded["tensors"].items():
             chunk.optimizer.state[chunk.shards[i]][key] = tensor
 
-    def _offload(self, chunk: _Chunk):
+    def _offload(self, chunk: StateChunk) -> torch.cuda.Event | None:
         """Copy the chunk's per-element state home and leave only the host copies referenced."""
         for i, shard in enumerate(chunk.shards):
             state = chunk.optimizer.state.get(shard, {})
