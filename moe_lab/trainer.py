@@ -28,8 +28,9 @@ from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
 from moe_lab.moe.layer import GroupedExperts
-from moe_lab.optim.host import local as local_shard
+from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel import compile_loss, parallelize
+from moe_lab.parallel.sharding import local_shard
 from moe_lab.results.record import MetricsLog
 
 log = logging.getLogger("moe_lab")
@@ -51,7 +52,7 @@ def train(
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
     model = build_model(cfg, options, device, compute_dtype)
     optimizer = options.offload.build(model, options.make_optimizer, compute_dtype)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, t))
+    scheduler = warmup_cosine(optimizer, t.steps, t.warmup_steps, t.min_lr_ratio)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if bf16 and world == 1 else nullcontext()
     loss_fn = compile_loss(lm_loss) if t.compile else lm_loss
     data = options.data
@@ -153,15 +154,6 @@ def _shard_offset(p: torch.Tensor) -> int:
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in fp32."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
-def lr_factor(step: int, trainer) -> float:
-    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at the last step."""
-    if step < trainer.warmup_steps:
-        return (step + 1) / trainer.warmup_steps
-    decay_steps = max(1, trainer.steps - trainer.warmup_steps - 1)
-    progress = min(1.0, (step - trainer.warmup_steps) / decay_steps)
-    return trainer.min_lr_ratio + (1 - trainer.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @torch.no_grad()

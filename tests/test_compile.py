@@ -115,7 +115,7 @@ def test_compiled_loss_equals_eager():
     if reason := can_compile():
         pytest.skip(reason)
     from moe_lab.parallel import compile_loss
-    from moe_lab.train import lm_loss
+    from moe_lab.trainer import lm_loss
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 16, 300, generator=gen).to(torch.bfloat16).requires_grad_()

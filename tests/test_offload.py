@@ -34,7 +34,7 @@ from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
-from moe_lab.train import build_model, train
+from moe_lab.trainer import build_model, train
 from tests.distributed import run_world
 from tests.test_schedule import expected_factor
 
@@ -54,13 +54,13 @@ def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> 
     """Build the model as moe_lab.train does, run ``steps`` steps, return this rank's fp32 weights (the host
     masters under full offload)."""
     cfg = compose_train([f"trainer.steps={STEPS}"] + overrides)
-    config.validate(cfg)
+    options = config.validate(cfg)
     device = torch.device(device)
     bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and device.type == "cuda")
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    model = build_model(cfg, device, rank, compute_dtype)
-    optimizer = instantiate(cfg.offload).build(model, instantiate(cfg.optimizer), compute_dtype)
+    model = build_model(cfg, options, device, compute_dtype)
+    optimizer = options.offload.build(model, options.make_optimizer, compute_dtype)
     scheduler = schedule(optimizer, cfg)
     data = instantiate(cfg.data)
     for step in range(steps):
@@ -476,10 +476,10 @@ def test_collected_optimizer_ends_its_worker_and_frees_its_host_state():
 
 
 def test_each_sweep_point_reports_its_own_peak_host_memory():
-    from moe_lab.train import _peak_host_rss_gib, _reset_peak_host_rss
+    from moe_lab.trainer import peak_host_rss_gib, reset_peak_host_rss
 
     ballast = torch.ones(2**28, dtype=torch.uint8)  # 256 MiB touched
     del ballast
-    before = _peak_host_rss_gib()
-    _reset_peak_host_rss()
-    assert _peak_host_rss_gib() < before - 0.2
+    before = peak_host_rss_gib()
+    reset_peak_host_rss()
+    assert peak_host_rss_gib() < before - 0.2

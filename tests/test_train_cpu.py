@@ -84,7 +84,7 @@ PUBLISHED = {"qwen3_30b": (30.5e9, 3.3e9, 29.9e9), "qwen3_235b": (235e9, 22e9, 2
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
 def test_dry_run_parameter_counts_match_model_cards(model, capsys, tmp_path):
-    from moe_lab.train import run_job
+    from moe_lab.job import run_job
 
     config.register()
     with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from moe_lab.config.errors import ConfigError
-from moe_lab.config.validate import runs_on_cuda
+from moe_lab.config.runtime import runs_on_cuda
 from moe_lab.optim.offload import numa
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
