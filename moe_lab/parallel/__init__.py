@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
+from moe_lab.moe.router import Router
 from moe_lab.parallel.compile import apply_compile, compile_loss
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from moe_lab.parallel.fsdp import apply_fsdp
@@ -18,8 +19,11 @@ def parallelize(model: torch.nn.Module, cfg, device: torch.device, compute_dtype
     meshes = build_meshes(device.type, ep) if dist.is_initialized() and dist.get_world_size() > 1 else None
     ep_group = meshes.ep.get_group() if meshes is not None and ep > 1 else None
     ep_rank = meshes.ep.get_local_rank() if meshes is not None else 0
-    apply_expert_parallel(model, instantiate(cfg.dispatcher, ep_group=ep_group), ep_rank, ep)
-    instantiate(cfg.ac).apply(model)
+    dispatcher = instantiate(cfg.dispatcher, ep_group=ep_group)
+    apply_expert_parallel(model, dispatcher, ep_rank, ep)
+    # ac=selective keeps the routing decisions and the dispatcher's collectives: recompute never re-routes or
+    # re-communicates.
+    instantiate(cfg.ac).apply(model, saved_ops=Router.saved_ops | dispatcher.saved_ops)
     if cfg.trainer.compile:
         apply_compile(model)
     if meshes is not None:
