@@ -16,6 +16,9 @@ class Router(nn.Module):
     the token index, so activation recompute sees exactly the same routing.
     """
 
+    # The routing decision: ac=selective keeps it, so recompute never re-routes (``moe_lab.parallel.parallelize``).
+    saved_ops = frozenset({torch.ops.aten.topk.default})
+
     def __init__(
         self,
         hidden_size: int,
