@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
-from moe_lab.moe.layer import GroupedExperts, Router
-from moe_lab.parallel.expert_parallel import apply_expert_parallel
+from moe_lab.moe.experts import GroupedExperts
+from moe_lab.moe.router import Router
+from moe_lab.parallel.expert_parallel import keep_local_experts
 
 MODELS = {"qwen3_30b": (2048, 768), "qwen3_235b": (4096, 1536)}
 NUM_EXPERTS, TOP_K = 128, 8
@@ -34,16 +35,14 @@ def layer_flops(tokens: int, hidden: int, inter: int) -> float:
     return 18.0 * tokens * TOP_K * hidden * inter
 
 
-def build(hidden, inter, dispatcher, ep_rank, ep):
+def build(hidden, inter, ep_rank, ep):
     torch.manual_seed(0)
     experts = GroupedExperts(NUM_EXPERTS, hidden, inter)
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, hidden**-0.5)
         experts.down_proj.normal_(0, inter**-0.5)
-    holder = torch.nn.Module()
-    holder.experts = experts
-    apply_expert_parallel(holder, dispatcher, ep_rank, ep)
-    return holder.experts.to(device="cuda", dtype=torch.bfloat16)
+    keep_local_experts(experts, ep_rank, ep)
+    return experts.to(device="cuda", dtype=torch.bfloat16)
 
 
 def inputs(tokens, hidden, routing, rank):
@@ -56,11 +55,11 @@ def inputs(tokens, hidden, routing, rank):
     return x, ids, weights, grad
 
 
-def step(experts, x, ids, weights, grad):
+def step(experts, dispatcher, x, ids, weights, grad):
     # Fresh gradients each step (as FSDP's reduce-scatter consumes them), so no accumulation kernel is timed.
     experts.zero_grad(set_to_none=True)
     x.grad = weights.grad = None
-    experts(x, ids, weights).backward(grad)
+    dispatcher(x, ids, weights, experts.gate_up_proj, experts.down_proj).backward(grad)
 
 
 def time_ms(fn, iters, warmup=3):
@@ -113,18 +112,18 @@ def main():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         group, rank = dist.group.WORLD, dist.get_rank()
-    dispatchers = {"torch": TorchDispatcher(ep_group=group), "fused": FusedDispatcher(backend="gpu", gemm=args.gemm, ep_group=group)}
+    dispatchers = {"torch": TorchDispatcher().set_ep_group(group), "fused": FusedDispatcher(backend="gpu", gemm=args.gemm).set_ep_group(group)}
 
     points, breakdowns = [], []
     for model in args.models.split(","):
         hidden, inter = MODELS[model]
-        layers = {name: build(hidden, inter, d, rank, ep) for name, d in dispatchers.items()}
+        layers = {name: (build(hidden, inter, rank, ep), d) for name, d in dispatchers.items()}
         for routing in args.routing.split(","):
             for tokens in map(int, args.tokens.split(",")):
                 x, ids, weights, grad = inputs(tokens, hidden, routing, rank)
                 point = {"model": model, "hidden": hidden, "intermediate": inter, "tokens_per_gpu": tokens, "routing": routing, "ep": ep}
-                for name, experts in layers.items():
-                    fn = lambda: step(experts, x, ids, weights, grad)  # noqa: E731
+                for name, (experts, dispatcher) in layers.items():
+                    fn = lambda: step(experts, dispatcher, x, ids, weights, grad)  # noqa: E731
                     try:
                         ms = time_ms(fn, args.iters)
                     except Exception as e:  # OOM, or a kernel error: the point records it
@@ -155,7 +154,7 @@ def main():
             "num_gpus": ep,
             "torch": torch.__version__,
             "host": platform.node(),
-            "fused_gemm": dispatchers["fused"]._gpu_backend,
+            "fused_gemm": dispatchers["fused"].gpu_backend,
             "points": points,
             "kernel_breakdown": breakdowns,
         }

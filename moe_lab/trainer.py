@@ -27,10 +27,9 @@ from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
-from moe_lab.moe.layer import GroupedExperts
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel import compile_loss, parallelize
-from moe_lab.parallel.sharding import local_shard
+from moe_lab.parallel.sharding import local_rows, local_shard
 from moe_lab.results.record import MetricsLog
 
 log = logging.getLogger("moe_lab")
@@ -127,28 +126,6 @@ def build_model(cfg: DictConfig, options: Options, device: torch.device, compute
     else:
         model.init_weights(cfg.trainer.seed, local_rows(model))
     return model
-
-
-def local_rows(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
-    """Each parameter's local piece on this rank and the index of its first row in the whole parameter: the FSDP
-    shard's offset, plus the EP slice's first expert for expert stacks."""
-    pieces = {}
-    for module_name, module in model.named_modules():
-        first_expert = module.expert_offset if isinstance(module, GroupedExperts) else 0
-        for name, p in module.named_parameters(recurse=False):
-            pieces[f"{module_name}.{name}" if module_name else name] = (local_shard(p), first_expert + _shard_offset(p))
-    return pieces
-
-
-def _shard_offset(p: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return offset[0]
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe_lab import config
 from moe_lab.data.synthetic import SyntheticData
 from moe_lab.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
+from moe_lab.moe.router import Router
 from moe_lab.parallel import parallelize
+from moe_lab.parallel.checkpointing import SelectiveCheckpoint
+from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from tests.distributed import run_world
 
 CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
@@ -34,15 +39,19 @@ NOT_COMMUNICATION = {"_wrap_tensor_autograd"}  # marks an async collective's res
 
 
 class OpCounter(TorchDispatchMode):
+    """Calls per op, by name (``counts``) and by overload (``overloads``)."""
+
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
+        self.overloads = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if func.namespace in COLLECTIVE_NAMESPACES and name not in NOT_COMMUNICATION:
             name = f"{func.namespace}::{name}"
         self.counts[name] += 1
+        self.overloads[func] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -71,7 +80,8 @@ def train_step(yaml: str, checkpoint: str) -> dict:
     rank = dist.get_rank() if dist.is_initialized() else 0
     with torch.device("meta"):
         model = instantiate(cfg.model).build()
-    parallelize(model, cfg, torch.device("cpu"), torch.float32)
+    options = config.build_options(cfg)
+    parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=torch.device("cpu"), compute_dtype=torch.float32)
     model.to_empty(device="cpu")
     load_hf_checkpoint(model, checkpoint)
     inputs, labels = SyntheticData(SEQ, GLOBAL_BATCH, cfg.model.vocab_size).batch(0, 0)
@@ -118,7 +128,7 @@ def assert_recompute(steps: dict[str, dict]) -> None:
     for op in (attention, "topk", "sort", "bincount", "mm", "_grouped_mm", *collectives):
         assert selective.get(op, 0) == none.get(op, 0), (
             f"ac=selective re-ran {op} in backward ({selective.get(op, 0)} calls vs {none.get(op, 0)} with ac=none): "
-            "its output belongs in moe_lab.parallel.checkpointing.SAVED_OPS"
+            "its output belongs in the saved_ops of the router or the dispatcher"
         )
 
 
@@ -145,3 +155,35 @@ def test_ac_modes_agree_world2_ep2(tmp_path):
         assert any("::" in op for op in steps["none"]["ops"])  # the all-to-all really ran in backward
         # FSDP2 + EP=2 on two ranks takes the same step as one rank on the same global batch
         assert_same_step(steps["none"], world1, expert_slice=slice(rank * 4, (rank + 1) * 4))
+
+
+def selective_step_ops(dispatcher, saved_ops: frozenset) -> tuple[collections.Counter, collections.Counter]:
+    """Ops run in the forward and in the backward of one step of the tiny model under ac=selective."""
+    torch.manual_seed(0)
+    model = Qwen3MoeConfig().build()
+    model.init_weights()
+    apply_expert_parallel(model, dispatcher, 0, 1)
+    SelectiveCheckpoint().apply(model, saved_ops=saved_ops)
+    tokens = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with OpCounter() as forward:
+        loss = model(tokens).square().mean()
+    with OpCounter() as backward:
+        loss.backward()
+    return forward.overloads, backward.overloads
+
+
+@pytest.mark.parametrize("dispatcher", [TorchDispatcher(), FusedDispatcher(backend="reference")], ids=["torch", "fused"])
+def test_selective_keeps_the_declared_ops(dispatcher):
+    """What ac=selective keeps beyond matmuls and attention is what the router and the dispatcher declare: with
+    their saved_ops (as moe_lab.parallel.parallelize passes them) none of those ops runs again in backward; with
+    the generic ops only, recompute re-runs every one of them."""
+    declared = Router.saved_ops | dispatcher.saved_ops
+    forward, kept = selective_step_ops(dispatcher, declared)
+    _, generic_only = selective_step_ops(dispatcher, frozenset())
+    ran = {op for op in declared if forward[op]}
+    expected = {torch.ops.aten.topk.default}  # learned routing
+    expected |= {torch.ops.moe_lab.fused_moe.default} if isinstance(dispatcher, FusedDispatcher) else {torch.ops.aten.sort.stable, torch.ops.aten.bincount.default}
+    assert ran >= expected, ran
+    for op in ran:
+        assert kept[op] == 0, f"{op} re-ran in backward although declared"
+        assert generic_only[op] == forward[op], f"{op}: {generic_only[op]} calls in backward without it, {forward[op]} in forward"

@@ -48,7 +48,8 @@ def train(ac: str, compiled: bool, checkpoint: str) -> dict:
         cfg = compose("train", overrides=overrides)
     with torch.device("meta"):
         model = instantiate(cfg.model).build()
-    parallelize(model, cfg, torch.device("cpu"), torch.bfloat16)
+    options = config.build_options(cfg)
+    parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=torch.device("cpu"), compute_dtype=torch.bfloat16)
     model.to_empty(device="cpu")
     load_hf_checkpoint(model, checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -93,6 +93,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     a learned router flips a few near-tied top-k choices under any bf16 rounding change (compile fuses the norms in
     fp32), so compiled and eager bf16 are each compared with fp32 rather than with each other."""
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+    from moe_lab.moe.router import Router
     from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 
@@ -103,9 +104,10 @@ def test_block_compiles_fullgraph_on_gpu(ac):
         model = cfg.build().cuda()
         model.init_weights()
         model.to(dtype)
-        apply_expert_parallel(model, FusedDispatcher(backend=backend), 0, 1)
+        dispatcher = FusedDispatcher(backend=backend)
+        apply_expert_parallel(model, dispatcher, 0, 1)
         if checkpointing is not None:
-            checkpointing.apply(model)
+            checkpointing.apply(model, saved_ops=Router.saved_ops | dispatcher.saved_ops)
         return model
 
     def grads(model):

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 import moe_lab.moe.fused.reference as reference
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
-from moe_lab.moe.layer import GroupedExperts
+from moe_lab.moe.experts import GroupedExperts
+from moe_lab.moe.router import Router
 from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
-from moe_lab.parallel.expert_parallel import apply_expert_parallel
+from moe_lab.parallel.expert_parallel import apply_expert_parallel, keep_local_experts
 from tests.distributed import run_world
 
 E, H, I, K, T = 8, 16, 12, 3, 10
@@ -68,8 +69,7 @@ def test_reference_matches_dense_and_torch_dispatcher():
     params = [experts.gate_up_proj, experts.down_proj]
     expected = forward_backward(lambda x, w: dense_reference(x, ids, w, *params), x, weights, params, grad_out)
     for dispatcher in (FusedDispatcher(backend="reference"), FusedDispatcher(backend="auto"), TorchDispatcher()):
-        experts.dispatcher = dispatcher
-        got = forward_backward(lambda x, w: experts(x, ids, w), x, weights, params, grad_out)
+        got = forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out)
         for name, g, e in zip(("y", "dx", "dweights", "dgate_up", "ddown"), got, expected):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=f"{type(dispatcher).__name__} {name}")
     assert expected[3][5].abs().max() == 0 and expected[4][5].abs().max() == 0  # the idle expert has no gradient
@@ -91,12 +91,11 @@ def _ep_rank(ep: int):
     x, ids, weights, grad_out = problems[rank]
     group = dist.new_group(list(range(ep)))
     results = {}
-    for dispatcher in (FusedDispatcher(backend="reference", ep_group=group), TorchDispatcher(ep_group=group)):
-        model = torch.nn.Module()
-        model.experts = make_experts()
-        apply_expert_parallel(model, dispatcher, rank, ep)
-        params = [model.experts.gate_up_proj, model.experts.down_proj]
-        got = forward_backward(lambda x, w: model.experts(x, ids, w), x, weights, params, grad_out)
+    for dispatcher in (FusedDispatcher(backend="reference").set_ep_group(group), TorchDispatcher().set_ep_group(group)):
+        experts = make_experts()
+        keep_local_experts(experts, rank, ep)
+        params = [experts.gate_up_proj, experts.down_proj]
+        got = forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out)
         results[type(dispatcher).__name__] = [
             (g - e).abs().max().item() / (e.abs().max().item() + 1e-6) for g, e in zip(got, expected)
         ]
@@ -115,9 +114,10 @@ def _tiny_model(ac):
     torch.manual_seed(0)
     model = cfg.build()
     model.init_weights()
-    apply_expert_parallel(model, FusedDispatcher(backend="reference"), 0, 1)
+    dispatcher = FusedDispatcher(backend="reference")
+    apply_expert_parallel(model, dispatcher, 0, 1)
     if ac is not None:
-        ac.apply(model)
+        ac.apply(model, saved_ops=Router.saved_ops | dispatcher.saved_ops)  # as moe_lab.parallel.parallelize does
     return model
 
 
@@ -156,8 +156,9 @@ def _validation_error(dispatcher) -> str | None:
 def test_validate_rejects_gpu_backend_without_cuda():
     assert _validation_error(FusedDispatcher(backend="gpu")) == "dispatcher.backend"
     assert _validation_error(FusedDispatcher(backend="auto")) is None
+    experts = make_experts()
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        make_experts_with(FusedDispatcher(backend="gpu"))(*make_problem(0)[:3])
+        FusedDispatcher(backend="gpu")(*make_problem(0)[:3], experts.gate_up_proj, experts.down_proj)
 
 
 def test_validate_rejects_deep_gemm_when_absent():
@@ -166,12 +167,6 @@ def test_validate_rejects_deep_gemm_when_absent():
     if fused.deep_gemm_available():
         pytest.skip("deep_gemm is importable here")
     assert _validation_error(FusedDispatcher(gemm="deep_gemm")) == "dispatcher.gemm"
-
-
-def make_experts_with(dispatcher) -> GroupedExperts:
-    experts = make_experts()
-    experts.dispatcher = dispatcher
-    return experts
 
 
 def test_layout_is_expert_contiguous_and_aligned():

@@ -189,9 +189,9 @@ def test_training_loop_runs_and_leaves_nothing_behind(tmp_path, mode):
     from moe_lab.models.qwen3_moe import Qwen3MoeForCausalLM
 
     cfg = compose_train([f"offload={mode}", "trainer.steps=3", "trainer.warmup_steps=1"] + (SMALL_CHUNKS if mode != "none" else []))
-    config.validate(cfg)
+    options = config.validate(cfg)
     threads = set(threading.enumerate())
-    metrics = train(cfg, tmp_path, torch.device("cpu"), 0, 1)
+    metrics = train(cfg, options, tmp_path, torch.device("cpu"), 0, 1)
     assert metrics["final_loss"] < metrics["first_loss"]
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, Qwen3MoeForCausalLM)]

@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from moe_lab import config as config_lib
-from moe_lab.config.validate import world_size
+from moe_lab.config.runtime import world_size
 from moe_lab.results import load
 from moe_lab.job import RunDirInUse, earlier_record, point_config
 from moe_lab.results.record import RESULT, write_json_atomic

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.options import Options, build_options
-from moe_lab.config.runtime import computes_in_bf16, runs_on_cuda, world_size  # noqa: F401  (the last two: until importers move to runtime)
+from moe_lab.config.runtime import world_size
 from moe_lab.config.schema import GROUPS, TrainConfig
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -15,65 +15,103 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moe_lab.moe.experts import GroupedExperts
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class _Reader:
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the checkpoint and the file or tensor."""
+
+
+class CheckpointReader:
+    """Tensors of a safetensors checkpoint by name, from a sharded (index) or single-file checkpoint; raises
+    FileNotFoundError for a directory that holds neither."""
+
     def __init__(self, directory: str | Path):
-        directory = Path(directory)
-        if (directory / INDEX).exists():
-            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        elif (directory / SINGLE).exists():
-            with safe_open(directory / SINGLE, "pt") as f:
-                weight_map = {k: SINGLE for k in f.keys()}
+        self.directory = Path(directory)
+        self._files: dict = {}
+        if (self.directory / INDEX).exists():
+            try:
+                self.weight_map = json.loads((self.directory / INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"checkpoint {self.directory}: {INDEX} has no readable weight_map ({e!r})") from None
+        elif (self.directory / SINGLE).exists():
+            self.weight_map = {key: SINGLE for key in self._file(SINGLE).keys()}
         else:
-            raise FileNotFoundError(f"no {INDEX} or {SINGLE} in {directory}")
-        self.directory, self.weight_map, self._files = directory, weight_map, {}
+            raise FileNotFoundError(f"checkpoint {self.directory}: no {INDEX} or {SINGLE} there")
 
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
 
-    def get(self, key: str) -> torch.Tensor:
-        if key not in self.weight_map:
-            raise KeyError(f"checkpoint {self.directory} has no tensor {key!r}")
-        name = self.weight_map[key]
+    def _file(self, name: str):
         if name not in self._files:
-            self._files[name] = safe_open(self.directory / name, "pt")
-        return self._files[name].get_tensor(key)
+            try:
+                self._files[name] = safe_open(self.directory / name, "pt")
+            except Exception as e:  # missing or not a safetensors file
+                raise CheckpointError(f"checkpoint {self.directory}: cannot open {name}: {e}") from None
+        return self._files[name]
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``key``, which must have ``shape`` and, for a floating-point ``dtype``, be floating point (an
+        integer tensor is refused rather than cast)."""
+        if key not in self.weight_map:
+            raise CheckpointError(f"checkpoint {self.directory}: no tensor {key}")
+        name = self.weight_map[key]
+        file = self._file(name)
+        try:
+            tensor = file.get_tensor(key)
+        except Exception as e:  # listed in the index but absent from its file, or a damaged file
+            raise CheckpointError(f"checkpoint {self.directory}: cannot read tensor {key} from {name}: {e}") from None
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"checkpoint {self.directory}: tensor {key} has shape {tuple(tensor.shape)}, the model expects {tuple(shape)}"
+            )
+        if dtype.is_floating_point and not tensor.dtype.is_floating_point:
+            raise CheckpointError(
+                f"checkpoint {self.directory}: tensor {key} has dtype {tensor.dtype}, the model's weight is {dtype} (not cast)"
+            )
+        return tensor
 
 
-def _expert_stack(reader: _Reader, prefix: str, kind: str, experts: range) -> torch.Tensor:
-    if f"{prefix}.{kind}" in reader:  # already stacked (transformers 5 in-memory layout)
-        return reader.get(f"{prefix}.{kind}")[experts.start : experts.stop]
+def _expert_stack(reader: CheckpointReader, prefix: str, kind: str, experts: GroupedExperts, param) -> torch.Tensor:
+    """This rank's experts of stack ``kind`` ([L, ...] as ``param``, global experts from ``experts.expert_offset``),
+    from the stacked layout or the published per-expert matrices, each checked against the model's shape."""
+    local = range(experts.expert_offset, experts.expert_offset + experts.num_local_experts)
+    matrix = tuple(param.shape[1:])  # a DTensor's shape is its global one: the EP-local stack's
+    stacked = f"{prefix}.{kind}"
+    if stacked in reader:  # already stacked (transformers 5 in-memory layout)
+        return reader.get(stacked, (experts.num_experts, *matrix), param.dtype)[local.start : local.stop]
     if kind == "gate_up_proj":
-        rows = [
-            torch.cat([reader.get(f"{prefix}.{e}.gate_proj.weight"), reader.get(f"{prefix}.{e}.up_proj.weight")])
-            for e in experts
+        half = (matrix[0] // 2, matrix[1])  # gate and up, each [I, H]
+        matrices = [
+            torch.cat([reader.get(f"{prefix}.{e}.{proj}.weight", half, param.dtype) for proj in ("gate_proj", "up_proj")])
+            for e in local
         ]
     else:
-        rows = [reader.get(f"{prefix}.{e}.down_proj.weight") for e in experts]
-    return torch.stack(rows)
+        matrices = [reader.get(f"{prefix}.{e}.down_proj.weight", matrix, param.dtype) for e in local]
+    return torch.stack(matrices)
 
 
 @torch.no_grad()
 def load_hf_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
-    reader = _Reader(directory)
+    """Fill the model's parameters (plain or DTensor, EP-sliced experts included) from a checkpoint directory; any
+    tensor missing, of another shape than the model's or of an integer dtype raises ``CheckpointError`` naming it,
+    before it is distributed over the mesh."""
+    reader = CheckpointReader(directory)
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         module_name, _, kind = name.rpartition(".")
-        if kind in ("gate_up_proj", "down_proj") and module_name.endswith("mlp.experts"):
-            experts = modules[module_name]
-            offset = getattr(experts, "expert_offset", 0)
-            full = _expert_stack(reader, module_name, kind, range(offset, offset + experts.num_local_experts))
+        module = modules[module_name]
+        if isinstance(module, GroupedExperts):
+            full = _expert_stack(reader, module_name, kind, module, param)
         else:
-            full = reader.get(name)
+            full = reader.get(name, tuple(param.shape), param.dtype)
         if isinstance(param, DTensor):
             full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(full.to_local())
         else:
-            if full.shape != param.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(param.shape)}")
             param.copy_(full)
 
 

@@ -2,7 +2,8 @@
 
 Parameter names follow Hugging Face's ``Qwen3MoeForCausalLM`` (transformers 5 layout, experts stored as stacked
 ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]) so checkpoints map one to one. The model knows nothing of
-process groups: its MoE blocks call ``experts.dispatcher``, which parallelism code sets from outside.
+process groups: each MoE block hands its tokens, their routing and its experts' weights to its ``dispatcher``, which
+parallelism code replaces from outside (``moe_lab.parallel``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
+from torch.profiler import record_function
 
 from moe_lab.models.init import fill_normal_rows
-from moe_lab.moe.layer import GroupedExperts, Router
+from moe_lab.moe.dispatcher import TokenDispatcher, TorchDispatcher
+from moe_lab.moe.experts import GroupedExperts
+from moe_lab.moe.router import Router
 
 
 @dataclass
@@ -79,7 +84,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -88,17 +93,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # x [B, S, hidden] -> per-head q [B, heads, S, D], k and v [B, kv_heads, S, D]; q/k norms act on D.
+        q = self.q_norm(rearrange(self.q_proj(x), "b s (h d) -> b h s d", d=self.head_dim))
+        k = self.k_norm(rearrange(self.k_proj(x), "b s (h d) -> b h s d", d=self.head_dim))
+        v = rearrange(self.v_proj(x), "b s (h d) -> b h s d", d=self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
 class SparseMoeBlock(nn.Module):
-    """Router -> top-k -> experts (through the dispatcher they carry) -> weighted combine."""
+    """Router -> top-k experts per token -> the dispatcher, which runs the block's experts on the tokens routed to
+    them (wherever those experts live) and returns each token's weighted sum of its experts' outputs.
+
+    ``dispatcher`` defaults to the torch dispatcher without a process group: every expert local.
+    """
 
     def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int):
         super().__init__()
@@ -112,12 +121,16 @@ class SparseMoeBlock(nn.Module):
             seed=layer_idx,
         )
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.dispatcher: TokenDispatcher = TorchDispatcher()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        topk_ids, topk_weights = self.gate(flat)
-        return self.experts(flat, topk_ids, topk_weights).view(shape)
+        tokens = x.reshape(-1, x.shape[-1])  # [B, S, H] (or any leading dims) -> [T, H]
+        topk_ids, topk_weights = self.gate(tokens)
+        # The experts' weights are read here, in the block's forward, after the block's FSDP pre-forward hook has
+        # gathered them (moe_lab.parallel.fsdp moves the experts' hooks to the block).
+        with record_function("moe_lab::dispatch"):  # what is not GEMM or all-to-all in here is dispatch glue
+            y = self.dispatcher(tokens, topk_ids, topk_weights, self.experts.gate_up_proj, self.experts.down_proj)
+        return y.view(x.shape)
 
 
 class DecoderLayer(nn.Module):

@@ -1,30 +1,58 @@
 """Token dispatchers: the ``dispatcher`` config group. Each option is one class.
 
-A dispatcher is called as ``dispatcher(x, topk_ids, topk_weights, experts) -> y`` with the rank's own tokens
-x [T, H] and routing [T, K]; it returns y[t] = sum_k w[t, k] * Expert_{id[t, k]}(x[t]), each expert evaluated on
-the rank that owns it. ``validate(cfg)`` rejects configurations it cannot run before anything is built.
+The MoE block, which owns the experts, calls its dispatcher as
+``dispatcher(x, topk_ids, topk_weights, gate_up_proj, down_proj) -> y`` with the rank's own tokens x [T, H], their
+routing [T, K] and the stacked weights of the experts this rank holds ([L, 2I, H] and [L, H, I], L = E / EP). It
+returns y[t] = sum_k w[t, k] * Expert_{id[t, k]}(x[t]), each expert evaluated on the rank that holds it. A dispatcher
+takes weights, never a module.
+
+Each class declares ``saved_ops``: the ops whose outputs ac=selective keeps, so that recompute never re-routes or
+re-communicates (``moe_lab.parallel.checkpointing``); and ``validate(cfg)`` rejects configurations it cannot run
+before anything is built.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol
+import abc
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 
 from moe_lab.config.errors import ConfigError
-from moe_lab.config.validate import computes_in_bf16, runs_on_cuda
+from moe_lab.config.runtime import computes_in_bf16, runs_on_cuda
+from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
-
-if TYPE_CHECKING:
-    from moe_lab.moe.layer import GroupedExperts
+from moe_lab.moe.experts import compute_dtype, grouped_swiglu
 
 
-class TokenDispatcher(Protocol):
+class TokenDispatcher(abc.ABC):
+    """Built from the config (and validated) before any process group exists; expert parallelism then hands it the
+    EP group with ``set_ep_group``. The group is held as plain values the compiler keeps as constants; no group
+    means every expert is local."""
+
+    saved_ops: ClassVar[frozenset]
+
+    def __init__(self):
+        self.set_ep_group(None)
+
+    def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> TokenDispatcher:
+        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.group_name = ep_group.group_name if self.ep_size > 1 else ""
+        return self
+
+    @abc.abstractmethod
     def __call__(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: GroupedExperts
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
     ) -> torch.Tensor: ...
 
+    @abc.abstractmethod
     def validate(self, cfg) -> None: ...
 
 
@@ -55,8 +83,20 @@ def gather_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, repe
     return _GatherRows.apply(x, perm, inverse, repeats)
 
 
-class TorchDispatcher:
-    """All-to-all over the EP group with plain PyTorch ops and grouped GEMMs.
+class DispatchMeta(NamedTuple):
+    """What ``TorchDispatcher.dispatch`` hands to ``combine`` to bring the expert outputs home."""
+
+    unsort: torch.Tensor  # [T*K]: row of each (token, k) slot among the expert-sorted slots
+    topk_weights: torch.Tensor  # [T, K]
+    # EP > 1 only (None at EP = 1):
+    send_rows: torch.Tensor | None  # [EP] int64 on the host: slots sent to each EP rank
+    recv_rows: torch.Tensor | None  # [EP] int64 on the host: rows received from each EP rank
+    expert_major: torch.Tensor | None  # received rows, (source rank, expert) order -> (expert, source rank) order
+
+
+class TorchDispatcher(TokenDispatcher):
+    """All-to-all over the EP group with plain PyTorch ops and grouped GEMMs: ``dispatch`` -> ``grouped_swiglu``
+    -> ``combine``.
 
     Per layer: one all-to-all of per-expert counts, one device-to-host copy of the split sizes, the token
     all-to-all, a local permute from (source rank, expert) to expert-contiguous order, grouped GEMMs, and the
@@ -64,11 +104,15 @@ class TorchDispatcher:
     so a block compiles whole.
     """
 
-    def __init__(self, ep_group: dist.ProcessGroup | None = None):
-        self.ep_group = ep_group
-        # Plain values the compiler can hold as constants.
-        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
-        self.group_name = ep_group.group_name if ep_group is not None else ""
+    saved_ops = frozenset(
+        {
+            torch.ops.aten.sort.stable,
+            torch.ops.aten.sort.default,
+            torch.ops.aten.bincount.default,
+            torch.ops.moe_lab.exchange_counts.default,
+            torch.ops.moe_lab.all_to_all_rows.default,
+        }
+    )
 
     def validate(self, cfg) -> None:
         # torch._grouped_mm needs 16-byte aligned rows: a multiple of 8 elements covers bf16 and fp32.
@@ -79,25 +123,24 @@ class TorchDispatcher:
         if cfg.trainer.compile and not computes_in_bf16(cfg.trainer):
             raise ConfigError("trainer.precision", "trainer.compile=true with the torch dispatcher needs bf16 (torch._grouped_mm compiles in bf16 only); set trainer.precision=bf16")
 
-    def __call__(self, x, topk_ids, topk_weights, experts):
-        num_tokens, top_k = topk_ids.shape
+    def __call__(self, x, topk_ids, topk_weights, gate_up_proj, down_proj):
+        rows, tokens_per_expert, meta = self.dispatch(x, topk_ids, topk_weights, gate_up_proj.shape[0])
+        return self.combine(grouped_swiglu(rows, tokens_per_expert, gate_up_proj, down_proj), meta)
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
+        """-> rows for this rank's experts in expert-contiguous order, rows per local expert [L], and what
+        ``combine`` needs."""
+        top_k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # (token, k) slots sorted by global expert
-        unorder = inverse_permutation(order)
-        tokens_per_expert = torch.bincount(flat_ids, minlength=experts.num_experts)
-        routed = gather_rows(x, order, unorder, top_k)
+        unsort = inverse_permutation(order)
+        tokens_per_expert = torch.bincount(flat_ids, minlength=self.ep_size * num_local_experts)
+        routed = gather_rows(x, order, unsort, top_k)
         if self.ep_size == 1:
-            out = experts.compute(routed, tokens_per_expert)
-        else:
-            out = self._exchange_and_compute(routed, tokens_per_expert, experts)
-        # Back to (token, k) order, weight, and sum over k. This gather and the two in _exchange_and_compute are
-        # plain: a permutation's backward scatter-add has no repeated rows to contend on, and torch 2.11 fails to
-        # compile gather_rows' backward over EP's data-dependent row counts under selective AC.
-        unsorted = out.index_select(0, unorder)
-        return (unsorted.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1)
-
-    def _exchange_and_compute(self, routed, tokens_per_expert, experts):
-        ep, name, local = self.ep_size, self.group_name, experts.num_local_experts
+            return routed, tokens_per_expert, DispatchMeta(unsort, topk_weights, None, None, None)
+        ep, name, local = self.ep_size, self.group_name, num_local_experts
         # recv[src * local + e]: rows source rank `src` sends to this rank's local expert e.
         recv_per_expert = exchange_counts(tokens_per_expert, name)
         rows = torch.stack([tokens_per_expert.view(ep, local).sum(1), recv_per_expert.view(ep, local).sum(1)])
@@ -107,15 +150,26 @@ class TorchDispatcher:
         segment = torch.repeat_interleave(
             torch.arange(ep * local, device=routed.device), recv_per_expert, output_size=received.shape[0]
         )
-        perm = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        out = experts.compute(received.index_select(0, perm), recv_per_expert.view(ep, local).sum(0))
-        out = out.index_select(0, inverse_permutation(perm))
-        return all_to_all_rows(out, recv_rows, send_rows, name)
+        expert_major = torch.argsort((segment % local) * ep + segment // local, stable=True)
+        meta = DispatchMeta(unsort, topk_weights, send_rows, recv_rows, expert_major)
+        return received.index_select(0, expert_major), recv_per_expert.view(ep, local).sum(0), meta
+
+    def combine(self, expert_out: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """Expert outputs in ``dispatch``'s row order -> y [T, H]: back to the tokens' ranks, to (token, k) order,
+        weighted and summed over k."""
+        # This gather and the two permutations here and in dispatch are plain index_selects: a permutation's backward
+        # scatter-add has no repeated rows to contend on, and torch 2.11 fails to compile gather_rows' backward over
+        # EP's data-dependent row counts under selective AC.
+        if self.ep_size > 1:
+            expert_out = expert_out.index_select(0, inverse_permutation(meta.expert_major))
+            expert_out = all_to_all_rows(expert_out, meta.recv_rows, meta.send_rows, self.group_name)
+        slots = rearrange(expert_out.index_select(0, meta.unsort), "(t k) h -> t k h", k=meta.topk_weights.shape[1])
+        return (slots * meta.topk_weights.unsqueeze(-1)).sum(dim=1)
 
 
-class FusedDispatcher:
+class FusedDispatcher(TokenDispatcher):
     """Hands tokens, routing and the local expert weights to one custom op that dispatches, runs the SwiGLU
-    experts and combines (``moe_lab.moe.fused``); the dispatcher itself moves nothing.
+    experts and combines, forward and backward (``moe_lab.moe.fused``); the dispatcher itself moves nothing.
 
     ``backend``: ``reference`` (plain PyTorch, CPU or GPU), ``gpu`` (Triton kernels, no host sync; CUDA only) or
     ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
@@ -123,22 +177,21 @@ class FusedDispatcher:
     ``moe_lab.moe.fused.gpu_backend_name``).
     """
 
-    def __init__(
-        self,
-        backend: Literal["auto", "reference", "gpu"] = "auto",
-        gemm: Literal["auto", "deep_gemm", "torch"] = "auto",
-        ep_group: dist.ProcessGroup | None = None,
-    ):
-        from moe_lab.moe import fused  # registers the custom ops
+    # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.
+    saved_ops = frozenset({torch.ops.moe_lab.fused_moe.default})
 
+    def __init__(self, backend: Literal["auto", "reference", "gpu"] = "auto", gemm: Literal["auto", "deep_gemm", "torch"] = "auto"):
         self.backend, self.gemm = backend, gemm
-        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
-        self.group_name = ep_group.group_name if ep_group is not None and self.ep_size > 1 else ""
-        self._gpu_backend = fused.gpu_backend_name(gemm, self.ep_size) if backend != "reference" and torch.cuda.is_available() else None
+        super().__init__()
+
+    def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> FusedDispatcher:
+        super().set_ep_group(ep_group)
+        # The gpu backend's GEMMs depend on the EP degree (moe_lab.moe.fused.gpu_backend_name).
+        cuda = self.backend != "reference" and torch.cuda.is_available()
+        self.gpu_backend = fused.gpu_backend_name(self.gemm, self.ep_size) if cuda else None
+        return self
 
     def validate(self, cfg) -> None:
-        from moe_lab.moe import fused
-
         cuda = runs_on_cuda(cfg.trainer)
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
@@ -151,21 +204,21 @@ class FusedDispatcher:
             if cfg.model[key] % multiple:
                 raise ConfigError(f"model.{key}", f"the fused gpu backend's grouped GEMMs need a multiple of {multiple}, got {cfg.model[key]}")
 
-    def __call__(self, x, topk_ids, topk_weights, experts):
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    def __call__(self, x, topk_ids, topk_weights, gate_up_proj, down_proj):
+        dtype = compute_dtype(x)
         if self.backend == "reference" or (self.backend == "auto" and not x.is_cuda):
             backend = "reference"
-        elif x.is_cuda and self._gpu_backend is not None:
-            backend = self._gpu_backend
+        elif x.is_cuda and self.gpu_backend is not None:
+            backend = self.gpu_backend
         else:
             raise RuntimeError(f"dispatcher.backend=gpu needs CUDA tensors, got {x.device}")
         y, *_ = torch.ops.moe_lab.fused_moe(
             x.to(dtype),
             topk_ids,
             topk_weights.to(dtype),
-            experts.gate_up_proj.to(dtype),
-            experts.down_proj.to(dtype),
-            experts.num_experts,
+            gate_up_proj.to(dtype),
+            down_proj.to(dtype),
+            self.ep_size * gate_up_proj.shape[0],  # the global expert count
             self.group_name,
             backend,
         )

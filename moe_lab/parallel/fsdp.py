@@ -13,9 +13,10 @@ def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype) -> None:
     ``expert_shard`` ranks only; their gradients already sum the tokens of every EP peer, so they are summed over
     ``expert_shard`` and divided by the whole world to give the same mean-over-the-global-batch as dense weights.
 
-    The experts' FSDP hooks fire at the block's boundary instead of the experts' own call, so a compiled block has
-    no FSDP hook inside it and compiles as one graph: the experts are gathered when their block starts and
-    resharded when it ends (the block's pre-backward hook gathers them again before recompute and backward).
+    The experts' FSDP hooks fire at the block's boundary: the experts module is never called (the block reads its
+    weights and hands them to the dispatcher), and a compiled block has no FSDP hook inside it and compiles as one
+    graph. The experts are gathered when their block starts and resharded when it ends (the block's pre-backward
+    hook gathers them again before recompute and backward).
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # Embedding, blocks, and final norm + LM head each their own group (as torchtitan does): the head's gradient

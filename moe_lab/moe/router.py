@@ -1,13 +1,10 @@
-"""Router and expert weights of an MoE layer. Token movement is the dispatcher's job (``moe_lab.moe.dispatcher``)."""
+"""The MoE router: which experts each token goes to, and with what weight."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
-
-from moe_lab.moe.dispatcher import TorchDispatcher
 
 
 class Router(nn.Module):
@@ -18,6 +15,9 @@ class Router(nn.Module):
     ``skewed`` draws experts from a Zipf-like law with exponent ``routing_skew``. Both are deterministic functions of
     the token index, so activation recompute sees exactly the same routing.
     """
+
+    # The routing decision: ac=selective keeps it, so recompute never re-routes (``moe_lab.parallel.parallelize``).
+    saved_ops = frozenset({torch.ops.aten.topk.default})
 
     def __init__(
         self,
@@ -75,39 +75,3 @@ def _hash32(x: torch.Tensor, seed: int) -> torch.Tensor:
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     return (x >> 16) ^ x
-
-
-class GroupedExperts(nn.Module):
-    """SwiGLU experts stored as stacked tensors; holds only the experts its rank owns once parallelised.
-
-    ``dispatcher`` moves tokens to the experts and back. It is set from outside (``moe_lab.parallel``); the default
-    is the torch dispatcher without a process group, i.e. all experts local.
-    """
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.num_experts = num_experts  # global count; the parameters may hold a slice of them
-        self.expert_offset = 0  # index of the first expert held here (set by expert parallelism)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.dispatcher = TorchDispatcher()
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.gate_up_proj.shape[0]
-
-    # Profiler scopes are entered inside the methods, not as decorators: torch.compile (before torch 2.13) traces a
-    # record_function only when it is created in the compiled code.
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        with record_function("moe_lab::dispatch"):  # what is not GEMM or all-to-all in here is dispatch glue
-            return self.dispatcher(x, topk_ids, topk_weights, self)
-
-    def compute(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """Expert-contiguous rows in, expert outputs out: grouped GEMM -> SwiGLU -> grouped GEMM."""
-        with record_function("moe_lab::expert_compute"):
-            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-            x = x.to(dtype)
-            gate_up = torch._grouped_mm(x, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)
-            gate, up = gate_up.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
