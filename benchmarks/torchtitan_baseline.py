@@ -159,7 +159,7 @@ def failure_status(log: str) -> tuple[str, str]:
 def moe_lab_flops(base: str, layers: int, seq_len: int) -> dict[str, float] | None:
     if base not in MOE_LAB_MODEL:
         return None
-    conf = yaml.safe_load((ROOT / "conf" / "model" / f"{MOE_LAB_MODEL[base]}.yaml").read_text())
+    conf = yaml.safe_load((ROOT / "moe_lab" / "conf" / "model" / f"{MOE_LAB_MODEL[base]}.yaml").read_text())
     names = {f.name for f in fields(Qwen3MoeConfig)}
     cfg = Qwen3MoeConfig(**{k: v for k, v in conf.items() if k in names} | {"num_layers": layers})
     return flops_per_token(cfg, seq_len)

@@ -53,7 +53,7 @@ log = logging.getLogger("moe_lab")
 config_lib.register()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN

@@ -24,7 +24,7 @@ from moe_lab.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.parallel import parallelize
 from tests.distributed import run_world
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
 MODES = ("none", "full", "selective")
 SEQ, GLOBAL_BATCH = 16, 4  # tokens per sample, samples per step over all ranks
 # Namespaces of the ops selective checkpointing must save rather than re-run: functional collectives and this

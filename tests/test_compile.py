@@ -23,7 +23,7 @@ from moe_lab.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.parallel import parallelize
 from tests.distributed import run_world
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
 LAYERS = 2  # the tiny model
 # Per block and step, the torch dispatcher runs 3 all-to-alls forward (counts, tokens out, tokens back) and 2
 # backward (the token exchanges' gradients); full AC re-runs the 3 forward ones to recompute the block.
@@ -86,7 +86,7 @@ def train_all(checkpoint: str) -> dict:
 
 
 def config_model():
-    """The default (tiny) model's config, as conf/ composes it."""
+    """The default (tiny) model's config, as moe_lab/conf/ composes it."""
     config.register()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return instantiate(compose("train").model)

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from moe_lab import config
 from moe_lab.config import ConfigError
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
 # Groups are those of train.yaml's defaults list; their options are whatever yamls their folders hold.
 GROUPS = [
     group

@@ -55,7 +55,7 @@ def run_job(run_dir: Path, ranks: int, ep: int, checkpoint: Path) -> dict:
 
 def test_mesh_shapes_train_like_one_rank(tmp_path):
     torch.manual_seed(0)
-    model = Qwen3MoeConfig().build()  # the tiny model of conf/model/tiny.yaml
+    model = Qwen3MoeConfig().build()  # the tiny model of moe_lab/conf/model/tiny.yaml
     model.init_weights()
     save_hf_checkpoint(model.state_dict(), tmp_path / "init")
 
@@ -77,7 +77,7 @@ def _first_expert_rows(device_type: str, world: int) -> list[float]:
     from moe_lab.train import build_model
 
     config.register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"parallel.ep={world}"])
     rank = torch.distributed.get_rank()
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")

@@ -73,7 +73,7 @@ def slurm_cfg():
     GlobalHydra.instance().clear()
     config.register()
     overrides = ["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=h200", "hydra.launcher.timeout_min=90", "model=qwen3_30b", "parallel.ep=8"]
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
         yield compose("train", overrides=overrides, return_hydra_config=True)
     GlobalHydra.instance().clear()
 

@@ -32,7 +32,7 @@ from moe_lab.optim.optimizers import SignSGD
 from moe_lab.train import build_model, lr_factor, train
 from tests.distributed import run_world
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(Path(__file__).resolve().parents[1] / "moe_lab" / "conf")
 STEPS = 4
 # Several chunks and fewer transfer buffers than chunks, so chunking and buffer reuse are exercised.
 SMALL_CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]

@@ -120,7 +120,7 @@ def test_experiment_preset_composes_and_validates(name, monkeypatch):
     if want["world"] > 8:  # more ranks than one node: the outer launcher (srun) sets WORLD_SIZE
         monkeypatch.setenv("WORLD_SIZE", str(want["world"]))
     config_lib.register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={name}"], return_hydra_config=True)
     assert cfg.model.name == want["model"] and cfg.data.seq_len == want["seq"] and cfg.data.batch_size == 1
     assert cfg.parallel.ep == want["ep"] and world_size(cfg) == want["world"]
@@ -130,5 +130,5 @@ def test_experiment_preset_composes_and_validates(name, monkeypatch):
     # Every point of the preset's sweep is a valid configuration.
     axes = [[f"{key}={v}" for v in values.split(",")] for key, values in (want["sweep"] or {}).items()]
     for point in itertools.product(*axes):
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
             config_lib.validate(compose("train", overrides=[f"+experiment={name}", *point]))

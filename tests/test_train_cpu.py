@@ -87,7 +87,7 @@ def test_dry_run_parameter_counts_match_model_cards(model, capsys, tmp_path):
     from moe_lab.train import run_job
 
     config.register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={model}", "trainer.dry_run=true"])
     summary = run_job(cfg, tmp_path, meta={})
     total, active, non_embedding = PUBLISHED[model]
