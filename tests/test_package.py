@@ -1,6 +1,6 @@
-"""moe_lab installs anywhere: the wheel carries the config tree (the default job runs from a directory outside the
-source), and an editable install still imports from the clone's parent directory, where the clone itself (a folder
-named moe_lab) would otherwise be imported as a namespace package.
+"""moe_lab installs anywhere: the wheel carries the config tree and the studies' presets (the default job runs, and
+a preset composes, from a directory outside the source), and an editable install still imports from the clone's
+parent directory, where the clone itself (a folder named moe_lab) would otherwise be imported as a namespace package.
 
 Each test installs into a fresh venv made with --system-site-packages (torch, hydra and the rest come from this
 interpreter's environment; moe_lab is installed with --no-deps) and runs with PYTHONPATH unset, so the worktree's
@@ -61,6 +61,8 @@ def test_wheel_runs_the_default_job_from_another_directory(tmp_path):
     assert str(tmp_path / "venv") in where
     run([python, "-m", "moe_lab.train", "trainer.steps=2", "hydra.run.dir=run"], cwd=work)
     assert json.loads((work / "run" / "result.json").read_text())["status"] == "ok"
+    job = run([python, "-m", "moe_lab.train", "+experiment=grid_30b/seq8192", "--cfg", "job"], cwd=work).stdout
+    assert "name: qwen3_30b" in job and "seq_len: 8192" in job  # a study variant over the study over the shared preset
 
 
 def test_editable_install_imports_from_the_clones_parent_directory(tmp_path):
@@ -69,3 +71,5 @@ def test_editable_install_imports_from_the_clones_parent_directory(tmp_path):
     run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", clone], cwd=tmp_path)
     proc = run([python, "-c", "import moe_lab; from moe_lab.results import load; print(moe_lab.__file__)"], cwd=tmp_path)
     assert proc.stdout.strip() == str(clone / "moe_lab" / "__init__.py")
+    job = run([python, "-m", "moe_lab.train", "+experiment=routing_skew", "--cfg", "job"], cwd=tmp_path).stdout
+    assert "routing: skewed" in job
