@@ -32,6 +32,6 @@ def test_notebook_executes_on_a_real_sweep(tmp_path_factory):
 
 
 def test_notebook_executes_on_the_committed_h200_grid():
-    outputs = execute(ROOT / "results" / "grid_30b_h200_1gpu")
+    outputs = execute(ROOT / "experiments" / "grid_30b" / "records" / "h200_1gpu" / "2026-11-30_09-27")
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
     assert "12 points: 12 ok" in "".join(o.get("text", "") for o in outputs)
