@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from tests.sweep import ROOT
@@ -51,6 +52,8 @@ def test_wheel_runs_the_default_job_from_another_directory(tmp_path):
     source = copy_source(tmp_path / "src")
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", source], cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("moe_lab-*.whl")
+    studies = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("moe_lab/experiments/")]
+    assert "moe_lab/experiments/grid_30b/preset.yaml" in studies and all(n.endswith(".yaml") for n in studies)
     python = venv(tmp_path / "venv")
     run([python, "-m", "pip", "install", "-q", "--no-deps", wheel], cwd=tmp_path)
     shutil.rmtree(source)  # nothing may come from the source tree
