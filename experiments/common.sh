@@ -3,9 +3,9 @@
 #   OUT      on a device machine, the folder that comes back: each run.sh also packs the records it made into
 #            $OUT/<study>-<stamp>.tgz (traces left out); unpack with `tar -xzf <file>` in the checkout's root
 set -uo pipefail
+STUDY=$(basename "$(dirname "$(realpath "$0")")")  # the calling run.sh's folder (before the cd: $0 may be relative)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the checkout's root: records land in experiments/<study>/records/
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-STUDY=$(basename "$(dirname "$(realpath "$0")")")
 STAMP=$(date -u +%Y-%m-%d_%H-%M)  # a record's name: the UTC minute its run started
 MACHINE=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($2)}')}
 MACHINE=${MACHINE:-cpu}
