@@ -1,6 +1,6 @@
 """Host optimizer step (full offload's CPU work) against the host's memory bandwidth.
 
-    python benchmarks/host_optimizer.py                     # writes results/host_optimizer_<host>.json
+    python benchmarks/host_optimizer.py                     # writes experiments/host_optimizer/records/<host>/<UTC time>.json
     python benchmarks/host_optimizer.py --numel 16777216 --out /tmp/x.json
 
 For each thread count (1, half, all of this process's CPUs) it times:
@@ -35,6 +35,7 @@ import torch
 
 from moe_lab.optim import numa
 from moe_lab.optim.optimizers import SignSGD
+from moe_lab.results.record import git_state
 
 
 def timed(fn, repeats: int) -> float:
@@ -142,6 +143,7 @@ def main() -> None:
     record = {
         "command": "python benchmarks/host_optimizer.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **git_state(),
         "host": host,
         "cpu": cpu_model(),
         "cpus_in_affinity": cpus,
@@ -150,7 +152,8 @@ def main() -> None:
         "numel": n,
         "rows": rows,
     }
-    out = args.out or Path(__file__).resolve().parents[1] / "results" / f"host_optimizer_{re.sub(r'[^A-Za-z0-9_.-]', '_', host)}.json"
+    records = Path(__file__).resolve().parents[1] / "experiments" / "host_optimizer" / "records"
+    out = args.out or records / re.sub(r"[^A-Za-z0-9_.-]", "_", host) / time.strftime("%Y-%m-%d_%H-%M.json", time.gmtime())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -1,8 +1,9 @@
 """MoE layer forward+backward on GPU: torch dispatcher vs fused dispatcher, at Qwen3-30B-A3B and Qwen3-235B-A22B
 expert shapes (128 experts, top-8), several token counts per GPU, balanced and skewed routing.
 
-    python benchmarks/moe_layer.py --out results/moe_layer_h200_ep1.json                  # EP=1, one GPU
-    torchrun --nproc_per_node 2 benchmarks/moe_layer.py --out results/moe_layer_h200_ep2.json   # EP=2
+    python benchmarks/moe_layer.py --out /tmp/moe_layer_ep1.json                         # EP=1, one GPU
+    torchrun --nproc_per_node 2 benchmarks/moe_layer.py --out /tmp/moe_layer_ep2.json    # EP=2
+    bash experiments/moe_layer/run.sh ep1|ep2                    # the study's runs, into its records/
 
 Writes one JSON file: per point the median ms of forward+backward (CUDA events, max over ranks), TFLOP/s (FLOPs
 from ``layer_flops``), the fused/torch speedup, and a per-kernel time breakdown from torch.profiler for the largest
@@ -25,6 +26,7 @@ from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
 from moe_lab.moe.router import Router
 from moe_lab.parallel.expert_parallel import keep_local_experts
+from moe_lab.results.record import git_state
 
 MODELS = {"qwen3_30b": (2048, 768), "qwen3_235b": (4096, 1536)}
 NUM_EXPERTS, TOP_K = 128, 8
@@ -150,6 +152,7 @@ def main():
         record = {
             "command": "benchmarks/moe_layer.py " + " ".join(f"--{k}={v}" for k, v in vars(args).items()),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **git_state(),
             "gpu": torch.cuda.get_device_name(),
             "num_gpus": ep,
             "torch": torch.__version__,

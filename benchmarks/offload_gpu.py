@@ -1,7 +1,8 @@
 """Offload modes on one GPU, on a Qwen3-30B-A3B proxy (seq 4096, batch 1, balanced routing, full AC).
 
-    python benchmarks/offload_gpu.py --phase compare --out results/offload_gpu_h200.json
-    python benchmarks/offload_gpu.py --phase search --out results/offload_gpu_h200.json --budget-s 200
+    python benchmarks/offload_gpu.py --phase compare --out /tmp/offload_gpu.json
+    python benchmarks/offload_gpu.py --phase search --out /tmp/offload_gpu.json --budget-s 200
+    bash experiments/offload_depth/run.sh          # the study's search, resumed from its latest record
 
 ``compare``: offload=none|optimizer|full side by side at ``--layers`` layers: s/step (median after the first
 two steps), peak GPU memory, peak host RSS.
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import psutil
 import torch
+
+from moe_lab.results.record import git_state
 
 BASE = [
     "model=qwen3_30b",
@@ -193,6 +196,7 @@ def main() -> None:
         "cpus": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **git_state(),
         "command": "python benchmarks/offload_gpu.py " + " ".join(sys.argv[1:]),
         "base_overrides": BASE,
         "params_per_layer": per_layer,

@@ -28,7 +28,8 @@ and compile come before its 12 steps; ``--timeout`` cuts a job at 270 s)::
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1;
       python3 benchmarks/torchtitan_baseline.py --seq-lens 16384 --out $OUT/torchtitan_h200_seq16384.json")
 
-then the same with ``--seq-lens 8192``, and copy both files to results/. The full default grid (seq 16384 and 8192 x
+then the same with ``--seq-lens 8192`` (``bash experiments/torchtitan_baseline/run.sh one_gpu|two_gpu|seq8192`` runs
+the study's points into its records/). The full default grid (seq 16384 and 8192 x
 1 GPU and 2 GPUs x AC full and selective, 12 steps each) is 8 jobs; ``--points`` narrows it, ``--dry-run`` builds the
 assets and prints the torchrun commands. Each finished point is written at once, so a call cut short keeps them.
 """
@@ -53,6 +54,7 @@ import yaml
 
 from moe_lab.metrics.flops import PEAK_BF16_FLOPS, flops_per_token
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from moe_lab.results.record import git_state
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = Path(__file__).resolve().parent
@@ -196,7 +198,7 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--timeout", type=int, default=270, help="seconds per job")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/torchtitan_baseline"))
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "torchtitan_h200.json")
+    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="build the assets, print the commands, run nothing")
     args = parser.parse_args()
 
@@ -219,6 +221,7 @@ def main() -> None:
     out = {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **git_state(),
         "hardware": hardware(),
         "proxy": {"torchtitan_flavour": flavour, "layers": args.layers, "local_batch_size": 1, "routing": "balanced (debug.moe_force_load_balance)", "compile": args.compile},
         "timing": f"median of steps {args.timing_from}..{args.steps}",

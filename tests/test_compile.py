@@ -87,7 +87,7 @@ def train_all(checkpoint: str) -> dict:
 
 
 def config_model():
-    """The default (tiny) model's config, as conf/ composes it."""
+    """The default (tiny) model's config, as moe_lab/conf/ composes it."""
     config.register()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return instantiate(compose("train").model)

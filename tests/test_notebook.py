@@ -1,5 +1,5 @@
-"""notebooks/sweep_analysis.ipynb executes against the CPU sweep of tests/sweep.py, and against the committed H200
-grid, and renders its figures."""
+"""notebooks/sweep_analysis.ipynb runs headless through papermill from the repository root, as the README says,
+against the CPU sweep of tests/sweep.py and against the committed H200 grid, and renders its figures."""
 
 from __future__ import annotations
 
@@ -7,31 +7,39 @@ import pytest
 
 from tests.sweep import ROOT, ensure_sweep
 
+papermill = pytest.importorskip("papermill")
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+
+H200_GRID = "experiments/grid_30b/records/h200_1gpu/2026-11-30_09-27"
 
 
-def execute(sweep_dir) -> list:
-    """Run the notebook with ``SWEEP`` set to ``sweep_dir``; its code cells' outputs, none of them an error."""
-    nb = nbformat.read(ROOT / "notebooks" / "sweep_analysis.ipynb", as_version=4)
-    (parameters,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
-    parameters.source = f"SWEEP = {str(sweep_dir)!r}"
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+def execute(sweep: str, tmp_path) -> list:
+    """Run the notebook with ``SWEEP`` set to ``sweep``; its code cells' outputs, none of them an error."""
+    out = tmp_path / "out.ipynb"
+    papermill.execute_notebook(ROOT / "notebooks" / "sweep_analysis.ipynb", out, parameters={"SWEEP": sweep}, cwd=ROOT,
+                               kernel_name="python3", progress_bar=False)  # fmt: skip
+    nb = nbformat.read(out, as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     return outputs
 
 
-def test_notebook_executes_on_a_real_sweep(tmp_path_factory):
-    outputs = execute(ensure_sweep(tmp_path_factory.getbasetemp()))
+def text(outputs) -> str:
+    return "".join(o.get("text", "") for o in outputs)
+
+
+def html(outputs) -> str:
+    return "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+
+
+def test_notebook_executes_on_a_real_sweep(tmp_path_factory, tmp_path):
+    outputs = execute(str(ensure_sweep(tmp_path_factory.getbasetemp())), tmp_path)
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 3  # speed/MFU bars, Pareto scatter, breakdown
-    text = "".join(o.get("text", "") for o in outputs)
-    assert "12 points: 6 invalid, 4 ok, 1 oom, 1 error" in text
-    html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
-    assert "injected by tests/sweep.py" in html  # the failed points' table
+    assert "12 points: 6 invalid, 4 ok, 1 oom, 1 error" in text(outputs)
+    assert "injected by tests/sweep.py" in html(outputs)  # the failed points' table
 
 
-def test_notebook_executes_on_the_committed_h200_grid():
-    outputs = execute(ROOT / "results" / "grid_30b_h200_1gpu")
+def test_notebook_executes_on_the_committed_h200_grid_by_its_relative_path(tmp_path):
+    outputs = execute(H200_GRID, tmp_path)  # relative to the repository root, papermill's working directory
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
-    assert "12 points: 12 ok" in "".join(o.get("text", "") for o in outputs)
+    assert "12 points: 12 ok; axes: ['offload', 'ac', 'dispatcher']" in text(outputs)

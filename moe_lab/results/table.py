@@ -1,10 +1,10 @@
 """Sweep results as a table: ``load(sweep_dir_or_glob)`` -> one pandas row per point.
 
-Columns: ``run_dir``, ``status``, ``error_type``, ``error_message``, one column per group choice (``model``,
-``dispatcher``, ``ac``, ...), one per other overridden key (``parallel.ep``, ``model.routing_skew``: its resolved
-value, typed), ``overrides``, environment fields as ``env.<key>``, the scalar metrics, the trace
-breakdown as ``time.<category>`` (seconds per step) and ``time.step_s``. Per-step lists (losses) stay in
-``metrics.jsonl``.
+Columns: ``run_dir``, ``status``, ``error_type``, ``error_message``, then the axes: one column per group choice
+(``model``, ``dispatcher``, ``ac``, ..., and ``experiment``: the preset, such as ``grid_30b`` or
+``grid_30b/two_gpu``), one per other overridden key (``parallel.ep``, ``model.routing_skew``: its resolved value,
+typed); then ``overrides``, environment fields as ``env.<key>``, the scalar metrics, the trace breakdown as
+``time.<category>`` (seconds per step) and ``time.step_s``. Per-step lists (losses) stay in ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -66,10 +66,15 @@ def flatten(record: dict, run_dir: Path) -> dict:
 
 
 def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
-    rows = []
-    for path in result_files(sweep_dir_or_glob):
-        rows.append(flatten(json.loads(path.read_text()), path.parent))
-    return pd.DataFrame(rows)
+    rows = [flatten(json.loads(path.read_text()), path.parent) for path in result_files(sweep_dir_or_glob)]
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    # Every point's axes between error_message and overrides, also a key only later points have (pandas appends
+    # a column first seen in a later row at the end): varying_axes reads the axes from there.
+    head = ["run_dir", "status", "error_type", "error_message"]
+    axes = list(dict.fromkeys(c for row in rows for c in list(row)[len(head) : list(row).index("overrides")]))
+    return df[head + axes + [c for c in df.columns if c not in head and c not in axes]]
 
 
 def pareto_front(df: pd.DataFrame, cost: str, gain: str) -> pd.DataFrame:
@@ -88,7 +93,18 @@ def varying_axes(df: pd.DataFrame) -> list[str]:
     between points: what a sweep swept."""
     columns = list(df.columns)
     axes = columns[columns.index("error_message") + 1 : columns.index("overrides")]
-    return [c for c in axes if df[c].astype(str).nunique() > 1]
+    return [c for c in axes if df[c].map(str).nunique() > 1]  # str: values may be lists; a missing value is "nan"
+
+
+def by_axes(df: pd.DataFrame, values: list[str]) -> pd.DataFrame:
+    """The median of ``values`` for each combination of the axes the points vary (the last axis as columns when
+    there are several): never a median across a swept key, only across repeats of one point."""
+    axes = varying_axes(df)
+    if not axes:
+        return df[values].median().to_frame("all points").T
+    keyed = df.assign(**{a: df[a].map(str) for a in axes})  # a missing value (an axis some points lack) is one too
+    table = keyed.groupby(axes)[values].median()
+    return table.unstack(axes[-1]) if len(axes) > 1 else table
 
 
 def point_labels(df: pd.DataFrame) -> pd.Series:

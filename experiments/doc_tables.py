@@ -1,0 +1,235 @@
+"""The generated tables of docs/performance.md and the studies' READMEs, made from the committed records.
+
+    python experiments/doc_tables.py           # rewrite every generated table
+    python experiments/doc_tables.py --check   # exit 1 if a table differs from what its records give
+
+A generated table sits between ``<!-- table: KIND PATH... -->`` and ``<!-- /table -->``; everything else is prose.
+The marker names the records (paths from the repository root: a sweep directory, or a raw JSON file), and the
+generated block ends with a line citing them, so a table always names the files it came from. Sweep directories
+are read with ``moe_lab.results.load``, the loader the notebook uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from moe_lab.metrics.trace import CATEGORIES
+from moe_lab.results import load
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "docs" / "performance.md", *sorted(ROOT.glob("experiments/README.md")), *sorted(ROOT.glob("experiments/*/README.md"))]
+BLOCK = re.compile(r"(<!-- table: (?P<kind>[\w-]+)(?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def markdown(rows: list[list], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def pct(x) -> str:
+    return "" if x is None or pd.isna(x) else f"{100 * x:.1f} %"
+
+
+def num(x, fmt=",.0f") -> str:
+    return "" if x is None or pd.isna(x) else format(x, fmt)
+
+
+def cite(path: str) -> str:
+    return f"`{path}`"
+
+
+@functools.cache
+def sweep(path: str) -> pd.DataFrame:
+    """A sweep directory's points, one row each."""
+    return load(ROOT / path)
+
+
+@functools.cache
+def raw(path: str) -> dict:
+    return json.loads((ROOT / path).read_text())
+
+
+def torchtitan(path: str) -> dict[str, dict]:
+    """torchtitan's successful points of one raw file (one GPU count and seq each) by AC mode."""
+    return {p["ac"]: p for p in raw(path)["points"] if p["status"] == "ok"}
+
+
+def grid(path: str, baseline: str | None = None) -> str:
+    """A grid_30b sweep, one row per point; with a torchtitan file, each point's tokens/s/GPU over torchtitan's at
+    the same AC mode."""
+    titan = torchtitan(baseline) if baseline else {}
+    rows = []
+    for _, r in sweep(path).iterrows():
+        base = titan.get(r["ac"])
+        ratio = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if r["status"] == "ok" and base else ""
+        rows.append([r["offload"], r["dispatcher"], r["ac"], r["status"], num(r.get("s_per_step"), ".3f"),
+                     num(r.get("tokens_per_s_per_gpu")), pct(r.get("mfu")), pct(r.get("mfu_executed")),
+                     num(r.get("peak_gpu_mem_gib"), ".1f"), num(r.get("peak_host_rss_gib"), ".1f"), ratio])  # fmt: skip
+    header = ["offload", "dispatcher", "ac", "status", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB",
+              "peak host GiB"] + (["vs torchtitan (same ac)"] if baseline else [])  # fmt: skip
+    return markdown([row[: len(header)] for row in rows], header)
+
+
+def torchtitan_table(*paths: str) -> str:
+    rows = []
+    for path in paths:
+        for ac, p in torchtitan(path).items():
+            rows.append([p["gpus"], num(p["seq_len"]), ac, num(p["s_per_step"], ".3f"), num(p["tokens_per_s_per_gpu"]),
+                         pct(p["mfu"]), pct(p["mfu_executed"]), num(p["peak_gpu_mem_reserved_gib"], ".1f"), cite(path)])  # fmt: skip
+    header = ["GPUs", "seq", "ac", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB (reserved)", "raw"]
+    return markdown(rows, header)
+
+
+def changes(before: str, now: str, titan_before: str, titan_now: str) -> str:
+    """offload=none tokens/s/GPU of an earlier sitting beside a later one, at one GPU count, with torchtitan in both
+    sittings as the yardstick of run-to-run drift."""
+    old, new = sweep(before), sweep(now)
+    both = old.merge(new, on=["offload", "dispatcher", "ac"], suffixes=("_before", "_now"))
+    gpus = int(new["env.world_size"].iloc[0])
+    rows = []
+    for _, r in both[both["offload"] == "none"].iterrows():
+        a, b = r["tokens_per_s_per_gpu_before"], r["tokens_per_s_per_gpu_now"]
+        ratio = "" if pd.isna(a) or pd.isna(b) else f"{b / a:.2f}x"
+        rows.append([gpus, "moe_lab", r["dispatcher"], r["ac"], num(a) or r["status_before"], num(b) or r["status_now"], ratio])
+    titan_old, titan_new = torchtitan(titan_before), torchtitan(titan_now)
+    for ac in titan_new:
+        a, b = titan_old[ac]["tokens_per_s_per_gpu"], titan_new[ac]["tokens_per_s_per_gpu"]
+        rows.append([gpus, "torchtitan", "", ac, num(a), num(b), f"{b / a:.2f}x"])
+    header = ["GPUs", "framework", "dispatcher", "ac", f"tokens/s/GPU {Path(before).name}", f"tokens/s/GPU {Path(now).name}", "later / earlier"]
+    return markdown(rows, header)
+
+
+def breakdown(*paths: str) -> str:
+    """One profiled step's compute-stream time by category, in ms, for every ok point of the sweeps."""
+    rows = []
+    for path in paths:
+        df = sweep(path)
+        for _, r in df[df["status"] == "ok"].iterrows():
+            parts = [r.get(f"time.{c}") for c in CATEGORIES]
+            total = sum(p for p in parts if p is not None and not pd.isna(p))
+            rows.append([int(r["env.world_size"]), r["offload"], r["dispatcher"], r["ac"], *(num(1e3 * p, ".1f") for p in parts),
+                         num(1e3 * r["time.step_s"], ".1f"), num(1e3 * total, ".1f")])  # fmt: skip
+    header = ["GPUs", "offload", "dispatcher", "ac", *CATEGORIES, "profiled step", "sum of parts"]
+    return markdown(rows, header)
+
+
+def routing(balanced: str, *skewed: str) -> str:
+    """offload=none, ac=selective: the balanced grid's points beside the routing-skew sweeps' (a point that failed in
+    one sweep and ran in a later one shows once, as run), with each dispatcher's expert GEMM and EP all-to-all time
+    and fused over torch at each routing."""
+    grid_points = sweep(balanced).assign(raw=balanced)
+    points = grid_points[(grid_points["offload"] == "none") & (grid_points["ac"] == "selective")].assign(routing="balanced")
+    for path in skewed:
+        points = pd.concat([points, sweep(path).assign(raw=path, routing=lambda d: "Zipf " + d["model.routing_skew"].astype(str))])
+    points = points.sort_values("status", key=lambda s: s != "ok").drop_duplicates(["routing", "dispatcher"])
+    rows = []
+    for name in points["routing"].unique():
+        pair = points[points["routing"] == name].set_index("dispatcher")
+        speed = pair["tokens_per_s_per_gpu"]
+        ratio = speed.get("fused", float("nan")) / speed.get("torch", float("nan"))
+        for dispatcher, r in pair.sort_index(ascending=False).iterrows():
+            rows.append([name, dispatcher, r["status"], num(r.get("s_per_step"), ".3f"), num(r.get("tokens_per_s_per_gpu")),
+                         pct(r.get("mfu")), num(1e3 * r.get("time.expert_gemm"), ".1f"), num(1e3 * r.get("time.ep_all_to_all"), ".1f"),
+                         num(r.get("peak_gpu_mem_gib"), ".1f"), "" if pd.isna(ratio) else f"{ratio:.2f}x", cite(r["raw"])])  # fmt: skip
+    header = ["routing", "dispatcher", "status", "s/step", "tokens/s/GPU", "MFU", "expert GEMM ms", "EP all-to-all ms",
+              "peak GPU GiB", "fused / torch", "raw"]  # fmt: skip
+    return markdown(rows, header)
+
+
+def moe_layer(path: str) -> str:
+    rows = []
+    for p in raw(path)["points"]:
+        if "speedup" in p:
+            rows.append([p["model"].removeprefix("qwen3_").upper(), num(p["tokens_per_gpu"]), p["routing"], num(p["torch_ms"], ".2f"),
+                         num(p["fused_ms"], ".2f"), num(p["torch_tflops"]), num(p["fused_tflops"]), f"{p['speedup']:.2f}x"])  # fmt: skip
+    header = ["shape", "tokens/GPU", "routing", "torch ms", "fused ms", "torch TFLOP/s", "fused TFLOP/s", "speedup"]
+    return markdown(rows, header)
+
+
+def offload_depth(path: str) -> str:
+    data = raw(path)
+    rows = []
+    for mode in ("none", "optimizer", "full"):
+        at4 = next(p for p in data["points"] if p["mode"] == mode and p["num_layers"] == 4)
+        search = data["search"].get(mode, {})
+        fits, fails = search.get("largest_fitting_num_layers"), search.get("smallest_failing_num_layers")
+        deepest = f"{fits} (fails at {fails})" if search.get("exact") else f">= {fits} (not searched further)"
+        rows.append([mode, num(at4["s_per_step"], ".3f"), num(at4["peak_gpu_mem_gib"], ".1f"), num(at4["peak_host_rss_gib"], ".1f"), deepest])
+    return markdown(rows, ["offload", "s/step (4 layers)", "peak GPU GiB", "peak host GiB", "deepest proxy that fits one H200"])
+
+
+def host_optimizer(path: str) -> str:
+    """Each case at the file's largest thread count: parameters/s where the case steps parameters, bytes/s, share of
+    the in-place bandwidth ceiling."""
+    data = raw(path)
+    threads = max(r["threads"] for r in data["rows"])
+    rows = [[r["case"], threads, num(r.get("params_per_s", float("nan")) / 1e9, ".2f"), num(r["bytes_per_s"] / 1e9, ".1f"),
+             pct(r["fraction_of_ceiling"])] for r in data["rows"] if r["threads"] == threads]  # fmt: skip
+    return markdown(rows, ["case", "threads", "G params/s", "GB/s", "of ceiling"])
+
+
+def points(*paths: str) -> str:
+    """Single runs (result.json-shaped files or sweep directories), one row each."""
+    rows = []
+    for path in paths:
+        df = sweep(path) if (ROOT / path).is_dir() else pd.DataFrame([raw(path)["metrics"] | {"status": raw(path)["status"]}])
+        for _, r in df.iterrows():
+            rows.append([cite(path), r["status"], num(r.get("s_per_step"), ".3f"), num(r.get("tokens_per_s_per_gpu")),
+                         pct(r.get("mfu")), num(r.get("peak_gpu_mem_gib"), ".1f")])  # fmt: skip
+    return markdown(rows, ["raw", "status", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB"])
+
+
+KINDS = {
+    "grid": grid,
+    "torchtitan": torchtitan_table,
+    "changes": changes,
+    "breakdown": breakdown,
+    "routing": routing,
+    "moe-layer": moe_layer,
+    "offload-depth": offload_depth,
+    "host-optimizer": host_optimizer,
+    "points": points,
+}
+
+
+def table(kind: str, paths: list[str]) -> str:
+    """The generated block: the table, then the files it came from (tables with a raw column cite per row)."""
+    if kind not in KINDS:
+        raise KeyError(f"no generator for table kind {kind!r} (known: {', '.join(KINDS)})")
+    for path in paths:
+        if not (ROOT / path).exists():
+            raise FileNotFoundError(f"table {kind}: no record at {path}")
+    body = KINDS[kind](*paths)
+    return body if body.splitlines()[0].endswith("| raw |") else body + "\nRaw: " + ", ".join(map(cite, paths)) + "\n"
+
+
+def render(doc: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + table(m["kind"], m["args"].split()) + m.group(5), doc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if a generated table is not what its records give")
+    args = parser.parse_args()
+    stale = []
+    for path in DOCS:
+        doc = path.read_text()
+        new = render(doc)
+        if new != doc:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        sys.exit(f"out of date with their records: {', '.join(map(str, stale))}: run python experiments/doc_tables.py")
+
+
+if __name__ == "__main__":
+    main()

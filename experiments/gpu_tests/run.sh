@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU tests (pytest -m gpu; they skip on a machine without CUDA), one part per call:
+#   bash experiments/gpu_tests/run.sh one_gpu   fused dispatcher at EP=1, trace breakdown, offload modes, forced routing
+#   bash experiments/gpu_tests/run.sh two_gpu   fused dispatcher at EP=2, distinct experts per EP rank
+# Records: records/<machine>_1gpu|2gpu/<UTC start>.log, headed by commit, GPU and command (see ../common.sh).
+source "$(dirname "$0")/../common.sh"
+case "${1:-}" in
+one_gpu) log=$(record 1gpu).log limit=270 select="not expert_parallel_2"
+         tests="tests/test_fused_gpu.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py" ;;
+two_gpu) log=$(record 2gpu).log limit=120 select="expert_parallel_2 or different_experts"
+         tests="tests/test_fused_gpu.py tests/test_distributed_training.py" ;;
+*) echo "usage: $0 one_gpu|two_gpu" >&2; exit 2 ;;
+esac
+command="python3 -m pytest -m gpu $tests -q -rs -p no:cacheprovider -k \"$select\""
+{
+  echo "# moe_lab commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- moe_lab tests 2>/dev/null || echo ' with local changes');" \
+    "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "# $command"
+  timeout "$limit" bash -c "$command"
+} > "$log" 2>&1
+pack "$log"

@@ -1,0 +1,64 @@
+"""Every preset under experiments/ composes through the package's config dir (the experiments:// search path of
+moe_lab/conf/train.yaml), validates at the scale it was written for, records which preset it is, and runs once: on
+the tiny model, on CPU, for 2 steps, on one rank or on two gloo ranks with EP 2 where the preset shards experts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from moe_lab import config
+from tests.sweep import ROOT
+
+EXPERIMENTS = ROOT / "experiments"
+# +experiment=<name>: experiments/<name>.yaml (shared), <study>/preset.yaml, <study>/<variant>.yaml
+SHARED = {p.stem for p in EXPERIMENTS.glob("*.yaml")}  # settings the studies extend; they set no model of their own
+PRESETS = sorted(
+    [*SHARED]
+    + [p.parent.name if p.name == "preset.yaml" else f"{p.parent.name}/{p.stem}" for p in EXPERIMENTS.glob("*/*.yaml")]
+)
+TINY = [
+    "model=tiny", "trainer.device=cpu", "trainer.compile=false", "trainer.precision=fp32", "data.seq_len=32",
+    "data.batch_size=2", "trainer.steps=2", "trainer.warmup_steps=1", "trainer.timing_skip=0",
+    "profile.wait=1", "profile.warmup=0", "profile.active=1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compose_preset():
+    config.register()
+    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+        yield lambda name, *overrides: compose("train", overrides=[f"+experiment={name}", *overrides], return_hydra_config=True)
+
+
+def test_presets_found():
+    assert {"benchmark", "grid_30b", "grid_30b/two_gpu", "grid_30b/seq8192", "routing_skew", "reference_30b", "reference_235b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_composes_and_validates(name, compose_preset, monkeypatch):
+    cfg = compose_preset(name, *(["model=qwen3_30b"] if name in SHARED else []))
+    assert cfg.hydra.runtime.choices.experiment == name  # what a record's choices.experiment holds
+    if cfg.parallel.dp_shard > 0:  # a mesh for an outer launcher's ranks (srun): validate at that world size
+        monkeypatch.setenv("WORLD_SIZE", str(cfg.parallel.dp_shard))
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config.validate(cfg)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_runs_on_the_tiny_model(name, compose_preset, tmp_path):
+    ranks = ["trainer.nproc_per_node=2", "parallel.ep=2", "parallel.dp_shard=-1"] if compose_preset(name).parallel.ep > 1 else []
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "moe_lab.train", f"+experiment={name}", *TINY, *ranks, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180)
+    result, output = tmp_path / "run" / "result.json", proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert result.exists(), output
+    record = json.loads(result.read_text())
+    assert record["status"] == "ok", output
+    assert record["choices"]["experiment"] == name and record["world_size"] == (2 if ranks else 1)

@@ -1,0 +1,68 @@
+"""moe_lab.results on a synthetic set of records: every swept key is an axis of the notebook's "s/step by axis"
+table (a ``parallel.ep=1,2`` sweep once showed the median of EP 1 and EP 2 under one dispatcher x ac cell), also a
+key only later points override, and the preset a point came from is a column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from moe_lab.results import load
+from moe_lab.results.table import by_axes, varying_axes
+
+
+def write_point(sweep: Path, n: int, dispatcher: str, ep: int, s_per_step: float, extra: tuple[str, ...] = ()) -> None:
+    point = sweep / str(n)
+    point.mkdir(parents=True)
+    record = {
+        "choices": {"experiment": "grid_30b/two_gpu", "dispatcher": dispatcher, "ac": "full", "model": "tiny"},
+        "overrides": [f"dispatcher={dispatcher}", f"parallel.ep={ep}", "+experiment=grid_30b/two_gpu", *extra],
+        "config": {"parallel": {"ep": ep, "dp_shard": -1}, "trainer": {"seed": 1}},
+        "environment": {"git_commit": "0" * 40},
+        "status": "ok",
+        "error": None,
+        "metrics": {"s_per_step": s_per_step, "mfu": 0.5 / s_per_step},
+    }
+    (point / "result.json").write_text(json.dumps(record))
+
+
+@pytest.fixture
+def sweep(tmp_path) -> Path:
+    # dispatcher x parallel.ep, EP 2 twice as slow as EP 1; the last two points also override trainer.seed (a key
+    # the first points lack)
+    times = {("torch", 1): 1.0, ("torch", 2): 2.0, ("fused", 1): 0.5, ("fused", 2): 1.5}
+    for n, ((dispatcher, ep), s) in enumerate(times.items()):
+        write_point(tmp_path, n, dispatcher, ep, s, extra=("trainer.seed=1",) if n >= 2 else ())
+    return tmp_path
+
+
+def test_the_preset_is_a_column(sweep):
+    assert set(load(sweep)["experiment"]) == {"grid_30b/two_gpu"}
+
+
+def test_every_swept_key_is_an_axis_also_one_only_later_points_override(sweep):
+    df = load(sweep)
+    assert varying_axes(df) == ["dispatcher", "parallel.ep", "trainer.seed"]
+    assert list(df.columns).index("trainer.seed") < list(df.columns).index("overrides")
+
+
+def test_by_axes_takes_no_median_across_a_swept_key(sweep):
+    df = load(sweep).drop(columns="trainer.seed")  # dispatcher x parallel.ep only
+    table = by_axes(df, ["s_per_step"])["s_per_step"]
+    expected = pd.DataFrame({"1": [0.5, 1.0], "2": [1.5, 2.0]}, index=pd.Index(["fused", "torch"], name="dispatcher"))
+    pd.testing.assert_frame_equal(table, expected, check_names=False)
+
+
+def test_by_axes_takes_the_median_of_repeats_of_one_point(sweep):
+    write_point(sweep, 4, "torch", 1, 3.0)  # torch/EP 1 again (a re-run), 1.0 and 3.0: median 2.0
+    table = by_axes(load(sweep).drop(columns="trainer.seed"), ["s_per_step"])["s_per_step"]
+    assert table.loc["torch", "1"] == 2.0 and table.loc["torch", "2"] == 2.0
+
+
+def test_by_axes_of_a_single_point():
+    df = pd.DataFrame({"run_dir": ["a"], "status": ["ok"], "error_type": [None], "error_message": [None], "ac": ["full"],
+                       "overrides": ["ac=full"], "s_per_step": [0.25]})  # fmt: skip
+    assert by_axes(df, ["s_per_step"]).to_dict("records") == [{"s_per_step": 0.25}]
