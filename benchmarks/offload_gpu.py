@@ -55,8 +55,8 @@ def params_per_layer() -> tuple[int, int]:
     """(parameters of one decoder layer, parameters outside the layers) of the 30B proxy."""
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
 
-    one = count_parameters(Qwen3MoeConfig(name="q", vocab_size=151936, hidden_size=2048, num_layers=1, num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768))[0]
-    two = count_parameters(Qwen3MoeConfig(name="q", vocab_size=151936, hidden_size=2048, num_layers=2, num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768))[0]
+    one = count_parameters(Qwen3MoeConfig.preset("qwen3_30b", num_layers=1))[0]
+    two = count_parameters(Qwen3MoeConfig.preset("qwen3_30b", num_layers=2))[0]
     return two - one, 2 * one - two
 
 

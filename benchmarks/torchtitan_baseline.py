@@ -45,12 +45,10 @@ import shlex
 import statistics
 import subprocess
 import sys
-from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import yaml
 
 from moe_lab.metrics.flops import PEAK_BF16_FLOPS, flops_per_token
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
@@ -161,9 +159,7 @@ def failure_status(log: str) -> tuple[str, str]:
 def moe_lab_flops(base: str, layers: int, seq_len: int) -> dict[str, float] | None:
     if base not in MOE_LAB_MODEL:
         return None
-    conf = yaml.safe_load((ROOT / "moe_lab" / "conf" / "model" / f"{MOE_LAB_MODEL[base]}.yaml").read_text())
-    names = {f.name for f in fields(Qwen3MoeConfig)}
-    cfg = Qwen3MoeConfig(**{k: v for k, v in conf.items() if k in names} | {"num_layers": layers})
+    cfg = Qwen3MoeConfig.preset(MOE_LAB_MODEL[base], num_layers=layers)
     return flops_per_token(cfg, seq_len)
 
 

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -89,6 +90,7 @@ def same_point(record: dict, cfg: DictConfig) -> bool:
 
 def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) -> dict | None:
     adopt_slurm_environment()
+    meta = {**meta, "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     rank0 = os.environ.get("RANK", "0") == "0"
     outer = started_by_outer_launcher()
     if not outer:  # under an outer launcher only rank 0 knows the run directory: the ranks decide in worker()
@@ -118,7 +120,10 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
         return worker(resolved, str(run_dir), meta, options)
     except Exception as e:
         if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
-            write_json_atomic(run_dir / RESULT, {**meta, "config": point_config(cfg), **failure(e)})
+            world = cfg.trainer.nproc_per_node
+            device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
+            record = {**meta, "world_size": world, "config": point_config(cfg), "environment": environment(device, world)}
+            write_json_atomic(run_dir / RESULT, {**record, **failure(e)})
         if not multirun:
             raise
         log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)

@@ -160,7 +160,7 @@ def test_ac_modes_agree_world2_ep2(tmp_path):
 def selective_step_ops(dispatcher, saved_ops: frozenset) -> tuple[collections.Counter, collections.Counter]:
     """Ops run in the forward and in the backward of one step of the tiny model under ac=selective."""
     torch.manual_seed(0)
-    model = Qwen3MoeConfig().build()
+    model = Qwen3MoeConfig.preset("tiny").build()
     model.init_weights()
     apply_expert_parallel(model, dispatcher, 0, 1)
     SelectiveCheckpoint().apply(model, saved_ops=saved_ops)

@@ -21,7 +21,7 @@ from moe_lab.parallel.fsdp import apply_fsdp
 from moe_lab.parallel.mesh import build_meshes
 from tests.distributed import run_world
 
-TINY = Qwen3MoeConfig()  # hidden 64, expert intermediate 32, 8 experts, vocab 512, 2 layers
+TINY = Qwen3MoeConfig.preset("tiny")  # hidden 64, expert intermediate 32, 8 experts, vocab 512, 2 layers
 
 
 def write_checkpoint(directory, cfg: Qwen3MoeConfig = TINY) -> None:

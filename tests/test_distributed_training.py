@@ -57,7 +57,7 @@ def run_job(run_dir: Path, ranks: int, ep: int, checkpoint: Path | None) -> dict
 
 
 def test_mesh_shapes_train_like_one_rank(tmp_path):
-    model = Qwen3MoeConfig().build()  # the tiny model of moe_lab/conf/model/tiny.yaml
+    model = Qwen3MoeConfig.preset("tiny").build()
     model.init_weights(seed=0)
     save_hf_checkpoint(model.state_dict(), tmp_path / "init")
 

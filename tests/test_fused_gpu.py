@@ -98,7 +98,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 
     def build(dtype, backend, checkpointing=None):
-        cfg = Qwen3MoeConfig(num_layers=1, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=16,
+        cfg = Qwen3MoeConfig.preset("tiny", num_layers=1, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=16,
                              num_experts_per_tok=4, moe_intermediate_size=128)
         torch.manual_seed(0)
         model = cfg.build().cuda()

@@ -110,7 +110,7 @@ def test_reference_expert_parallel_gloo(ep):
 
 
 def _tiny_model(ac):
-    cfg = Qwen3MoeConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_intermediate_size=16)
+    cfg = Qwen3MoeConfig.preset("tiny", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_intermediate_size=16)
     torch.manual_seed(0)
     model = cfg.build()
     model.init_weights()

@@ -40,7 +40,7 @@ def dense_reference(x, ids, router_w, gate_up, down, norm_topk_prob=True):
 def bf16_block_error(device: torch.device, bf16_params: bool) -> tuple[float, float]:
     """(relative Frobenius error, max element error / max|ref|) of the MoE block in bf16: under autocast with fp32
     weights (the single-rank path) or with bf16 weights and inputs (FSDP2's mixed-precision path)."""
-    cfg = Qwen3MoeConfig(hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)
+    cfg = Qwen3MoeConfig.preset("tiny", hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)
     gen = torch.Generator(device="cpu").manual_seed(0)
     block = SparseMoeBlock(cfg, layer_idx=0)
     with torch.no_grad():

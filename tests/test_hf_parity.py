@@ -27,7 +27,8 @@ def hf_config(norm_topk_prob: bool):
 
 
 def our_config(hf) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(
+    return Qwen3MoeConfig.preset(
+        "tiny",
         name="hf-tiny", vocab_size=hf.vocab_size, num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
         num_kv_heads=hf.num_key_value_heads, norm_topk_prob=hf.norm_topk_prob, rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings, rope_theta=10_000.0, **SHAPE,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 
 import yaml
@@ -14,22 +15,27 @@ from hydra.utils import get_object
 from moe_lab.config.schema import GROUPS, ParallelConfig, ProfileConfig, TrainerConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"  # the studies (a link to the checkout's experiments/)
 SECTIONS = {"trainer": TrainerConfig, "parallel": ParallelConfig, "profile": ProfileConfig}
 
 
-def option_line(path: Path) -> str:
-    """What an option is: the first line of its file's leading comment, else of its class's docstring."""
+def option_line(path: Path, width: int = 110) -> str:
+    """What an option is: the first sentence of its file's leading comment, else of its class's docstring."""
+    comment = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        text = line.lstrip("# ").strip()
-        if text and not text.startswith("@package"):
-            return text
-    target = (yaml.safe_load(path.read_text()) or {}).get("_target_")
-    try:
-        return (inspect.getdoc(get_object(target)) or "").splitlines()[0] if target else ""
-    except Exception:  # an option whose class cannot be imported here still gets listed
-        return ""
+        if "@package" not in line:
+            comment.append(line.lstrip("# ").strip())
+    text = " ".join(comment).removeprefix("Question: ")
+    if not text:
+        target = (yaml.safe_load(path.read_text()) or {}).get("_target_")
+        try:
+            text = " ".join((inspect.getdoc(get_object(target)) or "").split()) if target else ""
+        except Exception:  # an option whose class cannot be imported here still gets listed
+            text = ""
+    sentence = re.split(r"(?<=[.?])\s", text, maxsplit=1)[0]
+    return sentence if len(sentence) <= width else sentence[: width - 3].rstrip() + "..."
 
 
 def help_text() -> str:
@@ -47,6 +53,12 @@ def help_text() -> str:
         options = sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))
         lines.append(f"{group}: {what}")
         lines += [f"    {p.stem:<12} {option_line(p)}" for p in options]
+    lines += ["", "== Study presets (+experiment=NAME; experiments/<study>/README.md says what each answers) =="]
+    presets = sorted(EXPERIMENTS.glob("*/preset.yaml")) + sorted(EXPERIMENTS.glob("*.yaml"))
+    presets += sorted(p for p in EXPERIMENTS.glob("*/*.yaml") if p.name != "preset.yaml")
+    for path in presets:
+        name = path.parent.name if path.name == "preset.yaml" else path.relative_to(EXPERIMENTS).with_suffix("").as_posix()
+        lines.append(f"    {name:<24} {option_line(path)}")
     lines += ["", "== Keys (key=value; the default shown) =="]
     for section, schema in SECTIONS.items():
         for f in dataclasses.fields(schema):

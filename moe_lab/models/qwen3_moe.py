@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+import yaml
 from einops import rearrange
 from torch import nn
 from torch.profiler import record_function
@@ -23,29 +25,40 @@ from moe_lab.moe.dispatcher import TokenDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
 from moe_lab.moe.router import Router
 
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
+
 
 @dataclass
 class Qwen3MoeConfig:
-    """Shape of a Qwen3-MoE model; ``num_layers`` below the published depth builds a proxy with the same layers."""
+    """Shape of a Qwen3-MoE model; ``num_layers`` below the published depth builds a proxy with the same layers.
+    No field has a default: the values live once, in the ``model`` group's files (moe_lab/conf/model/*.yaml), which
+    ``preset`` reads outside Hydra."""
 
-    name: str = "tiny"
-    vocab_size: int = 512
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 32
-    norm_topk_prob: bool = True
-    max_position_embeddings: int = 2048
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    init_std: float = 0.02
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    init_std: float
     # How tokens pick experts: the router's choice, forced round-robin, or a Zipf-like load with this exponent.
-    routing: Literal["learned", "balanced", "skewed"] = "learned"
-    routing_skew: float = 1.2
+    routing: Literal["learned", "balanced", "skewed"]
+    routing_skew: float
+
+    @classmethod
+    def preset(cls, option: str, /, **overrides) -> "Qwen3MoeConfig":
+        """The ``model=<option>`` config (tiny, qwen3_30b, qwen3_235b) with ``overrides``, e.g. ``num_layers=4``."""
+        values = yaml.safe_load((MODEL_CONFIGS / f"{option}.yaml").read_text())
+        values.pop("_target_")
+        return cls(**(values | overrides))
 
     def build(self) -> "Qwen3MoeForCausalLM":
         return Qwen3MoeForCausalLM(self)

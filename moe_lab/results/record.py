@@ -86,7 +86,13 @@ def environment(device: torch.device, world: int) -> dict:
 
 
 def git_state(source_dir: Path = SOURCE_DIR) -> dict:
-    """Commit of the moe_lab source tree and whether it had uncommitted changes; nulls outside a git checkout."""
+    """Commit of the moe_lab source tree and whether it had uncommitted changes; nulls outside a git checkout.
+    ``MOE_LAB_GIT_COMMIT`` (and ``MOE_LAB_GIT_DIRTY=0|1``) name them where the tree was copied without its own git
+    history (a machine that received a working tree but kept an older .git)."""
+    if os.environ.get("MOE_LAB_GIT_COMMIT"):
+        dirty = os.environ.get("MOE_LAB_GIT_DIRTY")
+        return {"git_commit": os.environ["MOE_LAB_GIT_COMMIT"], "git_dirty": None if dirty is None else dirty == "1"}
+
     def git(*args):
         return subprocess.run(["git", "-C", str(source_dir), *args], capture_output=True, text=True, timeout=10)
 

@@ -29,7 +29,7 @@ def gpu_backend_name(gemm: str, ep: int = 1) -> str:
 
     auto: deep_gemm when importable and EP=1, else torch. DeepGEMM's contiguous layout runs over the whole receive
     buffer, and at EP>1 that buffer holds the worst case (EP x the average rows): on two H200s its GEMMs took twice
-    their EP=1 time, while ``torch._grouped_mm`` stops at the last expert's rows (results/moe_layer_h200_ep2*.json).
+    their EP=1 time, while ``torch._grouped_mm`` stops at the last expert's rows (experiments/moe_layer/records/h200_ep2/).
     """
     if gemm == "torch" or (gemm == "auto" and ep > 1):
         return "gpu"
