@@ -13,7 +13,7 @@ two_gpu) log=$(record 2gpu).log limit=120 select="expert_parallel_2 or different
 esac
 command="python3 -m pytest -m gpu $tests -q -rs -p no:cacheprovider -k \"$select\""
 {
-  echo "# moe_lab commit ${MOE_LAB_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}$(git diff --quiet HEAD -- moe_lab tests 2>/dev/null || echo ' with local changes');" \
+  echo "# moe_lab commit ${MOE_LAB_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}$( [ "${MOE_LAB_GIT_DIRTY:-}" = 0 ] || git diff --quiet HEAD -- moe_lab tests 2>/dev/null || echo ' with local changes');" \
     "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "# $command"
   timeout "$limit" bash -c "$command"
