@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gc
 import json
 import logging
 import os
+import socket
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,13 +41,34 @@ NOT_PART_OF_THE_POINT = ("trainer.skip_done",)
 
 
 class SweepDirGuard(Callback):
-    """Refuses a sweep into a ``hydra.sweep.dir`` that holds another sweep (other task overrides), before Hydra
-    writes its multirun.yaml there or any point overwrites a record; the same sweep again is a resume."""
+    """Refuses a sweep into a ``hydra.sweep.dir`` that another sweep is running in (a lock held for the sweep's
+    life), or that holds another sweep (other task overrides), before Hydra writes its multirun.yaml there or any
+    point overwrites a record; the same sweep again, once the first has ended, is a resume."""
+
+    LOCK = ".moe_lab.lock"
+
+    def __init__(self):
+        self.lock = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
             return  # other ranks of an outer launcher sweep in a scratch directory of their own
-        saved = Path(config.hydra.sweep.dir) / "multirun.yaml"
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = open(sweep_dir / self.LOCK, "a+")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.seek(0)
+            holder = self.lock.read().strip() or "another process"
+            raise SweepDirInUse(
+                f"hydra.sweep.dir={sweep_dir} is in use by a running sweep ({holder}); wait for it to end or choose "
+                "another hydra.sweep.dir."
+            ) from None
+        self.lock.truncate(0)
+        self.lock.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+        self.lock.flush()
+        saved = sweep_dir / "multirun.yaml"
         if not saved.exists():
             return
         before = _point_overrides(OmegaConf.load(saved).hydra.overrides.task)
@@ -56,6 +79,12 @@ class SweepDirGuard(Callback):
                 f"this one ({' '.join(now) or 'no overrides'}) would overwrite its points. Choose another "
                 "hydra.sweep.dir, or run the same overrides again to resume that sweep."
             )
+
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if self.lock is not None:
+            self.lock.close()  # releases the lock; the file stays, so a waiting sweep never locks a stale copy
+            self.lock = None
 
 
 class SweepDirInUse(SystemExit):

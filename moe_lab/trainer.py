@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import resource
 import statistics
@@ -27,6 +28,7 @@ from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
+from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel import compile_loss, parallelize
 from moe_lab.parallel.sharding import local_rows, local_shard
@@ -120,12 +122,23 @@ def build_model(cfg: DictConfig, options: Options, device: torch.device, compute
     with torch.device("meta"):
         model = options.model.build()
     parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=device, compute_dtype=compute_dtype)
+    if device.type == "cpu":
+        check_cpu_memory(model)
     model.to_empty(device=device)
     if cfg.trainer.init_checkpoint:
         load_hf_checkpoint(model, cfg.trainer.init_checkpoint)
     else:
         model.init_weights(cfg.trainer.seed, local_rows(model))
     return model
+
+
+def check_cpu_memory(model: torch.nn.Module) -> None:
+    """Refuse a CPU run whose fp32 weights and gradients alone (optimizer state and activations come on top) do not
+    fit in the host's available memory, as an ``oom`` record, before the kernel's OOM killer ends it with none. The
+    ranks of a job share the host: each counts all of them."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    weights = sum(local_shard(p).numel() for p in model.parameters()) * 4 * ranks_here
+    check_host_memory(2 * weights, f"the fp32 weights and gradients of {ranks_here} rank(s) on CPU")
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,25 @@ def test_loads_what_it_saved(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_unknown_tensors_are_named_in_a_warning_and_model_tensors_are_not(tmp_path, caplog):
+    def add_strangers(state):
+        state["optimizer.exp_avg"] = torch.zeros(3)
+        state["model.layers.9.mlp.gate.weight"] = torch.zeros(8, 64)  # a layer this 2-layer proxy does not have
+
+    write_state_dict(tmp_path, add_strangers)
+    with torch.device("meta"):
+        model = TINY.build()
+    model.to_empty(device="cpu")
+    with caplog.at_level("WARNING", logger="moe_lab.models.checkpoint"):
+        load_hf_checkpoint(model, tmp_path)
+    assert "model.layers.9.mlp.gate.weight, optimizer.exp_avg" in caplog.text
+    caplog.clear()
+    write_checkpoint(tmp_path / "published")  # per-expert names of every expert are model tensors
+    with caplog.at_level("WARNING", logger="moe_lab.models.checkpoint"):
+        load_hf_checkpoint(model, tmp_path / "published")
+    assert caplog.text == ""
+
+
 @pytest.mark.parametrize(
     "other, tensor, shape, expected",
     [

@@ -91,3 +91,62 @@ def test_run_says_where_its_files_went_in_its_log(nproc, tmp_path):
     for line in ("done: loss", f"run directory: {run_dir}", f"trace: {run_dir / 'trace_rank0.json.gz'}",
                  f"wandb offline run: {offline}", f"upload it with: wandb sync {offline}"):  # fmt: skip
         assert line in log and line in proc.stdout, line
+
+
+def test_a_sweep_directory_in_use_is_refused(tmp_path):
+    """Two sweeps into one directory at once would mix their records: the second stops while the first holds the
+    directory's lock (held here by this test, as a running sweep holds it)."""
+    import fcntl
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    with open(sweep / ".moe_lab.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("a test's host pid 1\n")
+        lock.flush()
+        proc = train_cli("-m", "ac=none", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "is in use by a running sweep (a test's host pid 1)" in proc.stderr
+    assert sorted(p.name for p in sweep.iterdir()) == [".moe_lab.lock"]
+    proc = train_cli("-m", "ac=none", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # released: it runs
+    assert proc.returncode == 0 and (sweep / "0" / "result.json").exists(), proc.stderr[-3000:]
+
+
+def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path):
+    """The README's 30B proxy on a small CPU machine: refused before the kernel's OOM killer would end it with no
+    record (the fp32 weights and gradients alone are 8 bytes per parameter)."""
+    import psutil
+
+    layers = max(1, int(psutil.virtual_memory().total / (8 * 0.75e9)) + 1)  # > the host's RAM in weights + grads
+    run_dir = tmp_path / "run"
+    proc = train_cli("model=qwen3_30b", f"model.num_layers={layers}", "data.seq_len=64", "data.batch_size=1",
+                     "trainer.device=cpu", f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode != 0
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "oom" and "host memory" in record["error"]["message"], record["error"]
+
+
+def test_out_of_memory_reads_as_oom_however_it_arrives():
+    import torch
+
+    from moe_lab.results.record import failure
+
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 160 GB")
+    assert failure(cpu)["status"] == "oom" and failure(MemoryError())["status"] == "oom"
+    assert failure(torch.OutOfMemoryError("CUDA out of memory"))["status"] == "oom"
+    assert failure(RuntimeError("matrix batch sizes have to match"))["status"] == "error"
+
+
+def test_an_unreadable_record_is_a_row_naming_its_file(tmp_path):
+    from moe_lab.results import load
+
+    for point, text in (("0", json.dumps({"status": "ok", "overrides": ["ac=none"], "choices": {"ac": "none"}})),
+                        ("1", '{"status": "ok", "overr'), ("2", "[1, 2]")):  # fmt: skip
+        (tmp_path / point).mkdir()
+        (tmp_path / point / "result.json").write_text(text)
+    with pytest.warns(UserWarning, match="unreadable record"):
+        df = load(tmp_path)
+    assert df["status"].tolist() == ["ok", "unreadable", "unreadable"]
+    assert str(tmp_path / "1" / "result.json") in df["error_message"][1]
+    with pytest.warns(UserWarning, match="no result.json under"):
+        assert load(tmp_path / "elsewhere").empty

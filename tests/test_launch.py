@@ -51,7 +51,7 @@ def test_outer_torchrun_only_rank0_leaves_files(mode, tmp_path):
     expected = [".hydra", "metrics.jsonl", "result.json", "train.log"]
     assert sorted(p.name for p in run_dirs[0].iterdir()) == expected
     if mode == "multirun":  # the sweep's own record, once
-        assert sorted(p.name for p in run_dirs[0].parent.iterdir()) == ["0", "multirun.yaml"]
+        assert sorted(p.name for p in run_dirs[0].parent.iterdir()) == [".moe_lab.lock", "0", "multirun.yaml"]
     result = json.loads((run_dirs[0] / "result.json").read_text())
     assert result["status"] == "ok" and result["world_size"] == 2
 

@@ -8,6 +8,7 @@ Loading works on a parallelised model: each rank reads only its experts and its 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_lab.moe.experts import GroupedExperts
+
+log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -101,6 +104,10 @@ def load_hf_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
     before it is distributed over the mesh."""
     reader = CheckpointReader(directory)
     modules = dict(model.named_modules())
+    unknown = sorted(set(reader.weight_map) - model_tensor_names(model))
+    if unknown and not (torch.distributed.is_initialized() and torch.distributed.get_rank() > 0):
+        shown = ", ".join(unknown[:8]) + (f", ... ({len(unknown)} in all)" if len(unknown) > 8 else "")
+        log.warning("checkpoint %s holds tensors the model does not have, left unread: %s", directory, shown)
     for name, param in model.named_parameters():
         module_name, _, kind = name.rpartition(".")
         module = modules[module_name]
@@ -113,6 +120,19 @@ def load_hf_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
             param.to_local().copy_(full.to_local())
         else:
             param.copy_(full)
+
+
+def model_tensor_names(model: torch.nn.Module) -> set[str]:
+    """Every name under which a checkpoint may hold one of the model's tensors: parameter names, and for expert
+    stacks the stacked name and the published per-expert names of every expert (on any EP rank)."""
+    names = set()
+    for module_name, module in model.named_modules():
+        for kind, _ in module.named_parameters(recurse=False):
+            names.add(f"{module_name}.{kind}" if module_name else kind)
+            if isinstance(module, GroupedExperts):
+                projections = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+                names.update(f"{module_name}.{e}.{proj}.weight" for e in range(module.num_experts) for proj in projections)
+    return names
 
 
 def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], directory: str | Path) -> None:

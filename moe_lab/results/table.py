@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -65,8 +66,24 @@ def flatten(record: dict, run_dir: Path) -> dict:
     return row
 
 
+def _row(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        warnings.warn(f"unreadable record {path}: {e}", stacklevel=3)
+        record = {"status": "unreadable", "error": {"type": type(e).__name__, "message": f"{path}: {e}"}, "overrides": []}
+    return flatten(record, path.parent)
+
+
 def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
-    rows = [flatten(json.loads(path.read_text()), path.parent) for path in result_files(sweep_dir_or_glob)]
+    """One row per result.json found. A record that cannot be read is a row of status ``unreadable`` naming its
+    file (with a warning), so one damaged file does not hide a sweep; a path with no records warns."""
+    paths = result_files(sweep_dir_or_glob)
+    if not paths:
+        warnings.warn(f"no {RESULT} under {sweep_dir_or_glob}", stacklevel=2)
+    rows = [_row(path) for path in paths]
     df = pd.DataFrame(rows)
     if df.empty:
         return df
