@@ -1,6 +1,8 @@
 """Where weights and optimizer state live: the ``offload`` group. Each option turns (model, optimizer factory,
 compute dtype) into the ``torch.optim.Optimizer`` the training loop steps and an LR scheduler drives; the loop never
-asks which option it has.
+asks which option it has. With gradient accumulation (``trainer.grad_accum``) the loop calls the option's
+``before_micro_batch(optimizer, final)`` before each micro-batch: gradients accumulate on the device until the final
+micro-batch's backward, whose gradients are the step's.
 
 | option      | on the device                              | in host memory                        | optimizer step    |
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
@@ -54,6 +56,9 @@ class NoOffload:
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
         return make_optimizer(model.parameters())
 
+    def before_micro_batch(self, optimizer: torch.optim.Optimizer, final: bool) -> None:
+        """Nothing to do: gradients accumulate in ``.grad`` and ``step()`` reads them after the final one."""
+
 
 class OptimizerOffload:
     """Optimizer state in pinned host memory, streamed through the device chunk by chunk at each step; weights and
@@ -71,6 +76,9 @@ class OptimizerOffload:
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> StreamedStateOptimizer:
         chunk_numel = int(self.chunk_mib * 2**20) // 4
         return StreamedStateOptimizer(list(model.parameters()), make_optimizer, _training_device(model), chunk_numel, self.max_inflight)
+
+    def before_micro_batch(self, optimizer: StreamedStateOptimizer, final: bool) -> None:
+        """Nothing to do: gradients accumulate in ``.grad`` and ``step()`` streams the state after the final one."""
 
 
 class FullOffload:
@@ -138,6 +146,12 @@ class FullOffload:
         model.to(compute_dtype)  # the masters hold the fp32 values now
         optimizer.attach()
         return optimizer
+
+    def before_micro_batch(self, optimizer: InBackwardOptimizer, final: bool) -> None:
+        """The hooks take gradients to the host, and the chunks step, in the final micro-batch's backward only;
+        before it, gradients accumulate on the device (in ``.grad`` in the compute dtype on one rank; FSDP2 keeps
+        them as ``parallel.grad_sync`` says)."""
+        optimizer.gradients_final = final
 
     def _bind(self, device: torch.device) -> list[int] | None:
         if not self.numa_bind:

@@ -100,6 +100,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.grad_scratch = host_empty(largest, torch.float32, False, "offload=full fp32 gradient buffer")
         self.d2h, self.h2d = SideStream(device), SideStream(device)
 
+        self.gradients_final = True  # False in the backward of a micro-batch before a step's last (FullOffload)
         self.ready: queue.Queue = queue.Queue()
         self.in_flight = 0
         self.done = threading.Condition()
@@ -134,6 +135,8 @@ class InBackwardOptimizer(ChunkedOptimizer):
 
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.gradients_final:
+            return  # an earlier micro-batch of the step: the gradient keeps accumulating on the device
         self._raise_worker_error()
         chunk = self.chunk_of[p]
         if chunk.buffer is None:
