@@ -166,6 +166,12 @@ def test_accumulation_matches_one_big_batch_world1(mode):
     check(max_differences([f"offload={mode}", *MODES[mode], "trainer.grad_accum=2", f"data.batch_size={GLOBAL_BATCH // 2}"]))
 
 
+@pytest.mark.parametrize("variant", [["ac=full"], ["ac=selective"], ["dispatcher=fused"], ["dispatcher=fused", "ac=selective"]])
+def test_accumulation_under_checkpointing_and_dispatchers(variant):
+    full = ["offload=full", *MODES["full"]]  # the mode whose hooks must wait for the last micro-batch
+    check(max_differences([*variant, *full, "trainer.grad_accum=2", f"data.batch_size={GLOBAL_BATCH // 2}"]))
+
+
 def test_one_micro_batch_matches_the_reference_too():
     """The reference is right about the plain path: one micro-batch of the whole batch."""
     check(max_differences(["trainer.grad_accum=1", f"data.batch_size={GLOBAL_BATCH}"]))
@@ -191,6 +197,41 @@ def test_accumulation_matches_one_big_batch_world2_fsdp_ep2(monkeypatch):
     for rank_differences in run_world(2, _world2_differences):
         for name, differences in rank_differences.items():
             check(differences | {"run": name})
+
+
+def _collectives_per_step() -> dict:
+    """FSDP2's all-gathers and reduce-scatters in one step of two micro-batches, per (grad_sync, keep_unsharded)."""
+    counts = {}
+    for sync, keep in [("step", False), ("micro_batch", False), ("step", True)]:
+        cfg = compose_train(COMMON + ["trainer.nproc_per_node=2", "parallel.ep=2", "data.batch_size=1",
+                                      f"parallel.grad_sync={sync}", f"parallel.keep_unsharded={str(keep).lower()}"])  # fmt: skip
+        options = config.validate(cfg)
+        model = build_model(cfg, options, torch.device("cpu"), torch.float32)
+
+        def micro_batch_loss(micro_batch):
+            inputs, labels = options.data.batch(0, dist.get_rank(), micro_batch=micro_batch, dp_size=2)
+            return lm_loss(model(inputs), labels)
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            accumulate_gradients(micro_batch_loss, 2, lambda final: set_micro_batch(model, final, sync, keep))
+        names = [e.name for e in prof.events()]
+        counts[f"{sync}, keep_unsharded={keep}"] = (names.count("c10d::_allgather_base_"), names.count("c10d::_reduce_scatter_base_"))
+    return counts
+
+
+def test_fsdp_reduces_once_per_step_and_keeps_blocks_gathered(monkeypatch):
+    """The tiny model at world 2, EP 2 has four FSDP2 groups over both ranks (embedding, two blocks, norm + head;
+    the experts' shard group is one rank: no collective). Per micro-batch, forward gathers all four and backward
+    the three that resharded after forward (not the head); keep_unsharded gathers each once per step. grad_sync=step
+    reduce-scatters each group once per step, micro_batch once per micro-batch."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    groups, micro_batches = 4, 2
+    counts = run_world(2, _collectives_per_step)[0]  # (all-gathers, reduce-scatters)
+    assert counts == {
+        "step, keep_unsharded=False": (micro_batches * (2 * groups - 1), groups),
+        "micro_batch, keep_unsharded=False": (micro_batches * (2 * groups - 1), micro_batches * groups),
+        "step, keep_unsharded=True": (groups, groups),
+    }
 
 
 def test_training_job_counts_every_micro_batch(tmp_path):
