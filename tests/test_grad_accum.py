@@ -4,7 +4,8 @@ For every offload mode, at world 1 and at world 2 (FSDP2 + EP 2, gloo), the trai
 (``moe_lab.trainer.accumulate_gradients`` with the loop's FSDP2 and offload calls) is compared with an independent
 reference: the unparallelised model and plain torch AdamW (for-loop kernel) on the step's whole batch in one
 backward. Per step: the loss, and the gradient each optimizer steps with (read by a step pre-hook on the torch
-optimizers it is made of: the model's, offload=optimizer's chunk optimizers' shards, offload=full's host masters);
+optimizers it is made of: the model's, offload=optimizer's chunk optimizers' shards, offload=full's host step's
+transfer buffer);
 after the steps, the weights. AdamW's eps is raised to 1 so that its update follows the gradient's scale (with the
 default eps a missing 1/A would hardly move the weights). A real ``python -m moe_lab.train`` job at world 2 x
 accumulation 2 checks the loop end to end, with its tokens per step.
@@ -77,10 +78,10 @@ def stepped_gradients(optimizer: torch.optim.Optimizer, names: dict) -> list[dic
         seen[-1].update((name, grad.detach().clone().reshape(-1)) for name, grad in pieces())
 
     if isinstance(optimizer, InBackwardOptimizer):
-        for chunk in optimizer.chunks:
-            def pieces(chunk=chunk):
-                return [(names[p], chunk.master.grad[offset : offset + size]) for p, (offset, size) in chunk.offsets.items()]
-            chunk.optimizer.register_step_pre_hook(lambda o, a, k, pieces=pieces: record(pieces))
+        for chunk in optimizer.chunks:  # the chunk's host step reads the gradients in the transfer buffer
+            def pieces(transfer, chunk=chunk):
+                return [(names[p], transfer[offset : offset + size].float()) for p, (offset, size) in chunk.offsets.items()]
+            chunk.optimizer.register_step_pre_hook(lambda o, a, k, pieces=pieces: record(lambda: pieces(k["transfer"])))
     elif isinstance(optimizer, StreamedStateOptimizer):
         for chunk in optimizer.chunks:
             def pieces(chunk=chunk):

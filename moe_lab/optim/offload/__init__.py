@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -91,11 +91,13 @@ class FullOffload:
     the node's ``cpulist``, split evenly between the node's ranks) before host memory is allocated, so that memory
     is first touched, and placed, on that node. A GPU on node -1 runs unbound, with a warning; a host without that
     sysfs topology fails validation. A CPU-only run has no GPU and so no node: it keeps the process's affinity.
-    The host step uses as many threads as the rank has CPUs.
+    The host step runs on ``threads`` CPU threads; by default one fewer than the rank has CPUs, leaving one to the
+    training thread: with every CPU in the step, each of its parallel regions waits for whichever thread the training
+    thread has just displaced (``benchmarks/host_optimizer.py``, case ``full_chunk_adamw_beside_busy_thread``).
 
     chunk_mib: fp32 master bytes per chunk (a chunk steps as soon as all its gradients are in); max_inflight:
     pinned transfer buffers, each one chunk; timeout_s: how long backward or step() waits for the CPU worker
-    before raising.
+    before raising; threads: CPU threads of the host step (null: the rank's CPUs less one).
     """
 
     def __init__(
@@ -105,9 +107,10 @@ class FullOffload:
         timeout_s: float = 600.0,
         numa_bind: bool = True,
         sysfs_root: str = "/sys",
+        threads: Optional[int] = None,
     ):
         self.chunk_mib, self.max_inflight, self.timeout_s = chunk_mib, max_inflight, timeout_s
-        self.numa_bind, self.sysfs_root = numa_bind, sysfs_root
+        self.numa_bind, self.sysfs_root, self.threads = numa_bind, sysfs_root, threads
 
     def validate(self, cfg: DictConfig) -> None:
         target = cfg.optimizer._target_
@@ -121,6 +124,8 @@ class FullOffload:
         _check_chunking(self.chunk_mib, self.max_inflight)
         if self.timeout_s <= 0:
             raise ConfigError("offload.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("offload.threads", f"must be null or >= 1, got {self.threads}")
         if self.numa_bind and runs_on_cuda(cfg.trainer):
             gpus = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
             try:
@@ -132,8 +137,9 @@ class FullOffload:
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> InBackwardOptimizer:
         cpus = self._bind(_training_device(model))  # before any host state exists
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // local_world)
-        torch.set_num_threads(threads)
+        rank_cpus = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // local_world)
+        torch.set_num_threads(rank_cpus)
+        threads = self.threads or max(1, rank_cpus - 1)
         optimizer = InBackwardOptimizer(
             list(model.parameters()),
             make_optimizer,
