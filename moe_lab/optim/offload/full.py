@@ -172,7 +172,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
         try:
             synchronize(copied)  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
             if self.error is None:
-                with torch.profiler.record_function("optimizer.offload_full_chunk"):
+                with torch.profiler.record_function("optimizer.host_step"):
                     self._step_chunk(chunk)
         except BaseException as e:
             self.error = e
