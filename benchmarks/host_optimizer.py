@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1, half, all CPUs)")
     parser.add_argument("--gpu-node", action="store_true", help="bind to GPU 0's NUMA node first, as offload=full does")
-    parser.add_argument("--block-sweep", default="32768,524288", help="other block sizes (elements per thread) of full_chunk_adamw; empty: none")
+    parser.add_argument("--block-sweep", default="65536,1048576", help="other block sizes (elements per thread) of full_chunk_adamw; empty: none")
     args = parser.parse_args()
     if args.gpu_node:
         address = numa.pci_address(0)

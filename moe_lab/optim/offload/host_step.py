@@ -23,9 +23,10 @@ import torch
 
 from moe_lab.optim.optimizers import SignSGD
 
-# Elements of a block per CPU thread: 512 KiB of fp32 per thread and tensor, so that a block's gradient and new weights
-# stay in each core's L2 cache (1-2 MiB on current Xeons) from one pass over the block to the next.
-BLOCK_NUMEL_PER_THREAD = 2**17
+# Elements of a block per CPU thread: 1 MiB of fp32 per thread and tensor, so that a block's gradient and new weights
+# stay in the cores' L2 caches (2 MiB each on current Xeons), or else in L3, from one pass over the block to the next,
+# while each pass is long enough (about a millisecond) that its start-up and Python's share stay small.
+BLOCK_NUMEL_PER_THREAD = 2**18
 
 
 def cache_block_numel(num_threads: int) -> int:
