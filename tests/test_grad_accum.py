@@ -15,6 +15,7 @@ Tolerances: fp32 throughout; only the summation order differs (micro-batches, ra
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import subprocess
@@ -29,6 +30,7 @@ from hydra.utils import instantiate
 
 from moe_lab import config
 from moe_lab.data.synthetic import SyntheticData
+from moe_lab.optim.offload import FullOffload
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel import set_micro_batch
@@ -253,6 +255,30 @@ def test_training_job_counts_every_micro_batch(tmp_path):
     assert accumulated["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert accumulated["tokens_per_step_per_gpu"] == 2 * 1 * SEQ and one["tokens_per_step_per_gpu"] == GLOBAL_BATCH * SEQ
     assert accumulated["tokens_per_s_per_gpu"] == pytest.approx(2 * SEQ / accumulated["s_per_step"])
+
+
+def test_full_offload_takes_gradients_the_last_micro_batch_did_not_reach():
+    """A parameter used by an earlier micro-batch only keeps its accumulated gradient on the device (its hook does
+    not fire in the last backward): step() takes it to the host and steps it, as plain AdamW steps the sum."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    offload = FullOffload(chunk_mib=64 * 4 / 2**20, numa_bind=False)  # a chunk per weight or bias
+    make_optimizer = functools.partial(torch.optim.AdamW, lr=0.01, eps=1.0)
+    optimizer = offload.build(model, make_optimizer, torch.float32)
+    inputs = torch.randn(2, 4, 8)
+
+    def micro_batch_loss(net, micro_batch):  # the second micro-batch stops after the first layer
+        out = net(inputs[micro_batch]) if micro_batch == 0 else net[0](inputs[micro_batch])
+        return out.square().mean()
+
+    accumulate_gradients(functools.partial(micro_batch_loss, model), 2, lambda final: offload.before_micro_batch(optimizer, final))
+    optimizer.step()
+    plain = make_optimizer(reference.parameters())
+    (sum(micro_batch_loss(reference, j) for j in range(2)) / 2).backward()
+    plain.step()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize(

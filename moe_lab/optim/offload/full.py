@@ -192,8 +192,12 @@ class InBackwardOptimizer(ChunkedOptimizer):
             self.h2d.copy(local_shard(p).view(-1), buffer[offset : offset + size], after_current=False)
 
     def _step_chunks(self) -> None:
-        """Backward has ended: step the chunks that got only some of their gradients (a parameter without one
-        steps with a zero gradient), then wait for the worker."""
+        """Backward has ended: take the gradients that earlier micro-batches left on parameters the last one did not
+        reach, step the chunks that got only some of their gradients (a parameter without one steps with a zero
+        gradient), then wait for the worker."""
+        for p in self.params:
+            if p.grad is not None:
+                self._on_grad(p)
         for chunk in self.chunks:
             if chunk.received and len(chunk.received) < len(chunk.params):
                 if self.h2d.stream is not None:  # a host write: the buffer's last weights must have left it
