@@ -8,7 +8,7 @@ micro-batch's backward, whose gradients are the step's.
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
 | `none`      | fp32 weights, grads, optimizer state       | -                                     | device, after bwd |
 | `optimizer` | fp32 weights and grads                     | optimizer state (pinned)              | device, chunked   |
-| `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, fp32 grad buffer | host, in backward |
+| `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, transfer buffers | host, in backward |
 
 ``none`` and ``optimizer`` compute in bf16 on GPU through autocast (one rank) or FSDP2's mixed-precision policy.
 The implementations sit beside this module: ``optimizer.py`` (streamed optimizer state), ``full.py`` (the
@@ -82,7 +82,7 @@ class OptimizerOffload:
 
 
 class FullOffload:
-    """fp32 master weights, optimizer state and the fp32 gradient buffer in host RAM; the device keeps
+    """fp32 master weights, optimizer state and pinned transfer buffers in host RAM; the device keeps
     compute-dtype weights (bf16 on GPU) and activations. The optimizer steps on the host, inside backward
     (``moe_lab.optim.offload.full``). AdamW or SignSGD only; no gradient clipping (a global norm does not exist
     until backward ends, and by then the weights have been stepped).
