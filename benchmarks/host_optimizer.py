@@ -14,8 +14,19 @@ For each thread count (1, half, all of this process's CPUs) it times:
   28 bytes per parameter for the fused kernel (the unfused ones make more passes, but are charged the same bytes,
   so their bytes/s is what the useful traffic achieves);
 - ``signsgd``: this project's SignSGD, 12 bytes per parameter (read param, grad; write param);
-- ``full_chunk``: the whole per-chunk host work of full offload: widen the bf16 gradient into fp32, fused AdamW,
-  narrow the new weights to bf16 (28 + 6 + 6 = 40 bytes per parameter).
+- ``full_chunk_adamw`` / ``full_chunk_signsgd``: the whole per-chunk host work of full offload as it runs
+  (``moe_lab.optim.offload.host_step``): widen the bf16 gradient into fp32, step, narrow the new weights
+  to bf16, block by block, with blocks of ``BLOCK_NUMEL_PER_THREAD`` elements per thread. Charged the traffic the
+  work cannot avoid: the optimizer's own plus reading the bf16 gradient and writing the bf16 weights (AdamW 32,
+  SignSGD 16 bytes per parameter);
+- ``full_chunk_adamw_block<N>``: the same with N elements per thread per block (``--block-sweep``), and
+  ``full_chunk_adamw_whole``: one block of the whole chunk, i.e. widen, step and narrow each in a pass over the
+  whole chunk (how full offload stepped before issue 18), charged the same 32 bytes;
+- ``full_chunk_adamw_beside_busy_thread``: ``full_chunk_adamw`` while another thread of the process keeps a CPU busy
+  the way the training thread does during backward (small torch ops, Python in between). In a training step the
+  host step shares the rank's CPUs with that thread: with as many host threads as CPUs, each of the step's
+  parallel regions waits for the thread that lost its CPU to the training thread, so compare this row at ``all``
+  threads with ``all - 1`` (offload=full's default leaves one CPU to the training thread).
 Each figure is the best of ``--repeats`` timed runs after one warm-up (STREAM's convention, which also keeps
 other processes' load on a shared machine out of the figures as far as it can).
 """
@@ -23,17 +34,21 @@ other processes' load on a shared machine out of the figures as far as it can).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from moe_lab.optim import numa
+from moe_lab.optim.offload import numa
+from moe_lab.optim.offload.host_step import BLOCK_NUMEL_PER_THREAD, cache_block_numel, host_optimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.results.record import git_state
 
@@ -69,19 +84,36 @@ def signsgd(numel: int):
     return SignSGD([p], lr=1e-4, weight_decay=0.1).step
 
 
-def full_chunk(numel: int):
-    master = torch.nn.Parameter(torch.randn(numel))
-    grad = torch.empty(numel)
+def full_chunk(numel: int, make_optimizer, block_numel: int):
+    """offload=full's host work on one chunk of ``numel`` parameters (bf16 gradient in, bf16 weights out)."""
+    optimizer = host_optimizer(make_optimizer, [torch.nn.Parameter(torch.randn(numel))])
     transfer = torch.randn(numel).bfloat16()
-    opt = torch.optim.AdamW([master], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    scratch = torch.empty(block_numel)
+    return lambda: optimizer.step(transfer=transfer, scratch=scratch)
 
-    def step():
-        grad.copy_(transfer)
-        master.grad = grad
-        opt.step()
-        transfer.copy_(master.detach())
 
-    return step
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+
+class BusyThread:
+    """Context manager: a thread that keeps one CPU busy as a training thread does while backward runs."""
+
+    def __enter__(self):
+        self.stop = threading.Event()
+
+        def loop():
+            x = torch.zeros(16)
+            while not self.stop.is_set():
+                x.add_(1.0)
+                sum(range(100))
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 def main() -> None:
@@ -91,6 +123,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1, half, all CPUs)")
     parser.add_argument("--gpu-node", action="store_true", help="bind to GPU 0's NUMA node first, as offload=full does")
+    parser.add_argument("--block-sweep", default="65536,1048576", help="other block sizes (elements per thread) of full_chunk_adamw; empty: none")
     args = parser.parse_args()
     if args.gpu_node:
         address = numa.pci_address(0)
@@ -101,16 +134,21 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, max(1, cpus // 2), cpus})
     n = args.numel
-    cases = {
-        "adamw_fused": (lambda: adamw(n, fused=True), 28),
-        "adamw_foreach": (lambda: adamw(n, foreach=True), 28),
-        "adamw_forloop": (lambda: adamw(n, foreach=False), 28),
-        "signsgd": (lambda: signsgd(n), 12),
-        "full_chunk": (lambda: full_chunk(n), 40),
-    }
+    sweep = [int(b) for b in args.block_sweep.split(",") if b]
     rows = []
     for t in threads:
         torch.set_num_threads(t)
+        cases = {
+            "adamw_fused": (lambda: adamw(n, fused=True), 28),
+            "adamw_foreach": (lambda: adamw(n, foreach=True), 28),
+            "adamw_forloop": (lambda: adamw(n, foreach=False), 28),
+            "signsgd": (lambda: signsgd(n), 12),
+            "full_chunk_adamw": (lambda: full_chunk(n, ADAMW, cache_block_numel(t)), 32),
+            "full_chunk_signsgd": (lambda: full_chunk(n, functools.partial(SignSGD, lr=1e-4, weight_decay=0.1), cache_block_numel(t)), 16),
+            **{f"full_chunk_adamw_block{b}": (lambda b=b: full_chunk(n, ADAMW, b * t), 32) for b in sweep},
+            "full_chunk_adamw_whole": (lambda: full_chunk(n, ADAMW, n), 32),
+        }
+        beside_busy = {"full_chunk_adamw_beside_busy_thread": (lambda: full_chunk(n, ADAMW, cache_block_numel(t)), 32)}
         a, b, c = torch.randn(n), torch.randn(n), torch.zeros(n)
         bandwidth = {
             "scale_inplace": 8 * n / timed(lambda: a.mul_(1.0000001), args.repeats),
@@ -121,8 +159,9 @@ def main() -> None:
         ceiling = max(bandwidth["scale_inplace"], bandwidth["add_inplace"])
         for name, rate in bandwidth.items():
             rows.append({"threads": t, "case": name, "bytes_per_s": rate, "fraction_of_ceiling": rate / ceiling})
-        for name, (make, bytes_per_param) in cases.items():
-            seconds = timed(make(), args.repeats)
+        for name, (make, bytes_per_param) in (cases | beside_busy).items():
+            with BusyThread() if name in beside_busy else contextlib.nullcontext():
+                seconds = timed(make(), args.repeats)
             rate = bytes_per_param * n / seconds
             rows.append(
                 {
@@ -135,9 +174,9 @@ def main() -> None:
                     "fraction_of_ceiling": rate / ceiling,
                 }
             )
-        for r in rows[-len(cases) - len(bandwidth) :]:
+        for r in rows[-len(cases) - len(beside_busy) - len(bandwidth) :]:
             params = f"{r['params_per_s'] / 1e9:6.2f} Gparam/s" if "params_per_s" in r else " " * 15
-            print(f"threads {t:3d}  {r['case']:14s} {params}  {r['bytes_per_s'] / 1e9:7.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of ceiling")
+            print(f"threads {t:3d}  {r['case']:36s} {params}  {r['bytes_per_s'] / 1e9:7.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of ceiling")
 
     host = platform.node()
     record = {
@@ -150,6 +189,7 @@ def main() -> None:
         "loadavg_1_5_15": os.getloadavg(),  # other processes competing for the same cores and memory
         "torch": torch.__version__,
         "numel": n,
+        "block_numel_per_thread": BLOCK_NUMEL_PER_THREAD,
         "rows": rows,
     }
     records = Path(__file__).resolve().parents[1] / "experiments" / "host_optimizer" / "records"

@@ -108,16 +108,18 @@ def changes(before: str, now: str, titan_before: str, titan_now: str) -> str:
 
 
 def breakdown(*paths: str) -> str:
-    """One profiled step's compute-stream time by category, in ms, for every ok point of the sweeps."""
+    """One profiled step's compute-stream time by category, in ms, for every ok point of the sweeps; a category no
+    point's record has (one added to moe_lab.metrics.trace after they were made) gets no column."""
+    points = pd.concat([sweep(path) for path in paths])
+    points = points[points["status"] == "ok"]
+    categories = [c for c in CATEGORIES if f"time.{c}" in points and points[f"time.{c}"].notna().any()]
     rows = []
-    for path in paths:
-        df = sweep(path)
-        for _, r in df[df["status"] == "ok"].iterrows():
-            parts = [r.get(f"time.{c}") for c in CATEGORIES]
-            total = sum(p for p in parts if p is not None and not pd.isna(p))
-            rows.append([int(r["env.world_size"]), r["offload"], r["dispatcher"], r["ac"], *(num(1e3 * p, ".1f") for p in parts),
-                         num(1e3 * r["time.step_s"], ".1f"), num(1e3 * total, ".1f")])  # fmt: skip
-    header = ["GPUs", "offload", "dispatcher", "ac", *CATEGORIES, "profiled step", "sum of parts"]
+    for _, r in points.iterrows():
+        parts = [r[f"time.{c}"] for c in categories]
+        total = sum(p for p in parts if not pd.isna(p))
+        rows.append([int(r["env.world_size"]), r["offload"], r["dispatcher"], r["ac"], *(num(1e3 * p, ".1f") for p in parts),
+                     num(1e3 * r["time.step_s"], ".1f"), num(1e3 * total, ".1f")])  # fmt: skip
+    header = ["GPUs", "offload", "dispatcher", "ac", *categories, "profiled step", "sum of parts"]
     return markdown(rows, header)
 
 
@@ -167,12 +169,10 @@ def offload_depth(path: str) -> str:
 
 
 def host_optimizer(path: str) -> str:
-    """Each case at the file's largest thread count: parameters/s where the case steps parameters, bytes/s, share of
-    the in-place bandwidth ceiling."""
-    data = raw(path)
-    threads = max(r["threads"] for r in data["rows"])
-    rows = [[r["case"], threads, num(r.get("params_per_s", float("nan")) / 1e9, ".2f"), num(r["bytes_per_s"] / 1e9, ".1f"),
-             pct(r["fraction_of_ceiling"])] for r in data["rows"] if r["threads"] == threads]  # fmt: skip
+    """Each case at each thread count of the file: parameters/s where the case steps parameters, bytes/s, share of
+    the in-place bandwidth ceiling at that thread count."""
+    rows = [[r["case"], r["threads"], num(r.get("params_per_s", float("nan")) / 1e9, ".2f"), num(r["bytes_per_s"] / 1e9, ".1f"),
+             pct(r["fraction_of_ceiling"])] for r in raw(path)["rows"]]  # fmt: skip
     return markdown(rows, ["case", "threads", "G params/s", "GB/s", "of ceiling"])
 
 

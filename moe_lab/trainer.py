@@ -5,6 +5,7 @@ The loop knows no option by name: the dispatcher, checkpointing and offload obje
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -15,6 +16,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
 from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.schedule import warmup_cosine
-from moe_lab.parallel import compile_loss, parallelize
+from moe_lab.parallel import compile_loss, parallelize, set_micro_batch
 from moe_lab.parallel.sharding import local_rows, local_shard
 from moe_lab.results.record import MetricsLog
 
@@ -61,23 +63,30 @@ def train(
 
     fpt = flops_per_token(options.model, cfg.data.seq_len)
     peak = peak_flops(device, t.peak_flops)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
+    tokens_per_step = t.grad_accum * cfg.data.batch_size * cfg.data.seq_len  # per rank, every micro-batch
     metrics_log = MetricsLog(run_dir) if rank == 0 else None
     step_times, losses = [], []
+
+    def micro_batch_loss(step: int, micro_batch: int) -> torch.Tensor:
+        batch = data.batch(step, dp_rank, micro_batch=micro_batch, dp_size=world)
+        inputs, labels = (x.to(device, non_blocking=True) for x in batch)
+        with autocast:
+            logits = model(inputs)
+        return loss_fn(logits, labels)
+
+    def before_micro_batch(final: bool) -> None:
+        set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
+        options.offload.before_micro_batch(optimizer, final)
+
     bar = tqdm(range(t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
     for step in bar:
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        inputs, labels = (x.to(device, non_blocking=True) for x in data.batch(step, dp_rank))
-        with autocast:
-            logits = model(inputs)
-        loss = loss_fn(logits, labels)
-        loss.backward()
+        loss = accumulate_gradients(functools.partial(micro_batch_loss, step), t.grad_accum, before_micro_batch)
         grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss.detach()
         if world > 1:
             dist.all_reduce(loss)  # gloo has no AVG
             loss = loss / world
@@ -108,6 +117,7 @@ def train(
         "losses": losses,
         "s_per_step": s_per_step,
         "tokens_per_s_per_gpu": tokens_per_s,
+        "tokens_per_step_per_gpu": tokens_per_step,
         "mfu": tokens_per_s * fpt["shared"] / peak if peak else None,
         "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak else None,
         "flops_per_token": fpt["shared"],
@@ -116,12 +126,31 @@ def train(
     }
 
 
+def accumulate_gradients(
+    micro_batch_loss: Callable[[int], torch.Tensor], micro_batches: int, before_micro_batch: Callable[[bool], None]
+) -> torch.Tensor:
+    """Forward and backward of one optimizer step's micro-batches; returns the step's loss (detached), the mean of
+    theirs. Each micro-batch's loss is scaled by 1 / ``micro_batches``, so the gradients left for the step are those
+    of the mean loss over the whole step's batch. ``before_micro_batch(final)`` runs before each: it tells FSDP2
+    whether to reduce gradients and the offload optimizer whether this backward's gradients are the step's."""
+    total = None
+    for micro_batch in range(micro_batches):
+        before_micro_batch(micro_batch == micro_batches - 1)
+        loss = micro_batch_loss(micro_batch) / micro_batches
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
 def build_model(cfg: DictConfig, options: Options, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:
     """The configured model, parallelised, on ``device``: from ``trainer.init_checkpoint``, or initialised from
     ``trainer.seed``, each rank filling the rows it holds, so every mesh shape starts from the same weights."""
     with torch.device("meta"):
         model = options.model.build()
-    parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=device, compute_dtype=compute_dtype)
+    parallelize(
+        model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=device,
+        compute_dtype=compute_dtype, keep_unsharded=cfg.parallel.keep_unsharded,
+    )
     if device.type == "cpu":
         check_cpu_memory(model)
     model.to_empty(device=device)

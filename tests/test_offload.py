@@ -31,6 +31,7 @@ from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.host import check_host_memory
+from moe_lab.optim.offload.host_step import HOST_STEPS, HostSignSGD, host_optimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
@@ -307,6 +308,59 @@ def test_scheduled_offload_optimizers_match_plain_adamw(mode):
     assert all(not torch.equal(w, i) for w, i in zip(weights, initial))
 
 
+# ---- the host step, block by block ----
+
+
+@pytest.mark.parametrize("transfer_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("make_optimizer", [
+    functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True),
+    functools.partial(SignSGD, lr=1e-2, weight_decay=0.1),
+], ids=["adamw", "signsgd"])  # fmt: skip
+def test_host_step_is_the_optimizer_over_the_whole_masters(make_optimizer, transfer_dtype):
+    """Stepping two flat masters block by block (blocks of 64, a ragged last one) from a gradient in the transfer
+    dtype leaves exactly the weights and state the configured optimizer (AdamW: its fused kernel) leaves stepping
+    them whole with the widened gradient, and the new weights, narrowed, in the transfer buffer."""
+    torch.manual_seed(0)
+    sizes, block = (1000, 300), 64
+    masters = [nn.Parameter(torch.randn(n)) for n in sizes]
+    wholes = [nn.Parameter(m.detach().clone()) for m in masters]
+    reference = make_optimizer(wholes)
+    host = host_optimizer(make_optimizer, masters)
+    assert type(host) is HOST_STEPS[make_optimizer.func]
+    for _ in range(3):
+        transfer = torch.randn(sum(sizes)).to(transfer_dtype)
+        for whole, grad in zip(wholes, transfer.float().split(sizes)):
+            whole.grad = grad
+        reference.step()
+        host.step(transfer=transfer, scratch=torch.empty(block))
+        for master, whole in zip(masters, wholes):
+            assert torch.equal(master, whole)
+            assert reference.state[whole].keys() == host.state[master].keys()
+            for key, value in reference.state[whole].items():  # AdamW's step count and moments
+                assert torch.equal(host.state[master][key], value), key
+        assert torch.equal(transfer, torch.cat([w.detach() for w in wholes]).to(transfer_dtype))
+
+
+def test_full_offload_with_many_blocks_per_chunk_matches_plain_adamw():
+    """Chunks of several host-step blocks (and blocks spanning parameters) step like plain AdamW."""
+    model, reference = _small_model(), _small_model()
+    optimizer = InBackwardOptimizer(
+        list(model.parameters()), functools.partial(torch.optim.AdamW, lr=LR), torch.float32,
+        chunk_numel=100, max_inflight=2, timeout_s=5, num_threads=1, block_numel=64,
+    )
+    optimizer.attach()
+    assert any(c.numel > 64 for c in optimizer.chunks)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step in range(4):
+        _loss(reference, step).backward()
+        plain.step()
+        plain.zero_grad()
+        _loss(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+
+
 # ---- rules ----
 
 
@@ -317,6 +371,7 @@ def test_scheduled_offload_optimizers_match_plain_adamw(mode):
         (["offload=full", "trainer.grad_clip=1.0"], "trainer.grad_clip"),
         (["offload=full", "offload.timeout_s=0"], "offload.timeout_s"),
         (["offload=full", "offload.max_inflight=0"], "offload.max_inflight"),
+        (["offload=full", "offload.threads=0"], "offload.threads"),
         (["offload=optimizer", "offload.chunk_mib=0"], "offload.chunk_mib"),
     ],
 )
@@ -397,16 +452,16 @@ def test_bind_threads_pins_this_process(tmp_path):
 # ---- failures surface as errors, not hangs ----
 
 
-class _BlockedSignSGD(SignSGD):
+class _BlockedSignSGD(HostSignSGD):
     def __init__(self, params, release: threading.Event, fail: bool = False, **kw):
         super().__init__(params, **kw)
         self.release, self.fail = release, fail
 
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
         self.release.wait(30)
         if self.fail:
             raise ValueError("injected failure")
-        return super().step()
+        return super().step(closure, **kwargs)
 
 
 def _two_chunk_model():

@@ -92,8 +92,9 @@ def test_fused_op_kernels_split_into_expert_gemm_glue_and_exchange():
 
 
 def test_compute_stream_waiting_on_offloaded_optimizer():
-    """offload=optimizer: state copies fill a side stream for longer than the compute stream's kernels run, and the
-    compute stream's wait for them is optimizer time; offload=full: the wait for a CPU thread's step is too."""
+    """offload=optimizer: state copies fill a side stream for longer than the compute stream's kernels run: the
+    compute stream's wait for them is exposed PCIe time; offload=full: the wait for a CPU thread's host step is
+    exposed host-step time."""
     events = [
         _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
         _x("aten::mm", 1, 2), launch(2, 1),
@@ -102,10 +103,36 @@ def test_compute_stream_waiting_on_offloaded_optimizer():
         _x("nvjet_tst_128x256", 5, 20, cat="kernel", tid=7, stream=7, correlation=1),
         _x("Memcpy HtoD (Pinned -> Device)", 30, 40, cat="gpu_memcpy", tid=9, stream=9, correlation=2),
         # a CPU thread's host optimizer step while the compute stream idles
-        _x("Optimizer.step#AdamW.step", 75, 15, tid=2),
+        _x("optimizer.host_step", 75, 15, cat="user_annotation", tid=2),
+        _x("Optimizer.step#HostAdamW.step", 76, 13, cat="user_annotation", tid=2),
+        _x("aten::_fused_adamw_", 77, 2, tid=2),
     ]
     b = breakdown(events)
-    want = {"dense_gemm": 20, "optimizer": 55, "idle": 25}
+    want = {"dense_gemm": 20, "pcie": 40, "host_step": 15, "idle": 25}
+    assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
+
+
+def test_exposed_host_step_and_pcie_traffic_apart_from_the_optimizer_wait():
+    """The end of an offload=full step, by hand: the compute stream's last kernel, then a gradient copied device ->
+    host on the compute stream; the worker thread steps the last chunk (its host step), then copies its weights host
+    -> device on a side stream; the training thread waits in step() meanwhile, and past both. The compute stream's
+    idle time goes to the host step while it runs, then to the copy, then to the optimizer's wait; the copy on the
+    compute stream is PCIe time too."""
+    events = [
+        _x("ProfilerStep#2", 0, 100, cat="user_annotation"),
+        _x("aten::mm", 1, 2), launch(2, 1),
+        _x("aten::copy_", 3, 2), _x("cudaMemcpyAsync", 4, 1, cat="cuda_runtime", correlation=2),
+        _x("Optimizer.step#InBackwardOptimizer.step", 20, 70, cat="user_annotation"),
+        _x("optimizer.host_step", 30, 30, cat="user_annotation", tid=2),
+        _x("Optimizer.step#HostAdamW.step", 30, 25, cat="user_annotation", tid=2),
+        _x("aten::_fused_adamw_", 31, 5, tid=2),
+        _x("aten::copy_", 56, 2, tid=2), _x("cudaMemcpyAsync", 57, 1, cat="cuda_runtime", tid=2, correlation=3),
+        _x("nvjet_tst_128x256", 0, 18, cat="kernel", tid=7, stream=7, correlation=1),
+        _x("Memcpy DtoH (Device -> Pinned)", 18, 2, cat="gpu_memcpy", tid=7, stream=7, correlation=2),
+        _x("Memcpy HtoD (Pinned -> Device)", 55, 20, cat="gpu_memcpy", tid=9, stream=9, correlation=3),
+    ]
+    b = breakdown(events)
+    want = {"dense_gemm": 18, "pcie": 2 + 15, "host_step": 30, "optimizer": 10 + 15, "idle": 10}
     assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
 
 

@@ -19,6 +19,11 @@ def _key(default, help: str):
 @dataclass
 class TrainerConfig:
     steps: int = _key(100, "optimizer steps of the run")
+    grad_accum: int = _key(
+        1,
+        "micro-batches per optimizer step, each data.batch_size samples per rank; the step's loss is their mean, its "
+        "tokens (and tokens/s, MFU) count them all",
+    )
     warmup_steps: int = _key(10, "linear LR warmup steps, then cosine decay to the last step")
     min_lr_ratio: float = _key(0.1, "cosine decays to optimizer.lr * min_lr_ratio")
     grad_clip: Optional[float] = _key(None, "max global gradient norm; null disables clipping")
@@ -38,6 +43,18 @@ class TrainerConfig:
 class ParallelConfig:
     dp_shard: int = _key(-1, "ranks the dense weights are sharded over (FSDP2); -1 means all ranks")
     ep: int = _key(1, "expert-parallel degree, borrowed from dp_shard (EP groups are consecutive ranks)")
+    grad_sync: str = _key(
+        "step",
+        "with trainer.grad_accum > 1, when FSDP2 reduce-scatters gradients: step (once, after the last micro-batch; "
+        "the others accumulate unsharded in fp32, 4 bytes per parameter of the unsharded model per rank) | "
+        "micro_batch (after each; sharded accumulation, no unsharded gradients kept)",
+    )
+    keep_unsharded: bool = _key(
+        False,
+        "FSDP2 blocks keep their gathered compute-dtype weights from forward through backward and, with "
+        "trainer.grad_accum > 1, across the step's micro-batches (one all-gather per block per step instead of two "
+        "per micro-batch), at the memory of the whole unsharded model per rank",
+    )
 
 
 @dataclass

@@ -29,6 +29,7 @@ from moe_lab.config.schema import GROUPS, TrainConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
+GRAD_SYNCS = ("step", "micro_batch")
 CHECKPOINT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -153,6 +154,7 @@ def check_rules(cfg: DictConfig) -> None:
     _require(1 <= d.vocab_size <= m.vocab_size, "data.vocab_size", f"must be in [1, model.vocab_size={m.vocab_size}], got {d.vocab_size}")
     check_optimizer(cfg.optimizer)
     _require(t.steps >= 1, "trainer.steps", f"must be >= 1, got {t.steps}")
+    _require(t.grad_accum >= 1, "trainer.grad_accum", f"must be >= 1, got {t.grad_accum}")
     # A warmup longer than the run is allowed: a short smoke run (trainer.steps=3) then stays in warmup.
     _require(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _require(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
@@ -189,6 +191,7 @@ def check_rules(cfg: DictConfig) -> None:
         "parallel.ep",
         f"must be >= 1 and divide the job's {dp_shard} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
     )
+    _require(p.grad_sync in GRAD_SYNCS, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {p.grad_sync!r}")
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
 
 

@@ -13,9 +13,11 @@ class SyntheticData:
     """A learnable language: runs of a fixed random cycle over the vocabulary, restarted at random.
 
     Within a run token i+1 is the successor of token i on the cycle (a bigram rule a model learns quickly); with
-    probability ``restart_prob`` a run restarts at a random token. Sample ``j`` of step ``s`` is a pure function of
-    (seed, s, j), and rank r takes samples [r * batch_size, (r + 1) * batch_size): any world size sees the same
-    global batch.
+    probability ``restart_prob`` a run restarts at a random token. Sample ``i`` of step ``s`` is a pure function of
+    (seed, s, i). A step's global batch is samples [0, grad_accum * dp_size * batch_size): micro-batch m of rank r
+    takes the ``batch_size`` samples from (m * dp_size + r) * batch_size on, so micro-batch m of all ranks together
+    is one contiguous block, and any split of the same global batch into ranks, micro-batches and per-rank batch
+    size trains on the same samples each step.
     """
 
     def __init__(self, seq_len: int, batch_size: int, vocab_size: int, seed: int = 0, restart_prob: float = 0.1):
@@ -30,9 +32,10 @@ class SyntheticData:
         # has been checked against the model's.
         return torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
 
-    def batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), each [batch_size, seq_len] int64 on the CPU."""
-        first = dp_rank * self.batch_size
+    def batch(self, step: int, dp_rank: int, *, micro_batch: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of micro-batch ``micro_batch`` of data-parallel rank ``dp_rank`` of ``dp_size``,
+        each [batch_size, seq_len] int64 on the CPU."""
+        first = (micro_batch * dp_size + dp_rank) * self.batch_size
         tokens = torch.stack([self.sample(step, first + j) for j in range(self.batch_size)])
         return tokens[:, :-1], tokens[:, 1:]
 

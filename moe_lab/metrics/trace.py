@@ -6,9 +6,11 @@ and TensorBoard). ``breakdown(trace)`` then partitions the recorded steps' time 
 averages over them, so the parts sum to one step:
 
 - on CUDA, the compute stream's timeline (the stream with the most kernel time): each kernel's time goes to its
-  category; idle time on the compute stream goes to the collective running on another stream at that moment
-  (exposed communication), or else to an optimizer working on another stream or on a CPU thread (offload), else to
-  ``idle``;
+  category; idle time on the compute stream goes to what runs elsewhere at that moment, in this order: a collective
+  on another stream (exposed communication), offload=full's host optimizer step on a CPU thread (``host_step``), a
+  host <-> device copy on another stream (``pcie``: offload's gradient, weight and state traffic), an optimizer
+  working on another stream or CPU thread (``optimizer``); else ``idle``. A copy between host and device on the
+  compute stream itself is ``pcie`` too;
 - on CPU, the main thread's timeline: each op's self time goes to its category; time in no op goes to ``idle``
   (Python and launch overhead).
 
@@ -34,13 +36,17 @@ import torch
 # In priority order: a grouped GEMM inside the dispatch scope is expert GEMM, an all-to-all inside it is all-to-all.
 # The fused dispatcher's op (moe_lab::fused_moe) is glue but for its GEMMs (DeepGEMM's, or torch._grouped_mm's
 # cutlass kernels, whose mangled names say GroupProblemShape) and its symmetric-memory barriers (the EP exchange).
+# A host <-> device copy is PCIe traffic whatever op or scope issued it; offload=full's worker steps in an
+# ``optimizer.host_step`` scope (``optimizer.offload_full_chunk`` in traces before issue 18).
 RULES = {
     "ep_all_to_all": r"all_?to_?all|alltoall|sendrecv|exchange_counts|symmetric_memory",
     "fsdp_all_gather": r"all_?gather",
     "fsdp_reduce_scatter": r"reduce_?scatter|post_backward_reduce",
+    "pcie": r"^Memcpy (HtoD|DtoH)",
     "attention": r"attention|flash|fmha|sdpa",
     "expert_gemm": r"grouped|GroupProblemShape|deep_gemm|moe_lab::expert_compute",
     "dense_gemm": r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|gemm|nvjet|cutlass|cublas|xmma",
+    "host_step": r"^optimizer\.(host_step|offload_full_chunk)$",
     "optimizer": r"^optimizer\.|multi_tensor_apply|adam",
     "dispatch_glue": r"moe_lab::dispatch|moe_lab::fused_moe",
 }
@@ -49,9 +55,9 @@ RULES = {
 KERNEL_RULES = {"dispatch_glue": r"^triton_.*(sort|scatter|gather|index|bincount|cumsum|histc|topk|repeat_interleave)"}
 CATEGORIES = (*RULES, "idle", "other")
 COMMUNICATION = ("ep_all_to_all", "fsdp_all_gather", "fsdp_reduce_scatter")
-# What the compute stream can wait for: collectives on their streams, and an optimizer working elsewhere (offload:
-# state streamed on side streams, or stepped by a CPU thread while the GPU waits).
-WAITED_ON = (*COMMUNICATION, "optimizer")
+# What the compute stream can wait for, in the order its idle time is given to them: collectives on their streams,
+# offload=full's host step on a CPU thread, host <-> device copies on side streams, an optimizer working elsewhere.
+WAITED_ON = (*COMMUNICATION, "host_step", "pcie", "optimizer")
 _PATTERNS = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in RULES.items()]
 _KERNEL_PATTERNS = _PATTERNS + [(name, re.compile(pattern)) for name, pattern in KERNEL_RULES.items()]
 _STEP = re.compile(r"^ProfilerStep#\d+$")
@@ -239,9 +245,10 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
             compute.append(span)
         elif category in WAITED_ON:
             elsewhere.append(span)
-    for i, e in enumerate(ops.events):  # a host optimizer step (offload=full's CPU worker) the GPU may wait for
-        if e["cat"] == "cpu_op" and e["ts"] < end and e["ts"] + e["dur"] > start and ops.category(i) == "optimizer":
-            elsewhere.append((max(e["ts"], start), min(e["ts"] + e["dur"], end), "optimizer", e["name"]))
+    for i, e in enumerate(ops.events):  # an optimizer on a CPU thread (offload=full's host step) the GPU may wait for
+        category = ops.category(i) if e["cat"] in ("cpu_op", "user_annotation") and e["ts"] < end and e["ts"] + e["dur"] > start else None
+        if category in ("host_step", "optimizer"):
+            elsewhere.append((max(e["ts"], start), min(e["ts"] + e["dur"], end), category, e["name"]))
     compute.sort()
     gaps, cursor = [], start
     for lo, hi, category, name in compute:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from moe_lab.parallel.mesh import Meshes
 
 
-def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype) -> None:
+def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype, keep_unsharded: bool = False) -> None:
     """Dense weights are sharded over all ranks and averaged over all ranks. Expert weights are sharded over the
     ``expert_shard`` ranks only; their gradients already sum the tokens of every EP peer, so they are summed over
     ``expert_shard`` and divided by the whole world to give the same mean-over-the-global-batch as dense weights.
@@ -17,24 +17,41 @@ def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype) -> None:
     weights and hands them to the dispatcher), and a compiled block has no FSDP hook inside it and compiles as one
     graph. The experts are gathered when their block starts and resharded when it ends (the block's pre-backward
     hook gathers them again before recompute and backward).
+
+    ``keep_unsharded`` (``parallel.keep_unsharded``): no group reshards after forward, so backward gathers nothing
+    again (and, with ``set_micro_batch``, nothing is gathered again until the step's last backward).
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # Embedding, blocks, and final norm + LM head each their own group (as torchtitan does): the head's gradient
     # (1.2 GB fp32 for Qwen3's vocabulary) is reduce-scattered while the blocks' backward runs, not after it, and
     # the head stays gathered from its forward into backward, which starts with it.
-    fully_shard(model.model.embed_tokens, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
+    reshard = not keep_unsharded
+    fully_shard(model.model.embed_tokens, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=reshard)
     for layer in model.model.layers:
         experts = layer.mlp.experts
-        fully_shard(experts, mesh=meshes.expert_shard, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(experts, mesh=meshes.expert_shard, mp_policy=policy, reshard_after_forward=reshard)
         experts.set_gradient_divide_factor(float(meshes.world_size))
         if meshes.expert_shard.size() > 1:
             # Sum, then divide the shard: gloo has no PREMUL_SUM, and on NCCL the divide is one small kernel.
             # (Not on one rank: FSDP2 then skips the collective and would divide twice.)
             experts.set_force_sum_reduction_for_comms(True)
         _hook_at(layer, fully_shard.state(experts))
-        fully_shard(layer, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(layer, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard([model.model.norm, model.lm_head], mesh=meshes.dense, mp_policy=policy, reshard_after_forward=False)
-    fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def set_micro_batch(model: torch.nn.Module, final: bool, grad_sync: str, keep_unsharded: bool) -> None:
+    """Before each micro-batch of an optimizer step (``trainer.grad_accum``). ``grad_sync="step"``: FSDP2
+    reduce-scatters the gradients in the final micro-batch's backward only; before it they accumulate unsharded (in
+    the fp32 reduce dtype), so a step reduces once. ``"micro_batch"``: every backward reduce-scatters, and the
+    sharded gradients accumulate. ``keep_unsharded``: the blocks stay gathered after every backward but the final
+    one. A model without FSDP2 (one rank) accumulates in ``.grad`` as autograd does: nothing to set."""
+    if not isinstance(model, FSDPModule):
+        return
+    model.set_requires_gradient_sync(final or grad_sync == "micro_batch")
+    if keep_unsharded:
+        model.set_reshard_after_backward(final)
 
 
 def _hook_at(module: torch.nn.Module, state) -> None:

@@ -1,12 +1,14 @@
 """Where weights and optimizer state live: the ``offload`` group. Each option turns (model, optimizer factory,
 compute dtype) into the ``torch.optim.Optimizer`` the training loop steps and an LR scheduler drives; the loop never
-asks which option it has.
+asks which option it has. With gradient accumulation (``trainer.grad_accum``) the loop calls the option's
+``before_micro_batch(optimizer, final)`` before each micro-batch: gradients accumulate on the device until the final
+micro-batch's backward, whose gradients are the step's.
 
 | option      | on the device                              | in host memory                        | optimizer step    |
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
 | `none`      | fp32 weights, grads, optimizer state       | -                                     | device, after bwd |
 | `optimizer` | fp32 weights and grads                     | optimizer state (pinned)              | device, chunked   |
-| `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, fp32 grad buffer | host, in backward |
+| `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, transfer buffers | host, in backward |
 
 ``none`` and ``optimizer`` compute in bf16 on GPU through autocast (one rank) or FSDP2's mixed-precision policy.
 The implementations sit beside this module: ``optimizer.py`` (streamed optimizer state), ``full.py`` (the
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -54,6 +56,9 @@ class NoOffload:
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
         return make_optimizer(model.parameters())
 
+    def before_micro_batch(self, optimizer: torch.optim.Optimizer, final: bool) -> None:
+        """Nothing to do: gradients accumulate in ``.grad`` and ``step()`` reads them after the final one."""
+
 
 class OptimizerOffload:
     """Optimizer state in pinned host memory, streamed through the device chunk by chunk at each step; weights and
@@ -72,9 +77,12 @@ class OptimizerOffload:
         chunk_numel = int(self.chunk_mib * 2**20) // 4
         return StreamedStateOptimizer(list(model.parameters()), make_optimizer, _training_device(model), chunk_numel, self.max_inflight)
 
+    def before_micro_batch(self, optimizer: StreamedStateOptimizer, final: bool) -> None:
+        """Nothing to do: gradients accumulate in ``.grad`` and ``step()`` streams the state after the final one."""
+
 
 class FullOffload:
-    """fp32 master weights, optimizer state and the fp32 gradient buffer in host RAM; the device keeps
+    """fp32 master weights, optimizer state and pinned transfer buffers in host RAM; the device keeps
     compute-dtype weights (bf16 on GPU) and activations. The optimizer steps on the host, inside backward
     (``moe_lab.optim.offload.full``). AdamW or SignSGD only; no gradient clipping (a global norm does not exist
     until backward ends, and by then the weights have been stepped).
@@ -83,11 +91,13 @@ class FullOffload:
     the node's ``cpulist``, split evenly between the node's ranks) before host memory is allocated, so that memory
     is first touched, and placed, on that node. A GPU on node -1 runs unbound, with a warning; a host without that
     sysfs topology fails validation. A CPU-only run has no GPU and so no node: it keeps the process's affinity.
-    The host step uses as many threads as the rank has CPUs.
+    The host step runs on ``threads`` CPU threads; by default one fewer than the rank has CPUs, leaving one to the
+    training thread: with every CPU in the step, each of its parallel regions waits for whichever thread the training
+    thread has just displaced (``benchmarks/host_optimizer.py``, case ``full_chunk_adamw_beside_busy_thread``).
 
     chunk_mib: fp32 master bytes per chunk (a chunk steps as soon as all its gradients are in); max_inflight:
     pinned transfer buffers, each one chunk; timeout_s: how long backward or step() waits for the CPU worker
-    before raising.
+    before raising; threads: CPU threads of the host step (null: the rank's CPUs less one).
     """
 
     def __init__(
@@ -97,9 +107,10 @@ class FullOffload:
         timeout_s: float = 600.0,
         numa_bind: bool = True,
         sysfs_root: str = "/sys",
+        threads: Optional[int] = None,
     ):
         self.chunk_mib, self.max_inflight, self.timeout_s = chunk_mib, max_inflight, timeout_s
-        self.numa_bind, self.sysfs_root = numa_bind, sysfs_root
+        self.numa_bind, self.sysfs_root, self.threads = numa_bind, sysfs_root, threads
 
     def validate(self, cfg: DictConfig) -> None:
         target = cfg.optimizer._target_
@@ -113,6 +124,8 @@ class FullOffload:
         _check_chunking(self.chunk_mib, self.max_inflight)
         if self.timeout_s <= 0:
             raise ConfigError("offload.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("offload.threads", f"must be null or >= 1, got {self.threads}")
         if self.numa_bind and runs_on_cuda(cfg.trainer):
             gpus = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
             try:
@@ -124,8 +137,9 @@ class FullOffload:
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> InBackwardOptimizer:
         cpus = self._bind(_training_device(model))  # before any host state exists
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // local_world)
-        torch.set_num_threads(threads)
+        rank_cpus = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // local_world)
+        torch.set_num_threads(rank_cpus)
+        threads = self.threads or max(1, rank_cpus - 1)
         optimizer = InBackwardOptimizer(
             list(model.parameters()),
             make_optimizer,
@@ -138,6 +152,12 @@ class FullOffload:
         model.to(compute_dtype)  # the masters hold the fp32 values now
         optimizer.attach()
         return optimizer
+
+    def before_micro_batch(self, optimizer: InBackwardOptimizer, final: bool) -> None:
+        """The hooks take gradients to the host, and the chunks step, in the final micro-batch's backward only;
+        before it, gradients accumulate on the device (in ``.grad`` in the compute dtype on one rank; FSDP2 keeps
+        them as ``parallel.grad_sync`` says)."""
+        optimizer.gradients_final = final
 
     def _bind(self, device: torch.device) -> list[int] | None:
         if not self.numa_bind:

@@ -9,11 +9,12 @@ Data flow, per chunk of parameters (consecutive in reverse registration order, r
 finishes them):
 1. a post-accumulate-grad hook copies each final gradient (this rank's shard) device -> host on a side stream into
    the chunk's pinned transfer buffer, then frees the device gradient;
-2. when the chunk's last gradient is queued, a CPU worker thread waits for the copies, widens the gradients into an
-   fp32 scratch buffer and steps the chunk's optimizer (torch's fused, vectorised, multi-threaded CPU kernel);
-3. it writes the new weights into the same transfer buffer and copies them host -> device on another side stream,
-   and moves on to the next chunk without waiting for that copy: the next gradients copied into the buffer are
-   ordered after it on the GPU.
+2. when the chunk's last gradient is queued, a CPU worker thread waits for the copies and steps the chunk's masters
+   with the gradients in the transfer buffer, block by block (``host_step``: widen a cache-sized block of gradients
+   to fp32, step it with torch's fused, vectorised, multi-threaded CPU kernel, write its new weights into the
+   transfer buffer in the compute dtype, while the block is in cache);
+3. it copies the new weights host -> device on another side stream, and moves on to the next chunk without waiting
+   for that copy: the next gradients copied into the buffer are ordered after it on the GPU.
 ``step()`` waits for the worker to finish every chunk and orders the compute stream after the weights' copies.
 At most ``max_inflight`` transfer buffers exist; a hook that finds none free, or a ``step()`` that waits longer than
 ``timeout_s``, raises instead of hanging.
@@ -30,13 +31,14 @@ import torch
 from torch import nn
 
 from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked
-from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, host_optimizer, synchronize
+from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, synchronize
+from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer
 from moe_lab.parallel.sharding import local_shard
 
 
 class MasterChunk:
-    """Consecutive parameters whose fp32 masters form one flat host tensor, stepped by a host optimizer of their
-    own as soon as all their gradients are in."""
+    """Consecutive parameters whose fp32 masters form one flat host tensor, stepped on the host as soon as all their
+    gradients are in."""
 
     def __init__(self, params: list[nn.Parameter], master: torch.Tensor, make_optimizer: Callable):
         self.params = params
@@ -64,9 +66,11 @@ class InBackwardOptimizer(ChunkedOptimizer):
         max_inflight: int,
         timeout_s: float,
         num_threads: int,
+        block_numel: int | None = None,
     ):
         """``params`` still hold their fp32 initial values: they become the masters. The caller casts the device
-        parameters to ``compute_dtype`` afterwards and then calls ``attach()``."""
+        parameters to ``compute_dtype`` afterwards and then calls ``attach()``. ``block_numel``: elements of a
+        host-step block (``host_step``), by default sized to the threads' L2 caches."""
         params = [p for p in params if p.requires_grad]
         self.device = device = local_shard(params[0]).device
         self.timeout_s, self.num_threads = timeout_s, num_threads
@@ -74,11 +78,10 @@ class InBackwardOptimizer(ChunkedOptimizer):
         total = sum(local_shard(p).numel() for p in params)
         largest = max(sum(local_shard(p).numel() for p in group) for group in groups)
         buffers = max(1, min(max_inflight, len(groups)))
+        block = block_numel or cache_block_numel(num_threads)
         # Masters, AdamW's two moments (the most state a host optimizer here has; its first step creates them),
-        # the transfer buffers and the fp32 gradient buffer, all checked before any is allocated.
-        check_host_memory(
-            total * 3 * 4 + largest * (buffers * compute_dtype.itemsize + 4), "offload=full host state and buffers"
-        )
+        # the transfer buffers and the fp32 gradient block, all checked before any is allocated.
+        check_host_memory(total * 3 * 4 + largest * buffers * compute_dtype.itemsize + block * 4, "offload=full host state and buffers")
         masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
         self.chunks: list[MasterChunk] = []
         start = 0
@@ -97,9 +100,10 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.free: queue.Queue = queue.Queue()
         for _ in range(buffers):  # (buffer, event after which its last weights have left it)
             self.free.put((host_empty(largest, compute_dtype, pinned, "offload=full transfer buffers"), None))
-        self.grad_scratch = host_empty(largest, torch.float32, False, "offload=full fp32 gradient buffer")
+        self.grad_scratch = host_empty(block, torch.float32, False, "offload=full fp32 gradient block")
         self.d2h, self.h2d = SideStream(device), SideStream(device)
 
+        self.gradients_final = True  # False in the backward of a micro-batch before a step's last (FullOffload)
         self.ready: queue.Queue = queue.Queue()
         self.in_flight = 0
         self.done = threading.Condition()
@@ -134,6 +138,8 @@ class InBackwardOptimizer(ChunkedOptimizer):
 
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.gradients_final:
+            return  # an earlier micro-batch of the step: the gradient keeps accumulating on the device
         self._raise_worker_error()
         chunk = self.chunk_of[p]
         if chunk.buffer is None:
@@ -166,7 +172,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
         try:
             synchronize(copied)  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
             if self.error is None:
-                with torch.profiler.record_function("optimizer.offload_full_chunk"):
+                with torch.profiler.record_function("optimizer.host_step"):
                     self._step_chunk(chunk)
         except BaseException as e:
             self.error = e
@@ -181,18 +187,17 @@ class InBackwardOptimizer(ChunkedOptimizer):
 
     def _step_chunk(self, chunk: MasterChunk) -> None:
         buffer = chunk.buffer[: chunk.numel]
-        grad = self.grad_scratch[: chunk.numel]
-        grad.copy_(buffer)
-        chunk.master.grad = grad
-        chunk.optimizer.step()
-        chunk.master.grad = None
-        buffer.copy_(chunk.master)
+        chunk.optimizer.step(transfer=buffer, scratch=self.grad_scratch)
         for p, (offset, size) in chunk.offsets.items():
             self.h2d.copy(local_shard(p).view(-1), buffer[offset : offset + size], after_current=False)
 
     def _step_chunks(self) -> None:
-        """Backward has ended: step the chunks that got only some of their gradients (a parameter without one
-        steps with a zero gradient), then wait for the worker."""
+        """Backward has ended: take the gradients that earlier micro-batches left on parameters the last one did not
+        reach, step the chunks that got only some of their gradients (a parameter without one steps with a zero
+        gradient), then wait for the worker."""
+        for p in self.params:
+            if p.grad is not None:
+                self._on_grad(p)
         for chunk in self.chunks:
             if chunk.received and len(chunk.received) < len(chunk.params):
                 if self.h2d.stream is not None:  # a host write: the buffer's last weights must have left it

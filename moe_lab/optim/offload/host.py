@@ -1,15 +1,11 @@
-"""Host-memory pieces the offload modes share: host buffers sized against the RAM available, copies on a side
-stream, and the host optimizer with its fused CPU kernel.
+"""Host-memory pieces the offload modes share: host buffers sized against the RAM available, and copies on a side
+stream. (offload=full's host optimizer step is ``host_step.py``.)
 
 On a CPU-only run "host" and "device" are the same memory: buffers are not pinned and copies are synchronous, but
 every code path is the one a GPU run takes.
 """
 
 from __future__ import annotations
-
-import functools
-import inspect
-from typing import Callable
 
 import psutil
 import torch
@@ -71,10 +67,3 @@ def synchronize(event: torch.cuda.Event | None) -> None:
     """Block the calling CPU thread until ``event`` (from ``SideStream.record``) has passed."""
     if event is not None:
         event.synchronize()
-
-
-def host_optimizer(make_optimizer: Callable, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """The optimizer over host tensors, with its fused (vectorised, multi-threaded) CPU kernel where it has one."""
-    cls = make_optimizer.func if isinstance(make_optimizer, functools.partial) else make_optimizer
-    fused = "fused" in inspect.signature(cls).parameters
-    return make_optimizer(params, fused=True) if fused else make_optimizer(params)
