@@ -1,6 +1,7 @@
 """One rank's training run: build the model and its optimizer once from the built options, step, loop, summarise.
 
-The loop knows no option by name: the dispatcher, checkpointing and offload objects carry their behaviour.
+The loop knows no option by name: the dispatcher, checkpointing, offload, data and router-balance objects carry
+their behaviour.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from moe_lab.config import Options
 from moe_lab.config.runtime import computes_in_bf16
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
+from moe_lab.metrics.routing import ExpertLoad
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
 from moe_lab.optim.offload.host import check_host_memory
@@ -58,25 +60,29 @@ def train(
     loss_fn = compile_loss(lm_loss) if t.compile else lm_loss
     data = options.data
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
+    balance = options.model.balance()
+    expert_load = ExpertLoad(options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps)
 
     fpt = flops_per_token(options.model, cfg.data.seq_len)
     peak = peak_flops(device, t.peak_flops)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
     metrics_log = MetricsLog(run_dir) if rank == 0 else None
-    step_times, losses = [], []
+    step_times, losses, eval_losses = [], [], []
     bar = tqdm(range(t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
     for step in bar:
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        inputs, labels = (x.to(device, non_blocking=True) for x in data.batch(step, dp_rank))
+        batch = data.batch(step, dp_rank, world).to(device)
         with autocast:
-            logits = model(inputs)
-        loss = loss_fn(logits, labels)
-        loss.backward()
+            out = model(batch.inputs, batch.documents)
+        loss = loss_fn(out.logits, batch.labels)
+        balance_loss = balance.loss(out.router_stats)
+        (loss + balance_loss).backward()
         grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        balance.update(model, out.router_stats)
         loss = loss.detach()
         if world > 1:
             dist.all_reduce(loss)  # gloo has no AVG
@@ -88,10 +94,17 @@ def train(
         profiler.step()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
+        routing_row = expert_load.add(step, out.router_stats, balance_loss)
+        del out  # the step's graph and logits, before evaluation allocates its own
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
+            eval_losses.append({"step": step, "loss": evaluate(model, data, t.eval_batches, device, dp_rank, world, autocast, loss_fn)})
         if metrics_log:
             row = {"step": step, "loss": loss, "lr": lr, "s_per_step": elapsed, "tokens_per_s_per_gpu": tokens_per_step / elapsed}
             if grad_norm is not None:
                 row["grad_norm"] = grad_norm
+            if eval_losses and eval_losses[-1]["step"] == step:
+                row["eval_loss"] = eval_losses[-1]["loss"]
+            row |= routing_row
             metrics_log.write(row)
             logger.log(row, step)
             bar.set_postfix(loss=f"{loss:.4f}", s_step=f"{elapsed:.3f}")
@@ -106,6 +119,8 @@ def train(
         "final_loss": losses[-1],
         "first_loss": losses[0],
         "losses": losses,
+        "final_eval_loss": eval_losses[-1]["loss"] if eval_losses else None,
+        "eval_losses": eval_losses,
         "s_per_step": s_per_step,
         "tokens_per_s_per_gpu": tokens_per_s,
         "mfu": tokens_per_s * fpt["shared"] / peak if peak else None,
@@ -113,6 +128,7 @@ def train(
         "flops_per_token": fpt["shared"],
         "peak_gpu_mem_gib": peak_gpu_gib(device),
         "peak_host_rss_gib": peak_host_rss_gib(),
+        **expert_load.summary(),
     }
 
 
@@ -129,6 +145,7 @@ def build_model(cfg: DictConfig, options: Options, device: torch.device, compute
         load_hf_checkpoint(model, cfg.trainer.init_checkpoint)
     else:
         model.init_weights(cfg.trainer.seed, local_rows(model))
+    model.init_buffers()
     return model
 
 
@@ -139,6 +156,23 @@ def check_cpu_memory(model: torch.nn.Module) -> None:
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     weights = sum(local_shard(p).numel() for p in model.parameters()) * 4 * ranks_here
     check_host_memory(2 * weights, f"the fp32 weights and gradients of {ranks_here} rank(s) on CPU")
+
+
+@torch.no_grad()
+def evaluate(model, data, batches: int, device, dp_rank: int, world: int, autocast, loss_fn) -> float:
+    """Mean next-token loss over ``batches`` held-out batches (``data.eval_batch``) of the global batch size, over
+    every rank."""
+    losses = []
+    for index in range(batches):
+        batch = data.eval_batch(index, dp_rank, world).to(device)
+        with autocast:
+            logits = model(batch.inputs, batch.documents).logits
+        losses.append(loss_fn(logits, batch.labels))
+    loss = torch.stack(losses).mean()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss = loss / world
+    return loss.item()
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> 
     for step in range(steps):
         inputs, labels = (t.to(device) for t in data.batch(step, rank))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(inputs)
+            logits = model(inputs).logits
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         optimizer.step()
         scheduler.step()
@@ -111,7 +111,7 @@ def reference_bf16_masters(overrides: list[str], steps: int = STEPS, device: str
                 p.copy_(m)
         inputs, labels = (t.to(device) for t in data.batch(step, 0))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            logits = model(inputs)
+            logits = model(inputs).logits
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         for p, m in zip(model.parameters(), masters):
             m.grad = p.grad.float()

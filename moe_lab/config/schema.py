@@ -32,6 +32,9 @@ class TrainerConfig:
     init_checkpoint: Optional[str] = _key(None, "Hugging Face safetensors directory to start from")
     peak_flops: Optional[float] = _key(None, "per-GPU peak FLOP/s for MFU; null looks the GPU up")
     skip_done: bool = _key(True, "in a sweep, skip points whose directory holds an ok result of the same config")
+    eval_every: int = _key(0, "validation loss on the held-out split every N steps and after the last (eval_loss); 0 disables")
+    eval_batches: int = _key(4, "held-out batches per validation, each of the training global batch size")
+    expert_load_every: int = _key(10, "steps between expert_load rows in metrics.jsonl (tokens per expert per layer); 0: none")
 
 
 @dataclass
@@ -75,4 +78,10 @@ class TrainConfig:
 
 
 def register() -> None:
+    from omegaconf import OmegaConf
+
+    from moe_lab.models.hf_config import read_hf_config
+
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # model=hf reads each key from the checkpoint's config.json: ${hf_config:<dir>,<key>}
+    OmegaConf.register_new_resolver("hf_config", lambda directory, key: read_hf_config(directory, "model.path")[key], replace=True)

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from moe_lab.config.errors import ConfigError
+from moe_lab.data.batch import Batch
 
 
 class SyntheticData:
@@ -15,7 +16,7 @@ class SyntheticData:
     Within a run token i+1 is the successor of token i on the cycle (a bigram rule a model learns quickly); with
     probability ``restart_prob`` a run restarts at a random token. Sample ``j`` of step ``s`` is a pure function of
     (seed, s, j), and rank r takes samples [r * batch_size, (r + 1) * batch_size): any world size sees the same
-    global batch.
+    global batch. The held-out split (``eval_batch``) draws from streams no step uses.
     """
 
     def __init__(self, seq_len: int, batch_size: int, vocab_size: int, seed: int = 0, restart_prob: float = 0.1):
@@ -30,14 +31,32 @@ class SyntheticData:
         # has been checked against the model's.
         return torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
 
-    def batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), each [batch_size, seq_len] int64 on the CPU."""
-        first = dp_rank * self.batch_size
+    def validate(self, cfg) -> None:
+        if not 1 <= self.vocab_size <= cfg.model.vocab_size:
+            raise ConfigError("data.vocab_size", f"must be in [1, model.vocab_size={cfg.model.vocab_size}], got {self.vocab_size}")
+
+    def batch(self, step: int, dp_rank: int, dp_size: int) -> Batch:
+        """Rank ``dp_rank``'s [batch_size, seq_len] share of step ``step``'s batch, on the CPU (``dp_size`` plays
+        no part: a sample is a function of its step and index alone)."""
+        return self._batch(step, dp_rank * self.batch_size)
+
+    def eval_batch(self, index: int, dp_rank: int, dp_size: int) -> Batch:
+        """Rank ``dp_rank``'s share of held-out batch ``index``: streams of negative step numbers."""
+        return self._batch(-1 - index, dp_rank * self.batch_size)
+
+    def state_dict(self) -> dict:
+        """Nothing: a batch is a function of (seed, step, sample), so the step is all a resumed run needs."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def _batch(self, step: int, first: int) -> Batch:
         tokens = torch.stack([self.sample(step, first + j) for j in range(self.batch_size)])
-        return tokens[:, :-1], tokens[:, 1:]
+        return Batch(tokens[:, :-1], tokens[:, 1:])
 
     def sample(self, step: int, index: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 10_007 + index)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step * 10_007 + index) % 2**63)
         n = self.seq_len + 1
         restart = torch.rand(n, generator=gen) < self.restart_prob
         restart[0] = True
