@@ -27,8 +27,6 @@ from moe_lab.config.errors import ConfigError
 from moe_lab.config.options import Options, build_options
 from moe_lab.config.runtime import world_size
 from moe_lab.config.schema import GROUPS, TrainConfig
-from moe_lab.models.hf_config import CONFIG as HF_CONFIG
-from moe_lab.models.hf_config import check_agrees
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -244,7 +242,9 @@ def check_init_checkpoint(path, model: DictConfig) -> None:
         "trainer.init_checkpoint",
         f"must be null or a directory holding {' or '.join(CHECKPOINT_FILES)}, got {path!r}",
     )
-    if (Path(path) / HF_CONFIG).is_file():
+    from moe_lab.models.hf_config import CONFIG, check_agrees  # (moe_lab.models imports this package's errors)
+
+    if (Path(path) / CONFIG).is_file():
         check_agrees(OmegaConf.to_container(model, resolve=True), path, "trainer.init_checkpoint")
 
 
