@@ -43,9 +43,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.routing, self.routing_skew, self.seed = routing, routing_skew, seed
-        self.expert_bias: torch.Tensor | None = None
-        if balance == "bias":  # training state: saved with the model, zero at the start (init_buffers)
-            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        # balance="bias" only: training state, saved with the model, zero at the start (init_buffers)
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if balance == "bias" else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> expert ids [T, K], weights [T, K] in x's dtype, routing statistics [2E + 1] (fp32)."""
