@@ -53,12 +53,12 @@ class ProfileConfig:
 
 # One line per config group, for --help (the options' own lines come from their classes' docstrings).
 GROUPS = {
-    "model": "the Qwen3-MoE shape (model.num_layers cuts a proxy of the published depth)",
+    "model": "the Qwen3-MoE shape (model.num_layers cuts a proxy of the published depth; hf reads a config.json)",
     "dispatcher": "how tokens reach their experts and come back",
     "ac": "activation checkpointing per decoder block",
     "offload": "where weights and optimizer state live",
     "optimizer": "the optimizer (a torch.optim class, built per parameter chunk by the offload mode)",
-    "data": "training batches",
+    "data": "training batches and the held-out ones trainer.eval_every reads",
     "logger": "experiment logger on rank 0, beside metrics.jsonl and result.json",
 }
 

@@ -113,7 +113,8 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, directory: Path):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[TRAINED_EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=[TRAINED_EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=TRAINED_EOS).save_pretrained(str(directory))
