@@ -245,3 +245,46 @@ def test_bad_token_configs_fail_naming_their_key(overrides, key, prepared, monke
     with pytest.raises(config.ConfigError) as e:
         config.validate(cfg)
     assert e.value.key == key, e.value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_flex_document_mask_on_gpu_equals_documents_alone_and_compiles(ac, hf_tiny_model):
+    """On a GPU the document mask is a FlexAttention block mask: eager (flex compiled on its own) it gives each
+    document's own logits in fp32; blocks compiled with fullgraph=True under each AC mode give eager's logits and
+    gradients in bf16, as trainer.compile=true runs them."""
+    from moe_lab.parallel.checkpointing import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
+    from moe_lab.parallel.compile import apply_compile
+
+    model = hf_tiny_model.cuda()
+    layout = [100, 60, 96]  # 256 tokens: two 128-token blocks, documents across the block boundary
+    tokens = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = torch.tensor([sum(([d] * n for d, n in enumerate(layout)), [])], dtype=torch.int32).cuda()
+    positions = torch.tensor([sum((list(range(n)) for n in layout), [])]).cuda()
+    documents = Documents(ids, positions)
+    assert not isinstance(documents.attention_mask(), torch.Tensor)  # a BlockMask
+    with torch.no_grad():
+        packed = model(tokens, documents).logits[0]
+        start = 0
+        for n in layout:
+            torch.testing.assert_close(packed[start : start + n], model(tokens[:, start : start + n]).logits[0], rtol=1e-4, atol=1e-4)
+            start += n
+
+    def step(compiled: bool):
+        torch.manual_seed(0)
+        m = Qwen3MoeConfig.preset("tiny", num_layers=2).build().cuda()
+        m.init_weights(seed=1)
+        m.init_buffers()
+        if compiled:
+            {"none": NoCheckpoint, "full": FullCheckpoint, "selective": SelectiveCheckpoint}[ac]().apply(m)
+            apply_compile(m)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(tokens, documents)
+        (out.logits.float().square().mean() + m.config.balance().loss(out.router_stats)).backward()
+        return out.logits.float(), {n: p.grad.float() for n, p in m.named_parameters()}
+
+    eager_logits, eager_grads = step(False)
+    logits, grads = step(True)
+    torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=5e-2, atol=5e-3, msg=name)
