@@ -75,9 +75,9 @@ def test_preset_composes_and_validates(name, compose_preset, monkeypatch):
 def test_preset_runs_on_the_tiny_model(name, compose_preset, tmp_path):
     composed = compose_preset(name)
     ranks = ["trainer.nproc_per_node=2", "parallel.ep=2", "parallel.dp_shard=-1"] if composed.parallel.ep > 1 else []
-    ranks += [f"data.path={composed.data.path}"] if "path" in composed.data else []
+    data = [f"data.path={composed.data.path}"] if "path" in composed.data else []  # the fixture's tokens
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "moe_lab.train", f"+experiment={name}", *TINY, *ranks, f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd = [sys.executable, "-m", "moe_lab.train", f"+experiment={name}", *TINY, *ranks, *data, f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180)
     result, output = tmp_path / "run" / "result.json", proc.stdout[-2000:] + proc.stderr[-3000:]
     assert result.exists(), output
