@@ -5,8 +5,9 @@ Parameter names follow Hugging Face's ``Qwen3MoeForCausalLM`` (transformers 5 la
 process groups: each MoE block hands its tokens, their routing and its experts' weights to its ``dispatcher``, which
 parallelism code replaces from outside (``moe_lab.parallel``).
 
-Packed documents (``Documents``): attention stays inside each document (a FlexAttention block mask) and RoPE
-positions restart at each document's first token, so a packed sample computes what each document would alone.
+Packed documents (``Documents``): attention stays inside each document (on a GPU a FlexAttention block mask, on the
+CPU a dense SDPA mask) and RoPE positions restart at each document's first token, so a packed sample computes what
+each document would alone.
 Every forward also returns each layer's routing statistics (``moe_lab.moe.router.routing_stats``), from which the
 trainer adds the balancing loss and logs the experts' load.
 """
