@@ -1,6 +1,7 @@
 """One rank's training run: build the model and its optimizer once from the built options, step, loop, summarise.
 
-The loop knows no option by name: the dispatcher, checkpointing and offload objects carry their behaviour.
+The loop knows no option by name: the dispatcher, checkpointing, offload, data and router-balance objects carry
+their behaviour.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from moe_lab.config import Options
 from moe_lab.config.runtime import computes_in_bf16
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
+from moe_lab.metrics.routing import ExpertLoad
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.checkpoint import load_hf_checkpoint
 from moe_lab.optim.offload.host import check_host_memory
@@ -60,19 +62,20 @@ def train(
     loss_fn = compile_loss(lm_loss) if t.compile else lm_loss
     data = options.data
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
+    balance = options.model.balance()
+    expert_load = ExpertLoad(options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps)
 
     fpt = flops_per_token(options.model, cfg.data.seq_len)
     peak = peak_flops(device, t.peak_flops)
     tokens_per_step = t.grad_accum * cfg.data.batch_size * cfg.data.seq_len  # per rank, every micro-batch
     metrics_log = MetricsLog(run_dir) if rank == 0 else None
-    step_times, losses = [], []
+    step_times, losses, eval_losses = [], [], []
 
-    def micro_batch_loss(step: int, micro_batch: int) -> torch.Tensor:
-        batch = data.batch(step, dp_rank, micro_batch=micro_batch, dp_size=world)
-        inputs, labels = (x.to(device, non_blocking=True) for x in batch)
+    def micro_batch_forward(step: int, micro_batch: int):
+        batch = data.batch(step, dp_rank, world, micro_batch, t.grad_accum).to(device)
         with autocast:
-            logits = model(inputs)
-        return loss_fn(logits, labels)
+            out = model(batch.inputs, batch.documents)
+        return loss_fn(out.logits, batch.labels), out.router_stats
 
     def before_micro_batch(final: bool) -> None:
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
@@ -82,11 +85,14 @@ def train(
     for step in bar:
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        loss = accumulate_gradients(functools.partial(micro_batch_loss, step), t.grad_accum, before_micro_batch)
+        loss, balance_loss, router_stats = accumulate_gradients(
+            functools.partial(micro_batch_forward, step), balance.loss, t.grad_accum, before_micro_batch
+        )
         grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        balance.update(model, router_stats)
         if world > 1:
             dist.all_reduce(loss)  # gloo has no AVG
             loss = loss / world
@@ -97,10 +103,16 @@ def train(
         profiler.step()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
+        routing_row = expert_load.add(step, router_stats, balance_loss)
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
+            eval_losses.append({"step": step, "loss": evaluate(model, data, t.eval_batches, device, dp_rank, world, autocast, loss_fn)})
         if metrics_log:
             row = {"step": step, "loss": loss, "lr": lr, "s_per_step": elapsed, "tokens_per_s_per_gpu": tokens_per_step / elapsed}
             if grad_norm is not None:
                 row["grad_norm"] = grad_norm
+            if eval_losses and eval_losses[-1]["step"] == step:
+                row["eval_loss"] = eval_losses[-1]["loss"]
+            row |= routing_row
             metrics_log.write(row)
             logger.log(row, step)
             bar.set_postfix(loss=f"{loss:.4f}", s_step=f"{elapsed:.3f}")
@@ -115,6 +127,8 @@ def train(
         "final_loss": losses[-1],
         "first_loss": losses[0],
         "losses": losses,
+        "final_eval_loss": eval_losses[-1]["loss"] if eval_losses else None,
+        "eval_losses": eval_losses,
         "s_per_step": s_per_step,
         "tokens_per_s_per_gpu": tokens_per_s,
         "tokens_per_step_per_gpu": tokens_per_step,
@@ -123,23 +137,33 @@ def train(
         "flops_per_token": fpt["shared"],
         "peak_gpu_mem_gib": peak_gpu_gib(device),
         "peak_host_rss_gib": peak_host_rss_gib(),
+        **expert_load.summary(),
     }
 
 
 def accumulate_gradients(
-    micro_batch_loss: Callable[[int], torch.Tensor], micro_batches: int, before_micro_batch: Callable[[bool], None]
-) -> torch.Tensor:
-    """Forward and backward of one optimizer step's micro-batches; returns the step's loss (detached), the mean of
-    theirs. Each micro-batch's loss is scaled by 1 / ``micro_batches``, so the gradients left for the step are those
-    of the mean loss over the whole step's batch. ``before_micro_batch(final)`` runs before each: it tells FSDP2
-    whether to reduce gradients and the offload optimizer whether this backward's gradients are the step's."""
-    total = None
+    micro_batch_forward: Callable[[int], tuple[torch.Tensor, list]],
+    balance_loss: Callable[[list], torch.Tensor],
+    micro_batches: int,
+    before_micro_batch: Callable[[bool], None],
+) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Forward and backward of one optimizer step's micro-batches. Each micro-batch's objective (its language-model
+    loss plus the routing balance loss of its router statistics) is scaled by 1 / ``micro_batches``, so the
+    gradients left for the step are those of the mean over the whole step's batch. ``before_micro_batch(final)``
+    runs before each: it tells FSDP2 whether to reduce gradients and the offload optimizer whether this backward's
+    gradients are the step's. Returns the step's mean language-model and balance losses (detached) and the last
+    micro-batch's router statistics (what the expert bias and the expert-load log see)."""
+    total = balance_total = None
     for micro_batch in range(micro_batches):
         before_micro_batch(micro_batch == micro_batches - 1)
-        loss = micro_batch_loss(micro_batch) / micro_batches
-        loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    return total
+        loss, router_stats = micro_batch_forward(micro_batch)
+        balance = balance_loss(router_stats)
+        ((loss + balance) / micro_batches).backward()
+        loss = loss.detach() / micro_batches
+        balance = (balance.detach() if isinstance(balance, torch.Tensor) else balance) / micro_batches
+        total = loss if total is None else total + loss
+        balance_total = balance if balance_total is None else balance_total + balance
+    return total, balance_total, router_stats
 
 
 def build_model(cfg: DictConfig, options: Options, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:
@@ -158,6 +182,7 @@ def build_model(cfg: DictConfig, options: Options, device: torch.device, compute
         load_hf_checkpoint(model, cfg.trainer.init_checkpoint)
     else:
         model.init_weights(cfg.trainer.seed, local_rows(model))
+    model.init_buffers()
     return model
 
 
@@ -168,6 +193,23 @@ def check_cpu_memory(model: torch.nn.Module) -> None:
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     weights = sum(local_shard(p).numel() for p in model.parameters()) * 4 * ranks_here
     check_host_memory(2 * weights, f"the fp32 weights and gradients of {ranks_here} rank(s) on CPU")
+
+
+@torch.no_grad()
+def evaluate(model, data, batches: int, device, dp_rank: int, world: int, autocast, loss_fn) -> float:
+    """Mean next-token loss over ``batches`` held-out batches (``data.eval_batch``) of the global batch size, over
+    every rank."""
+    losses = []
+    for index in range(batches):
+        batch = data.eval_batch(index, dp_rank, world).to(device)
+        with autocast:
+            logits = model(batch.inputs, batch.documents).logits
+        losses.append(loss_fn(logits, batch.labels))
+    loss = torch.stack(losses).mean()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss = loss / world
+    return loss.item()
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

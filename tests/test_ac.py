@@ -84,10 +84,11 @@ def train_step(yaml: str, checkpoint: str) -> dict:
     parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=torch.device("cpu"), compute_dtype=torch.float32)
     model.to_empty(device="cpu")
     load_hf_checkpoint(model, checkpoint)
-    inputs, labels = SyntheticData(SEQ, GLOBAL_BATCH, cfg.model.vocab_size).batch(0, 0)
+    batch = SyntheticData(SEQ, GLOBAL_BATCH, cfg.model.vocab_size).batch(0, 0, 1)
+    inputs, labels = batch.inputs, batch.labels
     mine = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     inputs, labels = inputs[mine], labels[mine]
-    loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
+    loss = F.cross_entropy(model(inputs).logits.flatten(0, 1), labels.flatten())
     with OpCounter() as ops:
         loss.backward()
     loss = loss.detach()
@@ -166,7 +167,7 @@ def selective_step_ops(dispatcher, saved_ops: frozenset) -> tuple[collections.Co
     SelectiveCheckpoint().apply(model, saved_ops=saved_ops)
     tokens = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with OpCounter() as forward:
-        loss = model(tokens).square().mean()
+        loss = model(tokens).logits.square().mean()
     with OpCounter() as backward:
         loss.backward()
     return forward.overloads, backward.overloads

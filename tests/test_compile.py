@@ -67,8 +67,9 @@ def train(ac: str, compiled: bool, checkpoint: str) -> dict:
     dist.all_to_all_single = counted  # what moe_lab.moe.collectives calls, eager or compiled
     try:
         for step in range(3):
-            inputs, labels = data.batch(step, dist.get_rank())
-            loss = F.cross_entropy(model(inputs).float().flatten(0, 1), labels.flatten())
+            batch = data.batch(step, dist.get_rank(), dist.get_world_size())
+            inputs, labels = batch.inputs, batch.labels
+            loss = F.cross_entropy(model(inputs).logits.float().flatten(0, 1), labels.flatten())
             calls = 0
             loss.backward()
             backward_a2a.append(calls)

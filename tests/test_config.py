@@ -25,7 +25,13 @@ GROUPS = [
     for group in entry
 ]
 OPTIONS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml")) for group in GROUPS}
-COMBINATIONS = [dict(zip(GROUPS, choice)) for choice in itertools.product(*(OPTIONS[g] for g in GROUPS))]
+# Options with a required path (model=hf, data=tokens) describe the tiny model's shape and synthetic-like tokens
+# here: they join the product once together, and each alone in SINGLE_OPTIONS.
+NEEDS_PATH = {"model": "hf", "data": "tokens"}
+COMBINATIONS = [
+    dict(zip(GROUPS, choice))
+    for choice in itertools.product(*([o for o in OPTIONS[g] if o != NEEDS_PATH.get(g)] for g in GROUPS))
+] + [{group: NEEDS_PATH.get(group, OPTIONS[group][0]) for group in GROUPS}]
 # Each option once at world 2 with EP=2 (the other groups at their defaults): every option's validate hook sees a mesh.
 SINGLE_OPTIONS = [{group: option} for group in GROUPS for option in OPTIONS[group]]
 
@@ -37,13 +43,43 @@ def hydra_conf():
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def required_paths(tmp_path_factory):
+    """What the options with a required key point at: a Hugging Face config.json of the tiny model's shape
+    (model=hf) and a small prepared token directory (data=tokens)."""
+    import json
+
+    import numpy as np
+
+    from moe_lab.data.prepare import write_token_dir
+
+    base = tmp_path_factory.mktemp("required")
+    tiny = yaml.safe_load((CONF / "model" / "tiny.yaml").read_text())
+    hf = {"model_type": "qwen3_moe", "vocab_size": tiny["vocab_size"], "hidden_size": tiny["hidden_size"],
+          "num_hidden_layers": tiny["num_layers"], "num_attention_heads": tiny["num_heads"],
+          "num_key_value_heads": tiny["num_kv_heads"], "head_dim": tiny["head_dim"], "num_experts": tiny["num_experts"],
+          "num_experts_per_tok": tiny["num_experts_per_tok"], "moe_intermediate_size": tiny["moe_intermediate_size"],
+          "norm_topk_prob": True, "max_position_embeddings": tiny["max_position_embeddings"],
+          "rope_theta": tiny["rope_theta"], "rms_norm_eps": tiny["rms_norm_eps"]}  # fmt: skip
+    (base / "hf").mkdir()
+    (base / "hf" / "config.json").write_text(json.dumps(hf))
+    documents = (("eval" if d % 10 == 0 else "train", np.arange(50, dtype=np.uint32) + d) for d in range(100))
+    write_token_dir(base / "tokens", documents, {"tokenizer": "test", "vocab_size": 256, "eos_id": 0})
+    REQUIRED.update({"model=hf": f"model.path={base / 'hf'}", "data=tokens": f"data.path={base / 'tokens'}"})
+
+
+REQUIRED: dict[str, str] = {}  # option -> the override its required key needs (filled by required_paths)
+
+
 @pytest.fixture(autouse=True)
 def no_outer_launcher(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # validation reads the world size from an outer launcher
 
 
 def compose_train(overrides):
-    return compose(config_name="train", overrides=list(overrides))
+    """The composed config, with the required keys of the options chosen set (``REQUIRED``)."""
+    overrides = list(overrides)
+    return compose(config_name="train", overrides=overrides + [REQUIRED[o] for o in overrides if o in REQUIRED])
 
 
 def test_every_group_has_options():
@@ -111,6 +147,12 @@ BAD = [
     (["optimizer.lr=inf"], {}, "optimizer.lr"),
     (["trainer.init_checkpoint=/nonexistent/checkpoint"], {}, "trainer.init_checkpoint"),
     (["trainer.init_checkpoint=''"], {}, "trainer.init_checkpoint"),
+    (["model.router_balance=foo"], {}, "model.router_balance"),
+    (["model.router_aux_loss_coef=-1"], {}, "model.router_aux_loss_coef"),
+    (["model.router_bias_update_rate=-0.1"], {}, "model.router_bias_update_rate"),
+    (["trainer.eval_every=-1"], {}, "trainer.eval_every"),
+    (["trainer.eval_batches=0"], {}, "trainer.eval_batches"),
+    (["trainer.expert_load_every=-1"], {}, "trainer.expert_load_every"),
 ]
 
 

@@ -127,12 +127,12 @@ def test_block_compiles_fullgraph_under_ac(ac, monkeypatch):
     monkeypatch.setattr(reference, "forward", functools.partial(lambda f, *a: calls.append(1) or f(*a), reference.forward))
     tokens = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
     eager = _tiny_model(None)
-    eager(tokens).square().mean().backward()
+    eager(tokens).logits.square().mean().backward()
     compiled = _tiny_model(ac())
     layer = compiled.model.layers[0]
     layer.forward = torch.compile(layer.forward, fullgraph=True, backend="aot_eager")  # as apply_compile does
     calls.clear()
-    compiled(tokens).square().mean().backward()
+    compiled(tokens).logits.square().mean().backward()
     # Selective AC saves the op's outputs; full AC re-runs the op once in backward.
     assert len(calls) == (2 if ac is FullCheckpoint else 1)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):

@@ -51,14 +51,14 @@ def bf16_block_error(device: torch.device, bf16_params: bool) -> tuple[float, fl
     if bf16_params:
         block.to(torch.bfloat16)
         x = x.bfloat16()
-        run = lambda: block(x)  # noqa: E731
+        run = lambda: block(x)[0]  # noqa: E731
     else:
         def run():
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                return block(x)
+                return block(x)[0]
     with torch.no_grad():
         y = run()
-        ids, _ = block.gate(x) if bf16_params else _autocast_gate(block, x)
+        ids, *_ = block.gate(x) if bf16_params else _autocast_gate(block, x)
     assert y.dtype == x.dtype  # under autocast the weighted combine runs in the input's fp32
     ref = dense_reference(x, ids, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj)
     err = (y.float() - ref)

@@ -43,8 +43,10 @@ STEPS = 3
 GLOBAL_BATCH = 4  # samples per optimizer step, over all ranks and micro-batches
 SEQ = 16
 # Constant LR (warmup 0, no decay), so the reference needs no scheduler; eps 1: the update scales with the gradient.
+# No balance loss: the reference trains the language-model loss alone (tests/test_routing.py covers the aux loss).
 COMMON = ["trainer.steps=3", "trainer.warmup_steps=0", "trainer.min_lr_ratio=1.0", "optimizer.eps=1.0",
-          "optimizer.lr=0.01", f"data.seq_len={SEQ}", "trainer.device=cpu", "trainer.precision=fp32"]  # fmt: skip
+          "optimizer.lr=0.01", f"data.seq_len={SEQ}", "trainer.device=cpu", "trainer.precision=fp32",
+          "model.router_balance=none"]  # fmt: skip
 
 
 def reference(cfg) -> dict:
@@ -58,8 +60,8 @@ def reference(cfg) -> dict:
     data = SyntheticData(SEQ, GLOBAL_BATCH, cfg.model.vocab_size, seed=cfg.data.seed)
     losses, grads = [], []
     for step in range(STEPS):
-        inputs, labels = data.batch(step, 0)
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
+        batch = data.batch(step, 0, 1)
+        loss = F.cross_entropy(model(batch.inputs).logits.flatten(0, 1), batch.labels.flatten())
         loss.backward()
         losses.append(loss.item())
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
@@ -109,8 +111,9 @@ def accumulated_run(overrides: list[str]) -> dict:
     grads = stepped_gradients(optimizer, names)
 
     def micro_batch_loss(step, micro_batch):
-        inputs, labels = options.data.batch(step, rank, micro_batch=micro_batch, dp_size=world)
-        return lm_loss(model(inputs), labels)
+        batch = options.data.batch(step, rank, world, micro_batch, cfg.trainer.grad_accum)
+        out = model(batch.inputs, batch.documents)
+        return lm_loss(out.logits, batch.labels), out.router_stats
 
     def before_micro_batch(final):  # what moe_lab.trainer.train does
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
@@ -118,7 +121,9 @@ def accumulated_run(overrides: list[str]) -> dict:
 
     losses = []
     for step in range(STEPS):
-        loss = accumulate_gradients(functools.partial(micro_batch_loss, step), cfg.trainer.grad_accum, before_micro_batch)
+        loss, _, _ = accumulate_gradients(
+            functools.partial(micro_batch_loss, step), options.model.balance().loss, cfg.trainer.grad_accum, before_micro_batch
+        )
         optimizer.step()
         optimizer.zero_grad()
         if world > 1:
@@ -212,11 +217,12 @@ def _collectives_per_step() -> dict:
         model = build_model(cfg, options, torch.device("cpu"), torch.float32)
 
         def micro_batch_loss(micro_batch):
-            inputs, labels = options.data.batch(0, dist.get_rank(), micro_batch=micro_batch, dp_size=2)
-            return lm_loss(model(inputs), labels)
+            batch = options.data.batch(0, dist.get_rank(), 2, micro_batch, 2)
+            out = model(batch.inputs, batch.documents)
+            return lm_loss(out.logits, batch.labels), out.router_stats
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            accumulate_gradients(micro_batch_loss, 2, lambda final: set_micro_batch(model, final, sync, keep))
+            accumulate_gradients(micro_batch_loss, options.model.balance().loss, 2, lambda final: set_micro_batch(model, final, sync, keep))
         names = [e.name for e in prof.events()]
         counts[f"{sync}, keep_unsharded={keep}"] = (names.count("c10d::_allgather_base_"), names.count("c10d::_reduce_scatter_base_"))
     return counts
@@ -272,7 +278,10 @@ def test_full_offload_takes_gradients_the_last_micro_batch_did_not_reach():
         out = net(inputs[micro_batch]) if micro_batch == 0 else net[0](inputs[micro_batch])
         return out.square().mean()
 
-    accumulate_gradients(functools.partial(micro_batch_loss, model), 2, lambda final: offload.before_micro_batch(optimizer, final))
+    def forward(micro_batch):
+        return micro_batch_loss(model, micro_batch), []
+
+    accumulate_gradients(forward, lambda stats: 0.0, 2, lambda final: offload.before_micro_batch(optimizer, final))
     optimizer.step()
     plain = make_optimizer(reference.parameters())
     (sum(micro_batch_loss(reference, j) for j in range(2)) / 2).backward()

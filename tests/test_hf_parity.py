@@ -67,7 +67,7 @@ def test_logits_match_transformers(norm_topk_prob, tmp_path):
     ids = input_ids()
     with torch.no_grad():
         expected = hf(ids).logits
-        got = ours(ids)
+        got = ours(ids).logits
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -82,3 +82,119 @@ def test_our_checkpoint_loads_in_transformers(tmp_path):
     ids = input_ids()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_aux_loss_equals_transformers(tmp_path):
+    """router_balance=aux_loss on one rank is transformers' load_balancing_loss_func of the same routing."""
+    from moe_lab.moe.router import AuxLoss
+
+    hf = random_hf_model(True)
+    hf.save_pretrained(tmp_path)
+    ours = load_ours(our_config(hf.config), tmp_path)
+    ids = input_ids()
+    with torch.no_grad():
+        expected = hf(ids, output_router_logits=True).aux_loss
+        stats = ours(ids).router_stats
+    coef = hf.config.router_aux_loss_coef
+    torch.testing.assert_close(AuxLoss(coef, hf.config.num_experts_per_tok).loss(stats) / coef, expected, rtol=1e-5, atol=1e-7)
+
+
+def compose_model(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab import config
+    from tests.sweep import ROOT
+
+    config.register()
+    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_model_hf_reads_config_json_and_matches_transformers(tmp_path):
+    """model=hf model.path=<dir> builds the model a Hugging Face checkpoint's config.json describes: its logits are
+    transformers' (loaded by trainer.init_checkpoint's path), and model.num_layers=1 cuts a proxy."""
+    from hydra.utils import instantiate
+
+    from moe_lab import config
+
+    hf = random_hf_model(False)
+    hf.save_pretrained(tmp_path)
+    cfg = compose_model("model=hf", f"model.path={tmp_path}", f"trainer.init_checkpoint={tmp_path}", "data.seq_len=32")
+    options = config.validate(cfg)
+    assert options.model.num_experts == 8 and options.model.norm_topk_prob is False and options.model.rope_theta == 10_000.0
+    assert options.model.router_aux_loss_coef == hf.config.router_aux_loss_coef
+    ours = load_ours(options.model, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids()).logits, hf(input_ids()).logits, rtol=1e-5, atol=1e-5)
+    proxy = instantiate(compose_model("model=hf", f"model.path={tmp_path}", "model.num_layers=1").model)
+    assert proxy.num_layers == 1 and proxy.hidden_size == 32
+
+
+# transformers 4's spelling of Qwen3-30B-A3B's config.json (as published) and transformers 5's, shortened (head_dim,
+# which transformers 5's Qwen3MoeConfig does not declare, stays as the published file gives it)
+TRANSFORMERS_4 = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "rope_scaling": None, "tie_word_embeddings": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "initializer_range": 0.02,
+}  # fmt: skip
+TRANSFORMERS_5 = {
+    **{k: v for k, v in TRANSFORMERS_4.items() if k not in ("num_experts", "rope_theta", "rope_scaling")},
+    "num_local_experts": 128, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+}  # fmt: skip
+
+
+def write_config(directory, values) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(values))
+    return str(directory)
+
+
+@pytest.mark.parametrize("spelling", [TRANSFORMERS_4, TRANSFORMERS_5], ids=["transformers4", "transformers5"])
+def test_both_spellings_give_the_published_model(spelling, tmp_path):
+    path = write_config(tmp_path / "ckpt", spelling)
+    model = compose_model("model=hf", f"model.path={path}").model
+    published = compose_model("model=qwen3_30b").model
+    keys = [k for k in published if k not in ("_target_", "name")]
+    assert {k: model[k] for k in keys} == {k: published[k] for k in keys}
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.rope_theta=10000"], "model.rope_theta"),  # the weights' shapes agree: only the check catches it
+        (["model.norm_topk_prob=false"], "model.norm_topk_prob"),
+        (["model.rms_norm_eps=1e-5"], "model.rms_norm_eps"),
+        (["model.head_dim=64"], "model.head_dim"),
+        (["model.num_layers=49"], "model.num_layers"),
+        ([], "model.path"),  # required
+        (["model.path=/nonexistent"], "model.path"),
+    ],
+)
+def test_model_hf_refuses_contradicting_overrides(overrides, key, tmp_path, monkeypatch):
+    from moe_lab import config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = write_config(tmp_path / "ckpt", TRANSFORMERS_5)
+    given = [] if key == "model.path" and not overrides else [f"model.path={path}"]
+    cfg = compose_model("model=hf", *given, *overrides)
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(cfg)
+    assert e.value.key == key, e.value
+
+
+def test_init_checkpoint_config_json_is_checked_against_the_model(tmp_path, monkeypatch):
+    """A checkpoint whose config.json contradicts the configured model is refused before anything loads."""
+    from moe_lab import config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    hf = random_hf_model(True)
+    hf.save_pretrained(tmp_path)
+    shape = our_config(hf.config).to_dict()
+    agreeing = [f"model.{k}={v}" for k, v in shape.items() if k not in ("name", "routing", "routing_skew")]
+    config.validate(compose_model(*agreeing, f"trainer.init_checkpoint={tmp_path}", "data.seq_len=32"))
+    cfg = compose_model(*agreeing, "model.rope_theta=1000000.0", f"trainer.init_checkpoint={tmp_path}", "data.seq_len=32")
+    with pytest.raises(config.ConfigError, match="trainer.init_checkpoint") as e:
+        config.validate(cfg)
+    assert e.value.key == "model.rope_theta"

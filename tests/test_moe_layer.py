@@ -93,9 +93,9 @@ def forward_backward(case, ep_group, ep_rank: int, ep: int):
     assert block.experts.expert_offset == ep_rank * (E // ep)
     x, grad_out = rank_tokens(dist.get_rank() if dist.is_initialized() else 0, dead_experts)
     x.requires_grad_()
-    y = block(x)
+    y, _ = block(x)
     y.backward(grad_out)
-    ids, _ = block.gate(x)
+    ids, *_ = block.gate(x)
     experts = block.experts
     return y.detach(), ids, x.grad, block.gate.weight.grad, experts.gate_up_proj.grad, experts.down_proj.grad
 

@@ -65,9 +65,10 @@ def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> 
     scheduler = schedule(optimizer, cfg)
     data = instantiate(cfg.data)
     for step in range(steps):
-        inputs, labels = (t.to(device) for t in data.batch(step, rank))
+        batch = data.batch(step, rank, torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1).to(device)
+        inputs, labels = batch.inputs, batch.labels
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(inputs)
+            logits = model(inputs).logits
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         optimizer.step()
         scheduler.step()
@@ -110,9 +111,10 @@ def reference_bf16_masters(overrides: list[str], steps: int = STEPS, device: str
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters):
                 p.copy_(m)
-        inputs, labels = (t.to(device) for t in data.batch(step, 0))
+        batch = data.batch(step, 0, 1).to(device)
+        inputs, labels = batch.inputs, batch.labels
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            logits = model(inputs)
+            logits = model(inputs).logits
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         for p, m in zip(model.parameters(), masters):
             m.grad = p.grad.float()

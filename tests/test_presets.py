@@ -30,14 +30,34 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def compose_preset():
+def tokens(tmp_path_factory) -> str:
+    """For presets that read prepared tokens (data=tokens, made by their run.sh on the GPU machine): a small token
+    directory with a sample of seq 16384 in each split and ids the tiny model's vocabulary holds."""
+    import numpy as np
+
+    from moe_lab.data.prepare import write_token_dir
+
+    path = tmp_path_factory.mktemp("tokens")
+    documents = ((split, (np.arange(9000) % 500).astype(np.uint32)) for split in ("train", "eval") for _ in range(2))
+    write_token_dir(path, documents, {"tokenizer": "test", "vocab_size": 500, "eos_id": 0})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def compose_preset(tokens):
+    def compose_it(name, *overrides):
+        cfg = compose("train", overrides=[f"+experiment={name}", *overrides])
+        path = [f"data.path={tokens}"] if cfg.data._target_.endswith("TokenData") else []
+        return compose("train", overrides=[f"+experiment={name}", *overrides, *path], return_hydra_config=True)
+
     config.register()
     with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
-        yield lambda name, *overrides: compose("train", overrides=[f"+experiment={name}", *overrides], return_hydra_config=True)
+        yield compose_it
 
 
 def test_presets_found():
-    assert {"benchmark", "grid_30b", "grid_30b/two_gpu", "grid_30b/seq8192", "routing_skew", "reference_30b", "reference_235b"} <= set(PRESETS)
+    assert {"benchmark", "grid_30b", "grid_30b/two_gpu", "grid_30b/seq8192", "routing_skew", "reference_30b", "reference_235b",
+            "real_routing", "real_routing/two_gpu"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -53,9 +73,11 @@ def test_preset_composes_and_validates(name, compose_preset, monkeypatch):
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_runs_on_the_tiny_model(name, compose_preset, tmp_path):
-    ranks = ["trainer.nproc_per_node=2", "parallel.ep=2", "parallel.dp_shard=-1"] if compose_preset(name).parallel.ep > 1 else []
+    composed = compose_preset(name)
+    ranks = ["trainer.nproc_per_node=2", "parallel.ep=2", "parallel.dp_shard=-1"] if composed.parallel.ep > 1 else []
+    data = [f"data.path={composed.data.path}"] if "path" in composed.data else []  # the fixture's tokens
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "moe_lab.train", f"+experiment={name}", *TINY, *ranks, f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd = [sys.executable, "-m", "moe_lab.train", f"+experiment={name}", *TINY, *ranks, *data, f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180)
     result, output = tmp_path / "run" / "result.json", proc.stdout[-2000:] + proc.stderr[-3000:]
     assert result.exists(), output

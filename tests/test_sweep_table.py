@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from moe_lab.results import load
-from moe_lab.results.table import by_axes, varying_axes
+from moe_lab.results.table import by_axes, layer_load, step_rows, varying_axes
 
 
 def write_point(sweep: Path, n: int, dispatcher: str, ep: int, s_per_step: float, extra: tuple[str, ...] = ()) -> None:
@@ -66,3 +66,21 @@ def test_by_axes_of_a_single_point():
     df = pd.DataFrame({"run_dir": ["a"], "status": ["ok"], "error_type": [None], "error_message": [None], "ac": ["full"],
                        "overrides": ["ac=full"], "s_per_step": [0.25]})  # fmt: skip
     assert by_axes(df, ["s_per_step"]).to_dict("records") == [{"s_per_step": 0.25}]
+
+
+def test_step_rows_and_layer_load_read_each_points_files(sweep):
+    """Train/eval loss and imbalance by step from metrics.jsonl, the run's load per layer from result.json."""
+    point = sweep / "1"
+    rows = [{"step": 0, "loss": 5.0, "expert_load": {"max_over_mean": [1.0, 3.0], "busiest_ep_rank_share": [0.5, 0.7]}},
+            {"step": 1, "loss": 4.0, "eval_loss": 4.5}]  # fmt: skip
+    (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = json.loads((point / "result.json").read_text())
+    record["metrics"]["expert_load"] = {"max_over_mean": [1.5, 2.5], "busiest_ep_rank_share": [0.6, 0.8], "entropy": [1.0, 0.9]}
+    (point / "result.json").write_text(json.dumps(record))
+    df = load(sweep)
+    steps = step_rows(df)
+    assert steps["point"].tolist() == ["dispatcher=torch parallel.ep=2 trainer.seed=nan"] * 2
+    assert steps["loss"].tolist() == [5.0, 4.0] and steps["max_over_mean"].tolist()[0] == 2.0
+    assert pd.isna(steps["eval_loss"][0]) and steps["eval_loss"][1] == 4.5
+    layers = layer_load(df)
+    assert layers["layer"].tolist() == [0, 1] and layers["max_over_mean"].tolist() == [1.5, 2.5]

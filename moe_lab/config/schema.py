@@ -37,6 +37,9 @@ class TrainerConfig:
     init_checkpoint: Optional[str] = _key(None, "Hugging Face safetensors directory to start from")
     peak_flops: Optional[float] = _key(None, "per-GPU peak FLOP/s for MFU; null looks the GPU up")
     skip_done: bool = _key(True, "in a sweep, skip points whose directory holds an ok result of the same config")
+    eval_every: int = _key(0, "validation loss on the held-out split every N steps and after the last (eval_loss); 0 disables")
+    eval_batches: int = _key(4, "held-out batches per validation, each of the training global batch size")
+    expert_load_every: int = _key(10, "steps between expert_load rows in metrics.jsonl (tokens per expert per layer); 0: none")
 
 
 @dataclass
@@ -67,12 +70,12 @@ class ProfileConfig:
 
 # One line per config group, for --help (the options' own lines come from their classes' docstrings).
 GROUPS = {
-    "model": "the Qwen3-MoE shape (model.num_layers cuts a proxy of the published depth)",
+    "model": "the Qwen3-MoE shape (model.num_layers cuts a proxy of the published depth; hf reads a config.json)",
     "dispatcher": "how tokens reach their experts and come back",
     "ac": "activation checkpointing per decoder block",
     "offload": "where weights and optimizer state live",
     "optimizer": "the optimizer (a torch.optim class, built per parameter chunk by the offload mode)",
-    "data": "training batches",
+    "data": "training batches and the held-out ones trainer.eval_every reads",
     "logger": "experiment logger on rank 0, beside metrics.jsonl and result.json",
 }
 
@@ -92,4 +95,10 @@ class TrainConfig:
 
 
 def register() -> None:
+    from omegaconf import OmegaConf
+
+    from moe_lab.models.hf_config import read_hf_config
+
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # model=hf reads each key from the checkpoint's config.json: ${hf_config:<dir>,<key>}
+    OmegaConf.register_new_resolver("hf_config", lambda directory, key: read_hf_config(directory, "model.path")[key], replace=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.options import Options, build_options
@@ -36,6 +37,7 @@ CHECKPOINT_FILES = ("model.safetensors", "model.safetensors.index.json")
 def validate(cfg: DictConfig) -> Options:
     """Check ``cfg`` and return its options, built."""
     check_known_keys(cfg)
+    check_resolves(cfg)
     for group in GROUPS:
         check_target_node(group, cfg[group])
     check_rules(cfg)
@@ -59,6 +61,29 @@ def check_known_keys(cfg: DictConfig) -> None:
             unknown = [k for k in cfg[key] if k not in fields]
             if unknown:
                 raise ConfigError(f"{key}.{unknown[0]}", f"unknown key; allowed: {', '.join(fields)}")
+
+
+def check_resolves(cfg: DictConfig) -> None:
+    """Every value must be given and resolve: a required key left ``???`` (``data.path`` of data=tokens) or an
+    interpolation that fails (``model=hf`` reading a missing config.json) is named."""
+    for key in cfg:
+        if key == "hydra":
+            continue
+        try:
+            OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True)
+        except OmegaConfBaseException as e:
+            cause = _config_error_in(e)
+            if cause is not None:
+                raise cause from None
+            missing = isinstance(e, MissingMandatoryValue) or isinstance(e.__cause__, MissingMandatoryValue)
+            where = getattr(e.__cause__, "full_key", None) if missing and e.__cause__ is not None else e.full_key
+            raise ConfigError(where or key, "is required: set it on the command line" if missing else str(e)) from None
+
+
+def _config_error_in(e: BaseException) -> ConfigError | None:
+    while e is not None and not isinstance(e, ConfigError):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 def check_target_node(key: str, node) -> None:
@@ -151,7 +176,8 @@ def check_rules(cfg: DictConfig) -> None:
         "data.seq_len",
         f"must be <= model.max_position_embeddings={m.max_position_embeddings}, got {d.seq_len}",
     )
-    _require(1 <= d.vocab_size <= m.vocab_size, "data.vocab_size", f"must be in [1, model.vocab_size={m.vocab_size}], got {d.vocab_size}")
+    for key in ("router_aux_loss_coef", "router_bias_update_rate"):
+        _require(m[key] >= 0, f"model.{key}", f"must be >= 0, got {m[key]}")
     check_optimizer(cfg.optimizer)
     _require(t.steps >= 1, "trainer.steps", f"must be >= 1, got {t.steps}")
     _require(t.grad_accum >= 1, "trainer.grad_accum", f"must be >= 1, got {t.grad_accum}")
@@ -165,7 +191,10 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "is cuda but this machine has no CUDA device; use auto or cpu")
     _require(t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be null or > 0, got {t.peak_flops}")
-    check_init_checkpoint(t.init_checkpoint)
+    _require(t.eval_every >= 0, "trainer.eval_every", f"must be >= 0, got {t.eval_every}")
+    _require(t.eval_batches >= 1, "trainer.eval_batches", f"must be >= 1, got {t.eval_batches}")
+    _require(t.expert_load_every >= 0, "trainer.expert_load_every", f"must be >= 0, got {t.expert_load_every}")
+    check_init_checkpoint(t.init_checkpoint, m)
     pr = cfg.profile
     # The first step span opens when the profiler starts, before the model is built: never record it.
     _require(pr.wait >= 1, "profile.wait", f"must be >= 1, got {pr.wait}")
@@ -206,7 +235,9 @@ def check_optimizer(o) -> None:
         _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", f"each must be in [0, 1), got {list(o.betas)}")
 
 
-def check_init_checkpoint(path) -> None:
+def check_init_checkpoint(path, model: DictConfig) -> None:
+    """A checkpoint directory; with a Hugging Face config.json beside the weights, the model config must not
+    contradict it (shape-preserving differences such as rope_theta would otherwise load into another model)."""
     if path is None:
         return
     _require(
@@ -214,6 +245,10 @@ def check_init_checkpoint(path) -> None:
         "trainer.init_checkpoint",
         f"must be null or a directory holding {' or '.join(CHECKPOINT_FILES)}, got {path!r}",
     )
+    from moe_lab.models.hf_config import CONFIG, check_agrees  # (moe_lab.models imports this package's errors)
+
+    if (Path(path) / CONFIG).is_file():
+        check_agrees(OmegaConf.to_container(model, resolve=True), path, "trainer.init_checkpoint")
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from moe_lab.config.errors import ConfigError
+from moe_lab.data.batch import Batch
 
 
 class SyntheticData:
@@ -17,7 +18,7 @@ class SyntheticData:
     (seed, s, i). A step's global batch is samples [0, grad_accum * dp_size * batch_size): micro-batch m of rank r
     takes the ``batch_size`` samples from (m * dp_size + r) * batch_size on, so micro-batch m of all ranks together
     is one contiguous block, and any split of the same global batch into ranks, micro-batches and per-rank batch
-    size trains on the same samples each step.
+    size trains on the same samples. The held-out split (``eval_batch``) draws from streams no step uses.
     """
 
     def __init__(self, seq_len: int, batch_size: int, vocab_size: int, seed: int = 0, restart_prob: float = 0.1):
@@ -32,15 +33,32 @@ class SyntheticData:
         # has been checked against the model's.
         return torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
 
-    def batch(self, step: int, dp_rank: int, *, micro_batch: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels) of micro-batch ``micro_batch`` of data-parallel rank ``dp_rank`` of ``dp_size``,
-        each [batch_size, seq_len] int64 on the CPU."""
-        first = (micro_batch * dp_size + dp_rank) * self.batch_size
+    def validate(self, cfg) -> None:
+        if not 1 <= self.vocab_size <= cfg.model.vocab_size:
+            raise ConfigError("data.vocab_size", f"must be in [1, model.vocab_size={cfg.model.vocab_size}], got {self.vocab_size}")
+
+    def batch(self, step: int, dp_rank: int, dp_size: int, micro_batch: int = 0, micro_batches: int = 1) -> Batch:
+        """Micro-batch ``micro_batch`` (of ``micro_batches``) of rank ``dp_rank``'s (of ``dp_size``) share of step
+        ``step``'s batch, [batch_size, seq_len] on the CPU."""
+        return self._batch(step, (micro_batch * dp_size + dp_rank) * self.batch_size)
+
+    def eval_batch(self, index: int, dp_rank: int, dp_size: int) -> Batch:
+        """Rank ``dp_rank``'s share of held-out batch ``index``: streams of negative step numbers."""
+        return self._batch(-1 - index, dp_rank * self.batch_size)
+
+    def state_dict(self) -> dict:
+        """Nothing: a batch is a function of (seed, step, sample), so the step is all a resumed run needs."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def _batch(self, step: int, first: int) -> Batch:
         tokens = torch.stack([self.sample(step, first + j) for j in range(self.batch_size)])
-        return tokens[:, :-1], tokens[:, 1:]
+        return Batch(tokens[:, :-1], tokens[:, 1:])
 
     def sample(self, step: int, index: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 10_007 + index)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step * 10_007 + index) % 2**63)
         n = self.seq_len + 1
         restart = torch.rand(n, generator=gen) < self.restart_prob
         restart[0] = True

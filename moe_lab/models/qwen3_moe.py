@@ -4,14 +4,21 @@ Parameter names follow Hugging Face's ``Qwen3MoeForCausalLM`` (transformers 5 la
 ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]) so checkpoints map one to one. The model knows nothing of
 process groups: each MoE block hands its tokens, their routing and its experts' weights to its ``dispatcher``, which
 parallelism code replaces from outside (``moe_lab.parallel``).
+
+Packed documents (``Documents``): attention stays inside each document (on a GPU a FlexAttention block mask, on the
+CPU a dense SDPA mask) and RoPE positions restart at each document's first token, so a packed sample computes what
+each document would alone.
+Every forward also returns each layer's routing statistics (``moe_lab.moe.router.routing_stats``), from which the
+trainer adds the balancing loss and logs the experts' load.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +27,14 @@ from einops import rearrange
 from torch import nn
 from torch.profiler import record_function
 
+from moe_lab.models.hf_config import check_agrees
 from moe_lab.models.init import fill_normal_rows
 from moe_lab.moe.dispatcher import TokenDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
-from moe_lab.moe.router import Router
+from moe_lab.moe.router import AuxLoss, ExpertBias, NoBalance, Router, RouterBalance
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
 
@@ -52,6 +63,12 @@ class Qwen3MoeConfig:
     # How tokens pick experts: the router's choice, forced round-robin, or a Zipf-like load with this exponent.
     routing: Literal["learned", "balanced", "skewed"]
     routing_skew: float
+    # How the learned routers are kept balanced: not at all, Qwen3-MoE's auxiliary loss (weighted by
+    # router_aux_loss_coef, as in its config.json), or a per-expert selection bias moved by router_bias_update_rate
+    # after every step (auxiliary-loss-free, DeepSeek-V3).
+    router_balance: Literal["none", "aux_loss", "bias"]
+    router_aux_loss_coef: float
+    router_bias_update_rate: float
 
     @classmethod
     def preset(cls, option: str, /, **overrides) -> "Qwen3MoeConfig":
@@ -63,8 +80,28 @@ class Qwen3MoeConfig:
     def build(self) -> "Qwen3MoeForCausalLM":
         return Qwen3MoeForCausalLM(self)
 
+    def balance(self) -> RouterBalance:
+        """What keeps the routers balanced in training: the loss term and the update between steps."""
+        if self.router_balance == "aux_loss":
+            return AuxLoss(self.router_aux_loss_coef, self.num_experts_per_tok)
+        if self.router_balance == "bias":
+            return ExpertBias(self.router_bias_update_rate)
+        return NoBalance()
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class HfQwen3MoeConfig(Qwen3MoeConfig):
+    """``model=hf``: the shape of a Hugging Face Qwen3-MoE checkpoint, read from ``path``/config.json by the option's
+    interpolations (``moe_lab/conf/model/hf.yaml``). A value set by an override that contradicts the file (any key
+    of ``moe_lab.models.hf_config.ARCHITECTURE``) is refused, naming the key; ``num_layers`` may cut a proxy."""
+
+    path: str
+
+    def __post_init__(self):
+        check_agrees(self.to_dict(), self.path, "model.path")
 
 
 class RMSNorm(nn.Module):
@@ -80,11 +117,67 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+class Documents(NamedTuple):
+    """Where the documents packed into a batch lie: ``ids`` [B, S] numbers each sample's documents (a token attends
+    only to earlier tokens of its own document), ``positions`` [B, S] counts each document's tokens from 0 (RoPE)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+
+    def to(self, device: torch.device) -> "Documents":
+        return Documents(self.ids.to(device, non_blocking=True), self.positions.to(device, non_blocking=True))
+
+    def attention_mask(self) -> torch.Tensor | BlockMask:
+        """Causal attention inside each document: on a GPU a FlexAttention block mask (its compiled kernel skips
+        the blocks across documents), elsewhere a dense boolean mask [B, 1, S, S] for SDPA (FlexAttention has no
+        CPU backward)."""
+        ids = self.ids
+        batch, seq = ids.shape
+        if not ids.is_cuda:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
+            return ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal).unsqueeze(1)
+        # FlexAttention imports the compiler (seconds): only runs that pack documents on a GPU import it.
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document_causal(b, h, q, kv):
+            return (ids[b, q] == ids[b, kv]) & (q >= kv)
+
+        return create_block_mask(same_document_causal, batch, None, seq, seq, device=ids.device, _compile=True)
+
+
+class CausalLMOutput(NamedTuple):
+    logits: torch.Tensor  # [B, S, vocab]
+    router_stats: torch.Tensor  # [L, 2E + 1]: each layer's routing statistics (moe_lab.moe.router.routing_stats)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., S, head_dim] for token positions [..., S]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+    """Causal attention over the whole sample (``mask`` None) or inside each document (``Documents.attention_mask``:
+    a dense mask for SDPA, or a block mask for FlexAttention). FlexAttention is fast only compiled (eager, it
+    materialises every score): it runs compiled by the compiled block it is part of, or else on its own (as
+    torchtitan does)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    return attend(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,13 +198,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
         # x [B, S, hidden] -> per-head q [B, heads, S, D], k and v [B, kv_heads, S, D]; q/k norms act on D.
         q = self.q_norm(rearrange(self.q_proj(x), "b s (h d) -> b h s d", d=self.head_dim))
         k = self.k_norm(rearrange(self.k_proj(x), "b s (h d) -> b h s d", d=self.head_dim))
         v = rearrange(self.v_proj(x), "b s (h d) -> b h s d", d=self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = causal_attention(q, k, v, mask)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -132,18 +225,20 @@ class SparseMoeBlock(nn.Module):
             routing=cfg.routing,
             routing_skew=cfg.routing_skew,
             seed=layer_idx,
+            balance=cfg.router_balance,
         )
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.dispatcher: TokenDispatcher = TorchDispatcher()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the block's output, shaped as x, and its routing statistics [2E + 1]."""
         tokens = x.reshape(-1, x.shape[-1])  # [B, S, H] (or any leading dims) -> [T, H]
-        topk_ids, topk_weights = self.gate(tokens)
+        topk_ids, topk_weights, stats = self.gate(tokens)
         # The experts' weights are read here, in the block's forward, after the block's FSDP pre-forward hook has
         # gathered them (moe_lab.parallel.fsdp moves the experts' hooks to the block).
         with record_function("moe_lab::dispatch"):  # what is not GEMM or all-to-all in here is dispatch glue
             y = self.dispatcher(tokens, topk_ids, topk_weights, self.experts.gate_up_proj, self.experts.down_proj)
-        return y.view(x.shape)
+        return y.view(x.shape), stats
 
 
 class DecoderLayer(nn.Module):
@@ -154,9 +249,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg, layer_idx)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | BlockMask | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        y, stats = self.mlp(self.post_attention_layernorm(x))
+        return x + y, stats
 
 
 class Qwen3MoeModel(nn.Module):
@@ -167,12 +265,19 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> final hidden states [B, S, hidden] and the layers' routing statistics [L, 2E + 1]."""
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(input_ids.shape[1], self.head_dim, self.rope_theta, input_ids.device)
+        if documents is None:  # one sequence per sample: positions 0..S-1, [S, D] broadcast over batch and heads
+            positions, mask = torch.arange(input_ids.shape[1], device=input_ids.device), None
+        else:  # [B, 1, S, D]: each document's own positions
+            positions, mask = documents.positions.unsqueeze(1), documents.attention_mask()
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        stats = []
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, layer_stats = layer(x, cos, sin, mask)
+            stats.append(layer_stats)
+        return self.norm(x), torch.stack(stats)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -182,8 +287,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.model = Qwen3MoeModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids))
+    def forward(self, input_ids: torch.Tensor, documents: Documents | None = None) -> CausalLMOutput:
+        hidden, router_stats = self.model(input_ids, documents)
+        return CausalLMOutput(self.lm_head(hidden), router_stats)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, shards: dict[str, tuple[torch.Tensor, int]] | None = None) -> None:
@@ -200,6 +306,14 @@ class Qwen3MoeForCausalLM(nn.Module):
             else:
                 std = out_std if name.endswith(("o_proj.weight", "down_proj")) else self.config.init_std
                 fill_normal_rows(tensor, std, seed=seed, name=name, first_row=first_row)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Training state that is no weight (the routers' selection biases) at its start, after ``to_empty``
+        (weights come from ``init_weights`` or a checkpoint)."""
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.init_buffers()
 
 
 def count_parameters(cfg: Qwen3MoeConfig) -> tuple[int, int]:

@@ -27,6 +27,7 @@ GENERIC_SAVED_OPS = frozenset(
         _aten._scaled_dot_product_efficient_attention.default,
         _aten._scaled_dot_product_cudnn_attention.default,
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.higher_order.flex_attention,  # attention inside packed documents on a GPU (data.document_mask)
     }
 )
 

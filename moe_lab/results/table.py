@@ -4,7 +4,8 @@ Columns: ``run_dir``, ``status``, ``error_type``, ``error_message``, then the ax
 (``model``, ``dispatcher``, ``ac``, ..., and ``experiment``: the preset, such as ``grid_30b`` or
 ``grid_30b/two_gpu``), one per other overridden key (``parallel.ep``, ``model.routing_skew``: its resolved value,
 typed); then ``overrides``, environment fields as ``env.<key>``, the scalar metrics, the trace breakdown as
-``time.<category>`` (seconds per step) and ``time.step_s``. Per-step lists (losses) stay in ``metrics.jsonl``.
+``time.<category>`` (seconds per step) and ``time.step_s``. Per-step lists (losses) stay in ``metrics.jsonl``:
+``step_rows`` reads them (train and eval loss, imbalance by step), ``layer_load`` the run's expert load per layer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from moe_lab.results.record import RESULT
+from moe_lab.results.record import METRICS, RESULT
 
 
 def result_files(sweep_dir_or_glob: str | Path) -> list[Path]:
@@ -128,3 +129,36 @@ def point_labels(df: pd.DataFrame) -> pd.Series:
     """``ac=full optimizer=adamw``: each point named by the axes the sweep varies."""
     axes = varying_axes(df)
     return df[axes].apply(lambda row: " ".join(f"{k}={v}" for k, v in row.items()), axis=1) if axes else df["run_dir"]
+
+
+def step_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Every point's ``metrics.jsonl``, one row per step: ``point`` (``point_labels``), ``step``, ``loss``,
+    ``eval_loss`` (NaN where not evaluated), and at the steps with an ``expert_load`` row the mean over layers of
+    its ``max_over_mean`` and ``busiest_ep_rank_share``. Points without the file add no rows."""
+    rows = []
+    for (_, point), label in zip(df.iterrows(), point_labels(df)):
+        path = Path(point["run_dir"]) / METRICS
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            step = json.loads(line)
+            load = step.get("expert_load") or {}
+            rows.append({
+                "point": label, "step": step["step"], "loss": step.get("loss"), "eval_loss": step.get("eval_loss"),
+                **{key: sum(load[key]) / len(load[key]) for key in ("max_over_mean", "busiest_ep_rank_share") if key in load},
+            })  # fmt: skip
+    return pd.DataFrame(rows, columns=["point", "step", "loss", "eval_loss", "max_over_mean", "busiest_ep_rank_share"])
+
+
+def layer_load(df: pd.DataFrame) -> pd.DataFrame:
+    """Each point's expert load over its whole run, per layer (``result.json``'s ``metrics.expert_load``): ``point``,
+    ``layer``, ``max_over_mean``, ``busiest_ep_rank_share``, ``entropy``."""
+    rows = []
+    for (_, point), label in zip(df.iterrows(), point_labels(df)):
+        try:
+            load = (json.loads((Path(point["run_dir"]) / RESULT).read_text()).get("metrics") or {}).get("expert_load")
+        except (OSError, ValueError):
+            load = None
+        for layer, values in enumerate(zip(*(load[k] for k in ("max_over_mean", "busiest_ep_rank_share", "entropy")))) if load else ():
+            rows.append({"point": label, "layer": layer, **dict(zip(("max_over_mean", "busiest_ep_rank_share", "entropy"), values))})
+    return pd.DataFrame(rows, columns=["point", "layer", "max_over_mean", "busiest_ep_rank_share", "entropy"])
