@@ -18,11 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+
+from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
 
 from moe_lab.config import Options
 from moe_lab.config.runtime import computes_in_bf16
+from moe_lab.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
@@ -33,6 +36,7 @@ from moe_lab.parallel.sharding import local_rows, local_shard
 from moe_lab.results.record import MetricsLog
 
 log = logging.getLogger("moe_lab")
+NO_STOP = StopRequest()  # never entered: notes no signal (ranks still agree on that each step)
 
 
 def train(
@@ -44,8 +48,10 @@ def train(
     world: int,
     logger=NoLogger(),
     profiler: StepProfiler = StepProfiler.off(),
+    stop: StopRequest | None = None,
 ) -> dict:
-    """Train for ``trainer.steps`` steps; rank 0 writes metrics.jsonl as it goes. Returns the run's metrics."""
+    """Train for ``trainer.steps`` steps (from the checkpoint ``trainer.resume`` names, if any); rank 0 writes
+    metrics.jsonl as it goes. Returns the run's metrics; raises ``Interrupted`` when a signal stopped it."""
     t = cfg.trainer
     bf16 = computes_in_bf16(t)
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -56,14 +62,25 @@ def train(
     loss_fn = compile_loss(lm_loss) if t.compile else lm_loss
     data = options.data
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
+    checkpointer = Checkpointer(
+        t.checkpoint, t.resume, run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=data,
+        device=device, state_device=options.offload.state_device(device), config=OmegaConf.to_container(cfg, resolve=True),
+        model_config=options.model.to_dict(),
+    )  # fmt: skip
+    progress = checkpointer.restore()
 
     fpt = flops_per_token(options.model, cfg.data.seq_len)
     peak = peak_flops(device, t.peak_flops)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
-    metrics_log = MetricsLog(run_dir) if rank == 0 else None
-    step_times, losses = [], []
-    bar = tqdm(range(t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
+    metrics_log = MetricsLog(run_dir, first_step=progress.step) if rank == 0 else None
+    step_times = []  # this process's steps
+    bar = tqdm(range(progress.step, t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout,
+               initial=progress.step, total=t.steps)  # fmt: skip
     for step in bar:
+        if signal_name := (stop or NO_STOP).agreed(device):
+            saved = checkpointer.save(progress) if t.checkpoint.on_signal else None
+            checkpointer.close()
+            raise Interrupted(signal_name, step, saved and str(saved), _partial_metrics(progress, checkpointer))
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         inputs, labels = (x.to(device, non_blocking=True) for x in data.batch(step, dp_rank))
@@ -82,7 +99,7 @@ def train(
         loss = loss.item()  # also waits for the step to finish, so the wall clock below is the step's time
         elapsed = time.perf_counter() - start
         step_times.append(elapsed)
-        losses.append(loss)
+        progress.advance(loss)
         profiler.step()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
@@ -93,25 +110,39 @@ def train(
             metrics_log.write(row)
             logger.log(row, step)
             bar.set_postfix(loss=f"{loss:.4f}", s_step=f"{elapsed:.3f}")
+        checkpointer.maybe_save(progress)
+    checkpointer.close()
     if metrics_log:
         metrics_log.close()
 
+    # Timed over this process's steps (a resumed run warms up again); losses cover the whole run.
     timed = step_times[t.timing_skip :] or step_times
-    s_per_step = statistics.median(timed)
-    tokens_per_s = tokens_per_step / s_per_step
+    s_per_step = statistics.median(timed) if timed else None  # None: resumed from the last step's checkpoint
+    tokens_per_s = tokens_per_step / s_per_step if s_per_step else None
     return {
         "steps": t.steps,
-        "final_loss": losses[-1],
-        "first_loss": losses[0],
-        "losses": losses,
+        "final_loss": progress.losses[-1],
+        "first_loss": progress.losses[0],
+        "losses": progress.losses,
         "s_per_step": s_per_step,
         "tokens_per_s_per_gpu": tokens_per_s,
-        "mfu": tokens_per_s * fpt["shared"] / peak if peak else None,
-        "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak else None,
+        "mfu": tokens_per_s * fpt["shared"] / peak if peak and tokens_per_s else None,
+        "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak and tokens_per_s else None,
         "flops_per_token": fpt["shared"],
         "peak_gpu_mem_gib": peak_gpu_gib(device),
         "peak_host_rss_gib": peak_host_rss_gib(),
+        **_resume_metrics(checkpointer),
     }
+
+
+def _resume_metrics(checkpointer: Checkpointer) -> dict:
+    resumed = checkpointer.resumed_from
+    return {"resumed_from": str(resumed) if resumed else None}
+
+
+def _partial_metrics(progress: Progress, checkpointer: Checkpointer) -> dict:
+    """What an interrupted run's record says of it: the steps done and their losses."""
+    return {"steps_done": progress.step, "losses": progress.losses, **_resume_metrics(checkpointer)}
 
 
 def build_model(cfg: DictConfig, options: Options, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:
@@ -149,6 +180,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 
 def summary_line(m: dict) -> str:
+    if m["s_per_step"] is None:  # no step left after the checkpoint it resumed from
+        return f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | no step run (resumed from {m['resumed_from']})"
     mfu = "n/a (CPU)" if m["mfu"] is None else f"{100 * m['mfu']:.1f}% (executed {100 * m['mfu_executed']:.1f}%)"
     gpu = "n/a" if m["peak_gpu_mem_gib"] is None else f"{m['peak_gpu_mem_gib']:.2f} GiB"
     return (
