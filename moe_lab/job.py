@@ -137,14 +137,16 @@ def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer
             # Fresh processes build their own options from the resolved config.
             return launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
         return worker(resolved, str(run_dir), meta, options, stop)
-    except SignalException as e:  # the launcher got the signal, forwarded it and waited for its ranks
-        record = read_result(run_dir)
-        if record is None:  # no rank got as far as recording it
-            record = {**meta, "config": point_config(cfg), **interrupted(e.sigval.name, None, None)}
-            if rank0:
-                write_json_atomic(run_dir / RESULT, record)
-        return record
     except Exception as e:
+        # The ranks this job started exit on a signal (SystemExit) once rank 0 has recorded it; when the launcher got
+        # the signal, it forwarded it to them and waited for them to exit.
+        record = read_result(run_dir) if rank0 else None
+        if record is not None and record["status"] == "interrupted":
+            return record
+        if isinstance(e, SignalException):  # no rank got as far as recording it
+            record = {**meta, "config": point_config(cfg), **interrupted(e.sigval.name, None, None)}
+            write_json_atomic(run_dir / RESULT, record)
+            return record
         if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
             write_json_atomic(run_dir / RESULT, {**meta, "config": point_config(cfg), **failure(e)})
         if not multirun:
@@ -220,8 +222,14 @@ def dry_run(cfg: DictConfig, options: Options) -> dict:
 def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None = None, stop: StopRequest | None = None) -> dict:
     """One rank of a job. Rank 0 writes metrics.jsonl and result.json; every failure is recorded before it is
     re-raised. A rank the job started itself notes signals on its own (``stop``: the job's)."""
-    with StopRequest() if stop is None else contextlib.nullcontext(stop) as stop:
-        return _worker(resolved_yaml, run_dir, meta, options, stop)
+    started_here = stop is None
+    with StopRequest() if started_here else contextlib.nullcontext(stop) as stop:
+        result = _worker(resolved_yaml, run_dir, meta, options, stop)
+    if started_here and result["status"] == "interrupted":
+        # Exit rather than return: after a signal the launcher reads no return value, it waits for its ranks to exit
+        # (a rank that returned would wait for its value to be read until the launcher killed it).
+        raise SystemExit(result["error"]["exit_code"])
+    return result
 
 
 def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None, stop: StopRequest) -> dict:

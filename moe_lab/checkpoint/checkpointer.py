@@ -167,7 +167,7 @@ class Checkpointer:
                 raise CheckpointMismatch(f"checkpoint {path}: no {key}")
             groups.append({**group, **_unpickled(target[key])})
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        self.scheduler.load_state_dict(_unpickled(target["scheduler"]))
+        self.scheduler.load_state_dict(_regrouped(_unpickled(target["scheduler"]), len(groups), path))
         if same_world:
             _set_rng_state(_unpickled(target[f"rng/rank{self.rank}"]), self.device)
             self.data.load_state_dict(_unpickled(target[f"data/rank{self.rank}"]))
@@ -318,6 +318,27 @@ def _save_planner():
 
 def _load_planner():
     return dcp.DefaultLoadPlanner(flatten_state_dict=False)
+
+
+# An LR scheduler's values per param group. The offload modes have a group per chunk, so their number follows the
+# chunking, which follows the mesh; the schedule gives every group the same LR (warmup_cosine checks it).
+PER_GROUP = ("base_lrs", "_last_lr")
+
+
+def _regrouped(state, groups: int, path: Path):
+    """A scheduler's state (nested schedulers' included) for ``groups`` param groups."""
+    if isinstance(state, list):
+        return [_regrouped(item, groups, path) for item in state]
+    if not isinstance(state, dict):
+        return state
+    out = {}
+    for key, value in state.items():
+        if key in PER_GROUP and len(value) != groups:
+            if len(set(value)) != 1:
+                raise CheckpointMismatch(f"checkpoint {path}: the LR schedule's {key} differs between param groups, {value}")
+            value = value[:1] * groups
+        out[key] = _regrouped(value, groups, path)
+    return out
 
 
 def _from_rank0(value):
