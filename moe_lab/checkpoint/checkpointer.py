@@ -20,24 +20,29 @@ checkpoint is complete or absent (``moe_lab.checkpoint.directory``).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import pickle
 import random
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
 
 log = logging.getLogger("moe_lab")
+# DCP warns on every call without a process group that it assumes one process: that is what is meant here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# Marks background saves complete once written, one at a time (a save waits for the one before).
+_MARKER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-marker")
 
 
 @dataclass
@@ -93,8 +98,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Background saves talk over a group of their own: the training loop's collectives never interleave with them.
         self._group = dist.new_group(backend="gloo") if self.async_save and self.world > 1 else None
-        self._pending = None  # (future, step) of the background save being written
-        self._error: BaseException | None = None
+        self._pending: Future | None = None  # the background save being written, then marked complete
         self.resumed_from: Path | None = None
 
     # ---- restore ----
@@ -147,7 +151,7 @@ class Checkpointer:
             else:
                 local = torch.empty(self.layout.local_shape(name), dtype=meta.properties.dtype, device=self.state_device)
             target[key] = self.layout.view(name, local)
-        with torch.no_grad(), _quiet_single_process():
+        with torch.no_grad():
             dcp.load(target, checkpoint_id=str(path), planner=_load_planner(), no_dist=not dist.is_initialized())
 
         state: dict[int, dict] = {}
@@ -200,18 +204,14 @@ class Checkpointer:
         if _from_rank0(final.exists()):  # this step's state is already there (a run that resumed from it)
             return final
         partial = ckpt_dir.partial_path(self.directory, progress.step)
-        state = self._state_dict(progress)
-        if background:
-            with _quiet_single_process():
-                future = dcp.async_save(
-                    state, checkpoint_id=str(partial), planner=_save_planner(), process_group=self._group,
-                    no_dist=not dist.is_initialized(),
-                )  # fmt: skip
-            future.add_done_callback(lambda f, step=progress.step: self._finish_in_background(f, step))
-            self._pending = (future, progress.step)
+        if background:  # a host copy of the state is taken now, the files are written by a thread of DCP's
+            written = dcp.async_save(
+                self._state_dict(progress, copy=True), checkpoint_id=str(partial), planner=_save_planner(),
+                process_group=self._group, no_dist=not dist.is_initialized(), async_stager=_AlreadyCopied(),
+            )  # fmt: skip
+            self._pending = _MARKER_THREAD.submit(self._finish_when_written, written, progress.step)
         else:
-            with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(partial), planner=_save_planner(), no_dist=not dist.is_initialized())
+            dcp.save(self._state_dict(progress), checkpoint_id=str(partial), planner=_save_planner(), no_dist=not dist.is_initialized())
             self._finish(progress.step)
         return final
 
@@ -219,21 +219,27 @@ class Checkpointer:
         """Wait for a background save to be written and marked complete."""
         self._wait()
 
-    def _state_dict(self, progress: Progress) -> dict:
-        state: dict = {f"model/{name}": self.layout.view(name, local_shard(p).detach()) for name, p in self.params.items()}
+    def _state_dict(self, progress: Progress, copy: bool = False) -> dict:
+        """The state as DCP saves it; ``copy``: its tensors copied to host memory (else the live ones)."""
+
+        def piece(t: torch.Tensor) -> torch.Tensor:
+            t = local_shard(t).detach()
+            return t.to("cpu", copy=True) if copy else t
+
+        state: dict = {f"model/{name}": self.layout.view(name, piece(p)) for name, p in self.params.items()}
         optimizer = self.optimizer.state_dict()
         for position, entries in optimizer["state"].items():
             name = self.names[position]
             for key, value in entries.items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    local = local_shard(value).detach()
+                if not torch.is_tensor(value):
+                    state[f"optimizer_value/{name}/{key}"] = _pickled(value)
+                elif value.dim() == 0:  # a scalar (AdamW's step count)
+                    state[f"optimizer/{name}/{key}"] = piece(value)
+                else:
+                    local = piece(value)
                     if local.shape != self.layout.local_shape(name):
                         raise ValueError(f"optimizer state {key!r} of {name} is not shaped like the parameter: {tuple(local.shape)}")
-                    value = self.layout.view(name, local)
-                elif not torch.is_tensor(value):
-                    state[f"optimizer_value/{name}/{key}"] = _pickled(value)
-                    continue
-                state[f"optimizer/{name}/{key}"] = value
+                    state[f"optimizer/{name}/{key}"] = self.layout.view(name, local)
         for group in optimizer["param_groups"]:
             hyperparameters = _pickled({k: v for k, v in group.items() if k != "params"})
             for position in group["params"]:
@@ -263,29 +269,15 @@ class Checkpointer:
         ckpt_dir.prune(self.directory, self.keep)
         log.info("checkpoint: %s", final)
 
-    def _finish_in_background(self, future, step: int) -> None:
-        try:
-            future.result()
-            self._finish(step)
-        except BaseException as e:  # raised on the training thread at the next save or at close()
-            self._error = e
+    def _finish_when_written(self, written: Future, step: int) -> None:
+        written.result()
+        self._finish(step)
 
     def _wait(self) -> None:
-        if self._pending is not None:
-            future, step = self._pending
-            self._pending = None
-            future.result()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns on every call without a process group that it assumes one process: that is what is meant here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+        """Wait for the background save; its failure is raised here, on the training thread."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
 
 # Objects that are not tensors (the scheduler's state, hyperparameters, random generator states) go in pickled, as
@@ -311,8 +303,25 @@ def _unpickled(tensor: torch.Tensor):
     return pickle.loads(tensor.numpy().tobytes())
 
 
+class _AlreadyCopied(AsyncStager):
+    """DCP's own staging copies each tensor's whole storage (all of offload=full's flat masters for one
+    parameter's view) and fails on a DTensor over a view at an offset (torch 2.13); ``_state_dict(copy=True)`` has
+    copied just the pieces."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict, **kwargs):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _save_planner():
-    # Flat keys: a non-tensor value (the scheduler's state, a group's hyperparameters) is stored whole.
+    # Flat keys, each a tensor.
     return dcp.DefaultSavePlanner(flatten_state_dict=False)
 
 

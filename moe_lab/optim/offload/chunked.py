@@ -91,8 +91,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}.load_state_dict: param_groups must be those of this optimizer's state_dict()")
         self._settle()
         for chunk, group in zip(self._chunks(), groups):
+            # Copies: the state may be another optimizer's still in use (torch's own load would share a step count).
             entries = [
-                {key: local_shard(v) if torch.is_tensor(v) else v for key, v in state_dict["state"].get(position[p], {}).items()}
+                {key: local_shard(v).clone() if torch.is_tensor(v) else v for key, v in state_dict["state"].get(position[p], {}).items()}
                 for p in chunk.params
             ]
             self._load_chunk(chunk, {k: v for k, v in group.items() if k != "params"}, entries)
