@@ -25,7 +25,6 @@ import json
 import logging
 import pickle
 import random
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +38,6 @@ from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
 
 log = logging.getLogger("moe_lab")
-# DCP warns on every call without a process group that it assumes one process: that is what is meant here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 # Marks background saves complete once written, one at a time (a save waits for the one before).
 _MARKER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-marker")
 
