@@ -22,7 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
-
 from moe_lab.config import Options
 from moe_lab.config.runtime import computes_in_bf16
 from moe_lab.interrupt import Interrupted, StopRequest
@@ -62,11 +61,7 @@ def train(
     loss_fn = compile_loss(lm_loss) if t.compile else lm_loss
     data = options.data
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
-    checkpointer = Checkpointer(
-        t.checkpoint, t.resume, run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=data,
-        device=device, state_device=options.offload.state_device(device), config=OmegaConf.to_container(cfg, resolve=True),
-        model_config=options.model.to_dict(),
-    )  # fmt: skip
+    checkpointer = build_checkpointer(cfg, options, run_dir, model, optimizer, scheduler, device)
     progress = checkpointer.restore()
 
     fpt = flops_per_token(options.model, cfg.data.seq_len)
@@ -77,10 +72,7 @@ def train(
     bar = tqdm(range(progress.step, t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout,
                initial=progress.step, total=t.steps)  # fmt: skip
     for step in bar:
-        if signal_name := (stop or NO_STOP).agreed(device):
-            saved = checkpointer.save(progress) if t.checkpoint.on_signal else None
-            checkpointer.close()
-            raise Interrupted(signal_name, step, saved and str(saved), _partial_metrics(progress, checkpointer))
+        stop_if_signalled(stop or NO_STOP, device, checkpointer, progress, t.checkpoint.on_signal)
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         inputs, labels = (x.to(device, non_blocking=True) for x in data.batch(step, dp_rank))
@@ -135,14 +127,28 @@ def train(
     }
 
 
+def build_checkpointer(cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, scheduler, device) -> Checkpointer:
+    t = cfg.trainer
+    return Checkpointer(
+        t.checkpoint, t.resume, run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=options.data,
+        device=device, state_device=options.offload.state_device(device), config=OmegaConf.to_container(cfg, resolve=True),
+        model_config=options.model.to_dict(),
+    )  # fmt: skip
+
+
+def stop_if_signalled(stop: StopRequest, device: torch.device, checkpointer: Checkpointer, progress: Progress, save: bool) -> None:
+    """At a step boundary, on every rank: when any rank got SIGTERM / SIGINT, save a checkpoint here (``save``) and
+    raise ``Interrupted`` with the metrics of the steps done."""
+    if signal_name := stop.agreed(device):
+        saved = checkpointer.save(progress) if save else None
+        checkpointer.close()
+        metrics = {"steps_done": progress.step, "losses": progress.losses, **_resume_metrics(checkpointer)}
+        raise Interrupted(signal_name, progress.step, saved and str(saved), metrics)
+
+
 def _resume_metrics(checkpointer: Checkpointer) -> dict:
     resumed = checkpointer.resumed_from
     return {"resumed_from": str(resumed) if resumed else None}
-
-
-def _partial_metrics(progress: Progress, checkpointer: Checkpointer) -> dict:
-    """What an interrupted run's record says of it: the steps done and their losses."""
-    return {"steps_done": progress.step, "losses": progress.losses, **_resume_metrics(checkpointer)}
 
 
 def build_model(cfg: DictConfig, options: Options, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:
