@@ -1,15 +1,16 @@
 """Training checkpoints in process (issue 17): complete or absent on disk, pruning, background (async) saves that
 resume exactly at world 1 and at world 2 with EP 2, a checkpoint of another model refused naming the tensor, and
-``trainer.resume`` checked at compose time. The jobs killed and signalled for real are tests/test_resume.py."""
+``trainer.resume`` checked at compose time, ``auto`` refusing a checkpoint of another configuration. The jobs killed and signalled for real are tests/test_resume.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 
-from moe_lab import config
+from moe_lab import config, job
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.checkpoint.checkpointer import CheckpointMismatch
 from moe_lab.config import ConfigError
@@ -108,3 +109,16 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000001"
     with pytest.raises(CheckpointMismatch, match=r"model/model\.layers\.0\.mlp\.experts\.gate_up_proj has shape \(8, 32, 64\), this model's is \(8, 64, 64\)"):
         train_in_process([f"trainer.resume={checkpoint}"], tmp_path / "b")
+
+
+def test_auto_resume_refuses_a_checkpoint_of_another_configuration(tmp_path):
+    """A killed run leaves checkpoints and no record: the next job into its directory with another configuration
+    stops naming the checkpoint instead of continuing from it (checkpoint settings are no part of the point)."""
+    cfg = compose_train(SMALL)
+    checkpoint = fake_checkpoint(tmp_path / "checkpoints", 4)
+    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"config": job.point_config(compose_train([*SMALL, "ac=full"]))}))
+    with pytest.raises(job.RunDirInUse, match=f"{checkpoint} is a checkpoint of another configuration"):
+        job.earlier_record(tmp_path, cfg, multirun=True)
+    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"config": job.point_config(compose_train([*SMALL, "trainer.checkpoint.every=2"]))}))
+    assert job.earlier_record(tmp_path, cfg, multirun=True) is None  # the same point: it resumes
+    job.earlier_record(tmp_path, compose_train([*SMALL, "ac=full", "trainer.resume=never"]), multirun=True)

@@ -12,7 +12,6 @@ signalled while a test data option holds it at a chosen step (``tests.pausing_da
   (``on_signal``), records ``interrupted`` and exits 143, and the run resumes from it bit for bit; SIGINT ends a
   single run with 130 and an ``interrupted`` record; in a sweep the signalled point is recorded and the sweep stops,
   and running it again resumes that point from its checkpoint and runs the rest.
-- ``trainer.resume=auto`` never continues from a checkpoint of another configuration.
 
 Every rank computes with one thread (one CPU for a one-rank job): the same arithmetic in every attempt (the thread
 count changes float sums), and no oversubscribed OpenMP spinning on a shared machine.
@@ -155,7 +154,7 @@ def test_killed_run_resumes_bit_for_bit(case, reference, tmp_path):
 
 @pytest.mark.parametrize(
     "saved, resumed",
-    [(("none", 1, 1), ("none", 2, 2)), (("full", 2, 2), ("full", 1, 1)), (("optimizer", 2, 1), ("optimizer", 2, 2))],
+    [(("none", 1, 1), ("none", 2, 2)), (("full", 2, 2), ("full", 1, 1))],  # world size and EP degree, each way
     ids=lambda case: case_id(case),
 )
 def test_resume_at_another_mesh_continues_the_curve(saved, resumed, reference, tmp_path):
@@ -165,9 +164,7 @@ def test_resume_at_another_mesh_continues_the_curve(saved, resumed, reference, t
     losses = result(run_dir)["metrics"]["losses"]
     saved_losses = result(reference(saved))["metrics"]["losses"]
     assert losses[:10] == saved_losses[:10]  # the checkpoint's own
-    # The same run at the resuming mesh, when it is a reference already; else the saving run itself.
-    at_mesh = result(reference(resumed))["metrics"]["losses"] if resumed in CASES else saved_losses
-    assert losses[10:] == pytest.approx(at_mesh[10:], rel=1e-5)
+    assert losses[10:] == pytest.approx(result(reference(resumed))["metrics"]["losses"][10:], rel=1e-5)
     assert losses[10:] != pytest.approx(losses[:10], rel=1e-3)  # it trained on
 
 
@@ -228,14 +225,3 @@ def test_a_signalled_sweep_stops_and_resumes_its_point(reference, tmp_path):
     assert first["status"] == second["status"] == "ok"
     assert first["metrics"]["resumed_from"] == str(sweep / "0" / "checkpoints" / "step_00000006")
     assert first["metrics"]["losses"] == expected and second["metrics"]["resumed_from"] is None
-
-
-def test_auto_resume_refuses_a_checkpoint_of_another_configuration(tmp_path):
-    run_dir = tmp_path / "run"
-    small = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=1"]
-    run([*small, f"hydra.run.dir={run_dir}"], tmp_path)
-    (run_dir / "result.json").unlink()  # as a killed run leaves it: checkpoints, no record
-    job = Job([*small, "ac=full", f"hydra.run.dir={run_dir}"], tmp_path)
-    assert job.wait() != 0
-    assert f"{run_dir / 'checkpoints' / 'step_00000002'} is a checkpoint of another configuration" in job.output()
-    assert checkpoints(run_dir) == ["step_00000001", "step_00000002"] and not (run_dir / "result.json").exists()
