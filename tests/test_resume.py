@@ -179,6 +179,7 @@ def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resumes(refere
     time.sleep(0.5)  # both ranks have noted it (or the launcher's forwarding is under way) while held at step 5
     (pause_dir / "release").touch()
     assert job.wait() == 128 + signal.SIGTERM, job.output()[-5000:]
+    assert job.output().count("SIGTERM received: stopping at the end of this step") == 2  # each rank noted it
 
     record = result(run_dir)
     assert record["status"] == "interrupted" and record["world_size"] == 2 and record["environment"]["world_size"] == 2
