@@ -1,20 +1,25 @@
 """The lifecycle of one job (a single run or one sweep point): it ends with exactly one result.json, written by rank 0.
 
 - A point whose directory already holds an ok record of the same configuration is skipped (a resumed sweep); a
-  directory holding the record of another configuration is never written to.
+  directory holding the record, or the newest checkpoint, of another configuration is never written to. A point
+  that was interrupted or failed after a checkpoint continues from it (``trainer.resume=auto``).
 - An invalid configuration is recorded as ``invalid`` before anything is built; a failure as ``oom`` / ``error``.
   In a sweep the failed point is returned so Hydra's launcher goes on; a single run exits non-zero.
+- SIGTERM / SIGINT stop every rank at the same step: the point is recorded as ``interrupted`` (after a checkpoint
+  with ``trainer.checkpoint.on_signal``) and the job exits with 128 + the signal's number, a sweep included.
 - The job starts its ranks itself (``trainer.nproc_per_node``) or runs as one rank of an outer torchrun / srun.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import gc
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from datetime import datetime, timezone
@@ -24,10 +29,13 @@ import torch
 import torch.distributed as dist
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing import SignalException
 
 from moe_lab import config
+from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config import ConfigError, Options
 from moe_lab.config.runtime import runs_on_cuda
+from moe_lab.interrupt import Interrupted, StopRequest
 from moe_lab.launch.launcher import adopt_slurm_environment, launch_local, shared_run_dir, started_by_outer_launcher
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
@@ -36,8 +44,9 @@ from moe_lab.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, tra
 
 log = logging.getLogger("moe_lab")
 
-# Keys that say how a point is run, not what it computes: a record made with another value is still this point's.
-NOT_PART_OF_THE_POINT = ("trainer.skip_done",)
+# Keys that say how a point is run, not what it computes: a record made with another value is still this point's
+# (a key here covers the keys under it).
+NOT_PART_OF_THE_POINT = ("trainer.skip_done", "trainer.checkpoint", "trainer.resume")
 
 
 class SweepDirGuard(Callback):
@@ -92,7 +101,10 @@ class SweepDirInUse(SystemExit):
 
 
 def _point_overrides(overrides) -> list[str]:
-    return [o for o in overrides if o.lstrip("+~").partition("=")[0] not in NOT_PART_OF_THE_POINT]
+    def part_of_the_point(key: str) -> bool:
+        return not any(key == k or key.startswith(k + ".") for k in NOT_PART_OF_THE_POINT)
+
+    return [o for o in overrides if part_of_the_point(o.lstrip("+~").partition("=")[0])]
 
 
 def point_config(cfg: DictConfig) -> dict:
@@ -120,8 +132,20 @@ def same_point(record: dict, cfg: DictConfig) -> bool:
 def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) -> dict | None:
     adopt_slurm_environment()
     meta = {**meta, "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    rank0 = os.environ.get("RANK", "0") == "0"
     outer = started_by_outer_launcher()
+    # SIGTERM / SIGINT from here on stop the point at a step boundary (ranks this job starts note them themselves:
+    # the launcher forwards them). A single process escalates on a second one.
+    with StopRequest(escalate=not outer and cfg.trainer.nproc_per_node == 1) as stop:
+        result = _run_point(cfg, run_dir, meta, multirun, outer, stop)
+    if result is not None and result.get("status") == "interrupted":
+        # A single run exits non-zero; a sweep stops here, its later points not run (re-running it resumes).
+        log.warning("%s; recorded in %s. Run the same command again to resume.", result["error"]["message"], run_dir / RESULT)
+        raise SystemExit(result["error"]["exit_code"])
+    return result
+
+
+def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer: bool, stop: StopRequest) -> dict | None:
+    rank0 = os.environ.get("RANK", "0") == "0"
     if not outer:  # under an outer launcher only rank 0 knows the run directory: the ranks decide in worker()
         try:
             earlier = earlier_record(run_dir, cfg, multirun)
@@ -146,8 +170,17 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
         if cfg.trainer.nproc_per_node > 1 and not outer:
             # Fresh processes build their own options from the resolved config.
             return launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
-        return worker(resolved, str(run_dir), meta, options)
+        return worker(resolved, str(run_dir), meta, options, stop)
     except Exception as e:
+        # The ranks this job started exit on a signal (SystemExit) once rank 0 has recorded it; when the launcher got
+        # the signal, it forwarded it to them and waited for them to exit.
+        record = read_result(run_dir) if rank0 else None
+        if record is not None and record["status"] == "interrupted":
+            return record
+        if isinstance(e, SignalException):  # no rank got as far as recording it
+            record = {**meta, "config": point_config(cfg), **interrupted(e.sigval.name, None, None)}
+            write_json_atomic(run_dir / RESULT, record)
+            return record
         if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
             world = cfg.trainer.nproc_per_node
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
@@ -164,6 +197,7 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
 def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | None:
     """The record to return instead of running: this point's own ok record when resuming a sweep. A record of
     another configuration is never overwritten: the job stops naming it."""
+    check_checkpoints(run_dir, cfg)
     record = read_result(run_dir)
     if record is None:
         return None
@@ -178,6 +212,21 @@ def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | Non
     if os.environ.get("RANK", "0") == "0":
         (run_dir / RESULT).unlink()  # this point's failed earlier attempt, or a deliberate re-run
     return None
+
+
+def check_checkpoints(run_dir: Path, cfg: DictConfig) -> None:
+    """``trainer.resume=auto`` continues from the newest checkpoint of the checkpoint directory: refuse when that is
+    a checkpoint of another configuration (the record it would overwrite may be gone: a killed run leaves none). A
+    point interrupted or failed after a checkpoint resumes from it."""
+    if cfg.trainer.resume != "auto":
+        return
+    newest = checkpoint_directory.newest(checkpoint_directory.checkpoint_dir(cfg.trainer.checkpoint.dir, run_dir))
+    if newest is not None and not same_point(checkpoint_directory.read_marker(newest), cfg):
+        raise RunDirInUse(
+            f"{newest} is a checkpoint of another configuration; trainer.resume=auto would continue from it. Use "
+            "another hydra.run.dir / hydra.sweep.dir or trainer.checkpoint.dir, trainer.resume=never to start afresh "
+            "(its checkpoints are then replaced), or trainer.resume=<that checkpoint> to continue from it on purpose."
+        )
 
 
 class RunDirInUse(RuntimeError):
@@ -207,9 +256,20 @@ def dry_run(cfg: DictConfig, options: Options) -> dict:
     return {"total_params": total, "active_params": active, "flops_per_token": fpt["shared"]}
 
 
-def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None = None) -> dict:
+def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None = None, stop: StopRequest | None = None) -> dict:
     """One rank of a job. Rank 0 writes metrics.jsonl and result.json; every failure is recorded before it is
-    re-raised."""
+    re-raised. A rank the job started itself notes signals on its own (``stop``: the job's)."""
+    started_here = stop is None
+    with StopRequest() if started_here else contextlib.nullcontext(stop) as stop:
+        result = _worker(resolved_yaml, run_dir, meta, options, stop)
+    if started_here and result["status"] == "interrupted":
+        # Exit rather than return: after a signal the launcher reads no return value, it waits for its ranks to exit
+        # (a rank that returned would wait for its value to be read until the launcher killed it).
+        raise SystemExit(result["error"]["exit_code"])
+    return result
+
+
+def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None, stop: StopRequest) -> dict:
     cfg = OmegaConf.create(resolved_yaml)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = _device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
@@ -236,10 +296,12 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None
     result = {**record, "status": "error"}  # until the run says otherwise
     try:
         with StepProfiler(cfg.profile, run_dir, rank) as profiler:
-            metrics = train(cfg, options, run_dir, device, rank, world, logger, profiler)
+            metrics = train(cfg, options, run_dir, device, rank, world, logger, profiler, stop)
         if rank == 0:
             metrics["trace_breakdown"] = profiler.breakdown()
         result = {**record, "status": "ok", "error": None, "metrics": metrics}
+    except Interrupted as e:  # every rank stopped at the same step
+        result = {**record, **interrupted(e.signal_name, e.step, e.checkpoint), "metrics": e.metrics}
     except Exception as e:
         result = {**record, **failure(e), "metrics": {"peak_gpu_mem_gib": peak_gpu_gib(device)}}
         if rank == 0:
@@ -249,7 +311,8 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None
         logger.finish(result)
     if rank == 0:
         write_json_atomic(run_dir / RESULT, result)
-        log.info(summary_line(result["metrics"]))
+        if result["status"] == "ok":
+            log.info(summary_line(result["metrics"]))
         for line in [f"run directory: {run_dir}", *profiler.where(), *logger.where()]:
             log.info(line)
     if dist.is_initialized():
@@ -258,6 +321,23 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None
         # exits at once and its launcher stops the others.
         dist.barrier()
     return result
+
+
+def interrupted(signal_name: str, step: int | None, checkpoint: str | None) -> dict:
+    """Status and error fields of a point a signal stopped after ``step`` steps (None: before its ranks started)."""
+    when = "before training started" if step is None else f"after step {step}"
+    saved = f"; checkpoint {checkpoint}" if checkpoint else ""
+    return {
+        "status": "interrupted",
+        "error": {
+            "type": "Interrupted",
+            "signal": signal_name,
+            "step": step,
+            "checkpoint": checkpoint,
+            "exit_code": 128 + signal.Signals[signal_name].value,  # as the shell reports a process the signal ended
+            "message": f"{signal_name} received: stopped {when}{saved}",
+        },
+    }
 
 
 def _device(cfg: DictConfig, local_rank: int) -> torch.device:

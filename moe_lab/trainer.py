@@ -22,11 +22,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
 from moe_lab.config import Options
 from moe_lab.config.runtime import computes_in_bf16
+from moe_lab.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.routing import ExpertLoad
@@ -39,6 +41,7 @@ from moe_lab.parallel.sharding import local_rows, local_shard
 from moe_lab.results.record import MetricsLog
 
 log = logging.getLogger("moe_lab")
+NO_STOP = StopRequest()  # never entered: notes no signal (ranks still agree on that each step)
 
 
 def train(
@@ -50,8 +53,10 @@ def train(
     world: int,
     logger=NoLogger(),
     profiler: StepProfiler = StepProfiler.off(),
+    stop: StopRequest | None = None,
 ) -> dict:
-    """Train for ``trainer.steps`` steps; rank 0 writes metrics.jsonl as it goes. Returns the run's metrics."""
+    """Train for ``trainer.steps`` steps (from the checkpoint ``trainer.resume`` names, if any); rank 0 writes
+    metrics.jsonl as it goes. Returns the run's metrics; raises ``Interrupted`` when a signal stopped it."""
     t = cfg.trainer
     bf16 = computes_in_bf16(t)
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -64,12 +69,14 @@ def train(
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
     balance = options.model.balance()
     expert_load = ExpertLoad(options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps)
+    checkpointer = build_checkpointer(cfg, options, run_dir, model, optimizer, scheduler, device)
+    progress = checkpointer.restore()
 
     fpt = flops_per_token(options.model, cfg.data.seq_len)
     peak = peak_flops(device, t.peak_flops)
     tokens_per_step = t.grad_accum * cfg.data.batch_size * cfg.data.seq_len  # per rank, every micro-batch
-    metrics_log = MetricsLog(run_dir) if rank == 0 else None
-    step_times, losses, eval_losses = [], [], []
+    metrics_log = MetricsLog(run_dir, first_step=progress.step) if rank == 0 else None
+    step_times, eval_losses = [], []  # this process's steps and evaluations
 
     def micro_batch_forward(step: int, micro_batch: int):
         batch = data.batch(step, dp_rank, world, micro_batch, t.grad_accum).to(device)
@@ -81,8 +88,10 @@ def train(
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
         options.offload.before_micro_batch(optimizer, final)
 
-    bar = tqdm(range(t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
+    bar = tqdm(range(progress.step, t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout,
+               initial=progress.step, total=t.steps)  # fmt: skip
     for step in bar:
+        stop_if_signalled(stop or NO_STOP, device, checkpointer, progress, t.checkpoint.on_signal)
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         loss, balance_loss, router_stats = accumulate_gradients(
@@ -99,7 +108,7 @@ def train(
         loss = loss.item()  # also waits for the step to finish, so the wall clock below is the step's time
         elapsed = time.perf_counter() - start
         step_times.append(elapsed)
-        losses.append(loss)
+        progress.advance(loss)
         profiler.step()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
@@ -116,28 +125,32 @@ def train(
             metrics_log.write(row)
             logger.log(row, step)
             bar.set_postfix(loss=f"{loss:.4f}", s_step=f"{elapsed:.3f}")
+        checkpointer.maybe_save(progress)
+    checkpointer.close()
     if metrics_log:
         metrics_log.close()
 
+    # Timed over this process's steps (a resumed run warms up again); losses cover the whole run.
     timed = step_times[t.timing_skip :] or step_times
-    s_per_step = statistics.median(timed)
-    tokens_per_s = tokens_per_step / s_per_step
+    s_per_step = statistics.median(timed) if timed else None  # None: resumed from the last step's checkpoint
+    tokens_per_s = tokens_per_step / s_per_step if s_per_step else None
     return {
         "steps": t.steps,
-        "final_loss": losses[-1],
-        "first_loss": losses[0],
-        "losses": losses,
+        "final_loss": progress.losses[-1],
+        "first_loss": progress.losses[0],
+        "losses": progress.losses,
         "final_eval_loss": eval_losses[-1]["loss"] if eval_losses else None,
         "eval_losses": eval_losses,
         "s_per_step": s_per_step,
         "tokens_per_s_per_gpu": tokens_per_s,
         "tokens_per_step_per_gpu": tokens_per_step,
-        "mfu": tokens_per_s * fpt["shared"] / peak if peak else None,
-        "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak else None,
+        "mfu": tokens_per_s * fpt["shared"] / peak if peak and tokens_per_s else None,
+        "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak and tokens_per_s else None,
         "flops_per_token": fpt["shared"],
         "peak_gpu_mem_gib": peak_gpu_gib(device),
         "peak_host_rss_gib": peak_host_rss_gib(),
         **expert_load.summary(),
+        **_resume_metrics(checkpointer),
     }
 
 
@@ -164,6 +177,30 @@ def accumulate_gradients(
         total = loss if total is None else total + loss
         balance_total = balance if balance_total is None else balance_total + balance
     return total, balance_total, router_stats
+
+
+def build_checkpointer(cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, scheduler, device) -> Checkpointer:
+    t = cfg.trainer
+    return Checkpointer(
+        t.checkpoint, t.resume, run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=options.data,
+        device=device, state_device=options.offload.state_device(device), config=OmegaConf.to_container(cfg, resolve=True),
+        model_config=options.model.to_dict(),
+    )  # fmt: skip
+
+
+def stop_if_signalled(stop: StopRequest, device: torch.device, checkpointer: Checkpointer, progress: Progress, save: bool) -> None:
+    """At a step boundary, on every rank: when any rank got SIGTERM / SIGINT, save a checkpoint here (``save``) and
+    raise ``Interrupted`` with the metrics of the steps done."""
+    if signal_name := stop.agreed(device):
+        saved = checkpointer.save(progress) if save else None
+        checkpointer.close()
+        metrics = {"steps_done": progress.step, "losses": progress.losses, **_resume_metrics(checkpointer)}
+        raise Interrupted(signal_name, progress.step, saved and str(saved), metrics)
+
+
+def _resume_metrics(checkpointer: Checkpointer) -> dict:
+    resumed = checkpointer.resumed_from
+    return {"resumed_from": str(resumed) if resumed else None}
 
 
 def build_model(cfg: DictConfig, options: Options, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:
@@ -233,6 +270,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 
 def summary_line(m: dict) -> str:
+    if m["s_per_step"] is None:  # no step left after the checkpoint it resumed from
+        return f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | no step run (resumed from {m['resumed_from']})"
     mfu = "n/a (CPU)" if m["mfu"] is None else f"{100 * m['mfu']:.1f}% (executed {100 * m['mfu_executed']:.1f}%)"
     gpu = "n/a" if m["peak_gpu_mem_gib"] is None else f"{m['peak_gpu_mem_gib']:.2f} GiB"
     return (

@@ -68,14 +68,16 @@ def test_a_point_record_of_another_configuration_is_never_overwritten(tmp_path):
 def test_help_explains_every_group_and_key(tmp_path):
     proc = train_cli("--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from moe_lab.config.schema import GROUPS, TrainerConfig
+    from moe_lab.config.schema import GROUPS, CheckpointConfig, TrainerConfig
 
     for group, what in GROUPS.items():
         assert f"{group}: {what}" in proc.stdout
     for option in ("tiny", "qwen3_30b", "fused", "selective", "optimizer", "signsgd", "wandb"):
         assert f"    {option} " in proc.stdout, option
     for key in TrainerConfig.__dataclass_fields__:
-        assert f"trainer.{key}=" in proc.stdout, key
+        assert f"trainer.{key}=" in proc.stdout or f"trainer.{key}.*" in proc.stdout, key
+    for key in CheckpointConfig.__dataclass_fields__:  # a nested section's keys under its prefix
+        assert f"trainer.checkpoint.{key}=" in proc.stdout, key
     assert "parallel.ep=1" in proc.stdout and list(tmp_path.iterdir()) == []
 
 

@@ -240,8 +240,49 @@ def test_offload_optimizers_are_torch_optimizers_over_their_chunks_groups(mode):
     assert len(optimizer.chunk_optimizers) >= 3
     assert len(optimizer.param_groups) == len(chunk_groups)
     assert all(g is c for g, c in zip(optimizer.param_groups, chunk_groups))  # the same dicts, not copies
-    with pytest.raises(NotImplementedError, match="chunk optimizers"):
-        optimizer.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode):
+    """``state_dict()`` holds, for each parameter, the AdamW state plain torch AdamW holds after the same steps,
+    shaped like the parameter (and offload=full's fp32 master, the weights); an optimizer of another chunking loads
+    it and steps on exactly as the original, its groups still the ones an LR scheduler drives."""
+    model, reference = _small_model(), _small_model()
+    optimizer = _build(mode, model)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step in range(3):
+        for m, o in ((model, optimizer), (reference, plain)):
+            _loss(m, step).backward()
+            o.step()
+            o.zero_grad()
+    state, expected = optimizer.state_dict(), plain.state_dict()
+    assert sorted(state["state"]) == sorted(expected["state"]) == list(range(5))
+    for i, p in enumerate(reference.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state["state"][i][key].shape == p.shape, key
+            torch.testing.assert_close(state["state"][i][key], expected["state"][i][key], atol=1e-6, rtol=0)
+        assert float(state["state"][i]["step"]) == 3
+        if mode == "full":
+            torch.testing.assert_close(state["state"][i]["master"], p.detach(), atol=1e-6, rtol=0)
+    assert {g["lr"] for g in state["param_groups"]} == {LR}
+
+    resumed_model = _small_model()
+    with torch.no_grad():
+        for p, q in zip(resumed_model.parameters(), model.parameters()):
+            p.copy_(q if mode != "full" else torch.zeros_like(q))  # offload=full takes its weights from the masters
+    one_chunk = {"optimizer": OptimizerOffload(chunk_mib=1.0), "full": FullOffload(chunk_mib=1.0, numa_bind=False)}[mode]
+    resumed = one_chunk.build(resumed_model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+    assert len(resumed.chunk_optimizers) == 1 < len(optimizer.chunk_optimizers)
+    hyperparameters = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+    groups = [{**g, **hyperparameters} for g in resumed.state_dict()["param_groups"]]
+    resumed.load_state_dict({"state": state["state"], "param_groups": groups})
+    assert resumed.param_groups[0] is resumed.chunk_optimizers[0].param_groups[0]
+    for step in range(3, 6):
+        for m, o in ((model, optimizer), (resumed_model, resumed)):
+            _loss(m, step).backward()
+            o.step()
+            o.zero_grad()
+    assert_all_close(list(resumed_model.parameters()), list(model.parameters()), atol=0)
 
 
 def test_zero_grad_clears_the_models_gradients():

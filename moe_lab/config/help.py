@@ -61,11 +61,22 @@ def help_text() -> str:
         lines.append(f"    {name:<24} {option_line(path)}")
     lines += ["", "== Keys (key=value; the default shown) =="]
     for section, schema in SECTIONS.items():
-        for f in dataclasses.fields(schema):
-            default = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
-            lines.append(f"  {section}.{f.name}={default}".ljust(36) + f" {f.metadata['help']}")
+        lines += key_lines(section, schema)
     lines += ["", "Group options' own keys (model.num_layers, dispatcher.backend, ...): see --cfg job.", "", "$FLAGS_HELP"]
     return "\n".join(lines).replace("${", "$${") + "\n"
+
+
+def key_lines(prefix: str, schema) -> list[str]:
+    """One line per key of a schema section, a nested section's keys under its own prefix."""
+    lines = []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.default_factory):  # a nested section
+            lines.append(f"  {prefix}.{f.name}.*".ljust(40) + f" {f.metadata['help']}:")
+            lines += key_lines(f"{prefix}.{f.name}", f.default_factory)
+            continue
+        default = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
+        lines.append(f"  {prefix}.{f.name}={default}".ljust(40) + f" {f.metadata['help']}")
+    return lines
 
 
 def register_help() -> str:

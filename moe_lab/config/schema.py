@@ -17,6 +17,15 @@ def _key(default, help: str):
 
 
 @dataclass
+class CheckpointConfig:
+    every: Optional[int] = _key(0, "save a training checkpoint every N steps; 0 or null: never (but see on_signal)")
+    dir: Optional[str] = _key(None, "where checkpoints go; null: <run dir>/checkpoints (one directory per run)")
+    keep: Optional[int] = _key(2, "complete checkpoints kept, the newest; older ones are deleted; null keeps all")
+    on_signal: bool = _key(False, "on SIGTERM / SIGINT, save a checkpoint at the step every rank stops at")
+    async_save: bool = _key(False, "write checkpoints in the background (a host copy of the state is taken first)")
+
+
+@dataclass
 class TrainerConfig:
     steps: int = _key(100, "optimizer steps of the run")
     grad_accum: int = _key(
@@ -35,6 +44,10 @@ class TrainerConfig:
     seed: int = _key(0, "initial weights: the same seed gives the same model on every mesh shape")
     dry_run: bool = _key(False, "build on the meta device, print parameter counts, stop")
     init_checkpoint: Optional[str] = _key(None, "Hugging Face safetensors directory to start from")
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"help": "training checkpoints (torch.distributed.checkpoint)"}
+    )
+    resume: str = _key("auto", "auto (newest complete checkpoint of trainer.checkpoint.dir, if any) | never | a checkpoint")
     peak_flops: Optional[float] = _key(None, "per-GPU peak FLOP/s for MFU; null looks the GPU up")
     skip_done: bool = _key(True, "in a sweep, skip points whose directory holds an ok result of the same config")
     eval_every: int = _key(0, "validation loss on the held-out split every N steps and after the last (eval_loss); 0 disables")

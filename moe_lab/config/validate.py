@@ -23,6 +23,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.options import Options, build_options
 from moe_lab.config.runtime import world_size
@@ -57,10 +58,17 @@ def check_known_keys(cfg: DictConfig) -> None:
         if key not in hints:
             raise ConfigError(key, f"unknown top-level key; allowed: {', '.join(hints)}")
         if dataclasses.is_dataclass(hints[key]):
-            fields = [f.name for f in dataclasses.fields(hints[key])]
-            unknown = [k for k in cfg[key] if k not in fields]
-            if unknown:
-                raise ConfigError(f"{key}.{unknown[0]}", f"unknown key; allowed: {', '.join(fields)}")
+            _check_section(key, cfg[key], hints[key])
+
+
+def _check_section(prefix: str, node, schema) -> None:
+    hints = typing.get_type_hints(schema)
+    unknown = [k for k in node if k not in hints]
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}", f"unknown key; allowed: {', '.join(hints)}")
+    for key, hint in hints.items():
+        if dataclasses.is_dataclass(hint) and isinstance(node.get(key), DictConfig):
+            _check_section(f"{prefix}.{key}", node[key], hint)
 
 
 def check_resolves(cfg: DictConfig) -> None:
@@ -195,6 +203,7 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.eval_batches >= 1, "trainer.eval_batches", f"must be >= 1, got {t.eval_batches}")
     _require(t.expert_load_every >= 0, "trainer.expert_load_every", f"must be >= 0, got {t.expert_load_every}")
     check_init_checkpoint(t.init_checkpoint, m)
+    check_checkpointing(t)
     pr = cfg.profile
     # The first step span opens when the profiler starts, before the model is built: never record it.
     _require(pr.wait >= 1, "profile.wait", f"must be >= 1, got {pr.wait}")
@@ -249,6 +258,21 @@ def check_init_checkpoint(path, model: DictConfig) -> None:
 
     if (Path(path) / CONFIG).is_file():
         check_agrees(OmegaConf.to_container(model, resolve=True), path, "trainer.init_checkpoint")
+
+
+def check_checkpointing(t) -> None:
+    c = t.checkpoint
+    _require(c.every is None or c.every >= 0, "trainer.checkpoint.every", f"must be null or >= 0, got {c.every}")
+    _require(c.keep is None or c.keep >= 1, "trainer.checkpoint.keep", f"must be null (keep all) or >= 1, got {c.keep}")
+    _require(c.dir is None or c.dir != "", "trainer.checkpoint.dir", "must be null (the run directory's checkpoints/) or a path, got ''")
+    if t.resume not in ("auto", "never"):
+        problem = checkpoint_directory.why_incomplete(t.resume)
+        _require(
+            problem is None,
+            "trainer.resume",
+            f"must be auto, never or a complete checkpoint (a step_<N> directory holding {checkpoint_directory.MARKER}), "
+            f"got {t.resume!r}: {problem}",
+        )
 
 
 def _require(ok: bool, key: str, message: str) -> None:

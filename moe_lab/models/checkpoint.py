@@ -135,20 +135,69 @@ def model_tensor_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], directory: str | Path) -> None:
-    """Write an unsharded model's state dict in the published per-expert layout (one file)."""
-    out = {}
+def published_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One of the model's tensors in the published per-expert layout: an expert stack becomes a matrix per expert
+    and projection, anything else stays as it is."""
+    prefix, _, kind = name.rpartition(".")
+    if kind == "gate_up_proj":
+        out = []
+        for e, stacked in enumerate(tensor):
+            gate, up = stacked.chunk(2)
+            out += [(f"{prefix}.{e}.gate_proj.weight", gate.contiguous()), (f"{prefix}.{e}.up_proj.weight", up.contiguous())]
+        return out
+    if kind == "down_proj" and prefix.endswith("mlp.experts"):
+        return [(f"{prefix}.{e}.down_proj.weight", matrix.contiguous()) for e, matrix in enumerate(tensor)]
+    return [(name, tensor.contiguous())]
+
+
+class SafetensorsWriter:
+    """Tensors into a Hugging Face checkpoint directory as they come, holding one shard in memory: files of at most
+    ``max_shard_bytes`` (a larger tensor gets one of its own), ``model-0000i-of-0000n.safetensors`` with
+    ``model.safetensors.index.json``, or one ``model.safetensors`` when everything fits in one (or no limit)."""
+
+    def __init__(self, directory: str | Path, max_shard_bytes: int | None = None):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.shard: dict[str, torch.Tensor] = {}
+        self.shard_bytes = 0
+        self.written: list[tuple[Path, list[str]]] = []  # (file, its tensors) of the shards written so far
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.shard and self.max_shard_bytes is not None and self.shard_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.shard[name] = tensor
+        self.shard_bytes += size
+        self.total_bytes += size
+
+    def close(self) -> None:
+        if self.shard or not self.written:
+            self._flush()
+        if len(self.written) == 1:
+            self.written[0][0].rename(self.directory / SINGLE)
+            return
+        weight_map = {}
+        for i, (path, names) in enumerate(self.written, 1):
+            final = f"model-{i:05d}-of-{len(self.written):05d}.safetensors"
+            path.rename(self.directory / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.directory / INDEX).write_text(json.dumps(index, indent=2))
+
+    def _flush(self) -> None:
+        path = self.directory / f".shard-{len(self.written) + 1:05d}.safetensors"  # renamed once the count is known
+        save_file(self.shard, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.shard)))
+        self.shard, self.shard_bytes = {}, 0
+
+
+def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], directory: str | Path, max_shard_bytes: int | None = None) -> None:
+    """Write an unsharded model's state dict in the published per-expert layout: one file, or shards of at most
+    ``max_shard_bytes`` with an index."""
+    writer = SafetensorsWriter(directory, max_shard_bytes)
     for name, tensor in state_dict.items():
-        prefix, _, kind = name.rpartition(".")
-        if kind == "gate_up_proj":
-            for e, stacked in enumerate(tensor):
-                gate, up = stacked.chunk(2)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
-                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
-        elif kind == "down_proj" and prefix.endswith("mlp.experts"):
-            for e, matrix in enumerate(tensor):
-                out[f"{prefix}.{e}.down_proj.weight"] = matrix.contiguous()
-        else:
-            out[name] = tensor.contiguous()
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    save_file(out, str(Path(directory) / SINGLE), metadata={"format": "pt"})
+        for published, matrix in published_tensors(name, tensor):
+            writer.add(published, matrix)
+    writer.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -26,3 +27,9 @@ def build_meshes(device_type: str, ep: int) -> Meshes:
     grid = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_shard", "ep"))
     dense = grid._flatten("dp_shard")
     return Meshes(dense=dense, expert_shard=grid["expert_shard"], ep=grid["ep"])
+
+
+def grid_ranks(world: int, ep: int) -> torch.Tensor:
+    """The ranks of the (expert_shard, ep) grid as ``build_meshes`` lays them out (init_device_mesh fills it row by
+    row): rank r at (r // ep, r % ep)."""
+    return torch.arange(world).reshape(world // ep, ep)

@@ -22,12 +22,17 @@ SOURCE_DIR = Path(__file__).resolve().parents[1]  # the moe_lab package
 def write_json_atomic(path: str | Path, obj) -> None:
     """Write ``obj`` to ``path`` whole or not at all (temp file + rename); a failed write leaves no temp file. The
     record is readable by the group and others, as a plain file write would be (mkstemp makes it owner-only)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all, as ``write_json_atomic``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -48,10 +53,22 @@ def read_result(run_dir: str | Path) -> dict | None:
 
 
 class MetricsLog:
-    """One JSON line per step; a crash loses at most the line being written. A re-run starts the file afresh."""
+    """One JSON line per step; a crash loses at most the line being written. A run starts the file afresh; one that
+    resumes at step ``first_step`` keeps the rows of the steps before it and goes on (rows an interrupted attempt
+    wrote after its last checkpoint are dropped, as is a line cut short)."""
 
-    def __init__(self, run_dir: str | Path):
-        self.file = open(Path(run_dir) / METRICS, "w")
+    def __init__(self, run_dir: str | Path, first_step: int = 0):
+        path = Path(run_dir) / METRICS
+        kept = []
+        if first_step > 0 and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < first_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+        write_text_atomic(path, "".join(kept))
+        self.file = open(path, "a")
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")

@@ -59,6 +59,10 @@ class NoOffload:
     def before_micro_batch(self, optimizer: torch.optim.Optimizer, final: bool) -> None:
         """Nothing to do: gradients accumulate in ``.grad`` and ``step()`` reads them after the final one."""
 
+    def state_device(self, training_device: torch.device) -> torch.device:
+        """Where the optimizer keeps its state (a checkpoint loads it there)."""
+        return training_device
+
 
 class OptimizerOffload:
     """Optimizer state in pinned host memory, streamed through the device chunk by chunk at each step; weights and
@@ -72,6 +76,9 @@ class OptimizerOffload:
 
     def validate(self, cfg: DictConfig) -> None:
         _check_chunking(self.chunk_mib, self.max_inflight)
+
+    def state_device(self, training_device: torch.device) -> torch.device:
+        return torch.device("cpu")
 
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> StreamedStateOptimizer:
         chunk_numel = int(self.chunk_mib * 2**20) // 4
@@ -133,6 +140,9 @@ class FullOffload:
                     numa.numa_node(numa.pci_address(gpu), self.sysfs_root)
             except numa.NumaTopologyError as e:
                 raise ConfigError("offload.numa_bind", f"{e}; set offload.numa_bind=false to run without binding") from None
+
+    def state_device(self, training_device: torch.device) -> torch.device:
+        return torch.device("cpu")
 
     def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> InBackwardOptimizer:
         cpus = self._bind(_training_device(model))  # before any host state exists

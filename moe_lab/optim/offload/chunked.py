@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from moe_lab.parallel.sharding import local_shard
+from moe_lab.parallel.sharding import local_shard, shaped_like
 
 
 def chunked(params: Iterable[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
@@ -31,8 +31,15 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     ``param_groups`` are the chunk optimizers' own group dicts, the same objects, so an LR that a
     ``torch.optim.lr_scheduler`` writes into one is the LR its chunk steps with. The gradients are the model
-    parameters' (``params``): ``zero_grad`` clears those. The optimizer state lives in the chunk optimizers (and
-    moves between host and device), so ``state_dict`` / ``load_state_dict`` are not provided.
+    parameters' (``params``): ``zero_grad`` clears those.
+
+    ``state_dict()`` is torch's format in terms of the model's parameters, whatever the chunks hold: ``state`` maps
+    the position of a parameter in ``params`` (the model's parameters in order, as for a torch optimizer built over
+    ``model.parameters()``) to that parameter's state, each per-element tensor shaped like the parameter (a DTensor
+    where the parameter is one, see ``moe_lab.parallel.sharding.shaped_like``) and left where the optimizer keeps it
+    (host memory); ``param_groups`` are the chunks' groups, ``params`` naming positions in ``params``.
+    ``load_state_dict`` takes that format, with the groups of this optimizer's own ``state_dict()`` (hyperparameters
+    may differ) and state tensors on any device, so a checkpoint written at another chunking or mesh loads.
     """
 
     def __init__(self, params: list[nn.Parameter], chunk_optimizers: list[torch.optim.Optimizer]):
@@ -62,8 +69,56 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             if p.grad is not None:
                 p.grad = None if set_to_none else p.grad.detach().zero_()  # zeroed in place, out of any graph
 
-    def state_dict(self):
-        raise NotImplementedError(f"{type(self).__name__} keeps its state in its chunk optimizers; saving it is not implemented")
+    def state_dict(self) -> dict:
+        self._settle()
+        position = {p: i for i, p in enumerate(self.params)}
+        state, groups = {}, []
+        for chunk, optimizer in zip(self._chunks(), self.chunk_optimizers):
+            (group,) = optimizer.param_groups
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [position[p] for p in chunk.params]})
+            for p, entry in zip(chunk.params, self._param_states(chunk)):
+                state[position[p]] = {
+                    key: shaped_like(p, value) if torch.is_tensor(value) and value.dim() > 0 else value
+                    for key, value in entry.items()
+                }
+        return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict) -> None:
-        raise NotImplementedError(f"{type(self).__name__} keeps its state in its chunk optimizers; loading it is not implemented")
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        position = {p: i for i, p in enumerate(self.params)}
+        expected = [[position[p] for p in chunk.params] for chunk in self._chunks()]
+        if [list(g["params"]) for g in groups] != expected:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: param_groups must be those of this optimizer's state_dict()")
+        self._settle()
+        for chunk, group in zip(self._chunks(), groups):
+            # Copies: the state may be another optimizer's still in use (torch's own load would share a step count).
+            entries = [
+                {key: local_shard(v).clone() if torch.is_tensor(v) else v for key, v in state_dict["state"].get(position[p], {}).items()}
+                for p in chunk.params
+            ]
+            self._load_chunk(chunk, {k: v for k, v in group.items() if k != "params"}, entries)
+
+    def _chunks(self) -> list:
+        """The chunks, each with ``params`` (model parameters) and in the order of ``chunk_optimizers``."""
+        raise NotImplementedError
+
+    def _settle(self) -> None:
+        """Wait for state still in flight (copies on a side stream, a worker's step) before it is read or replaced."""
+
+    def _param_states(self, chunk) -> list[dict]:
+        """Each parameter's state in ``chunk``: per-element tensors shaped like its local shard, other values as is."""
+        raise NotImplementedError
+
+    def _load_chunk(self, chunk, hyperparameters: dict, entries: list[dict]) -> None:
+        """Install each parameter's state (per-element tensors shaped like its local shard, on any device)."""
+        raise NotImplementedError
+
+
+def load_keeping_group(optimizer: torch.optim.Optimizer, state: dict[int, dict], hyperparameters: dict) -> None:
+    """torch's ``load_state_dict`` on a one-group chunk optimizer (it puts each value where the optimizer wants it:
+    AdamW's step count on the parameter's device for the fused kernel, and so on), keeping the group the same dict:
+    that dict is also the chunked optimizer's, where LR schedulers write."""
+    (group,) = optimizer.param_groups
+    group.update(hyperparameters)
+    optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(group["params"])))}]})
+    optimizer.param_groups[0] = group

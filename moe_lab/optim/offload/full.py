@@ -30,10 +30,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked
+from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked, load_keeping_group
 from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, synchronize
 from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer
 from moe_lab.parallel.sharding import local_shard
+
+# The state key of a parameter's fp32 master in ``state_dict()``: a checkpoint of this optimizer holds the weights at
+# full precision there, whatever the device copies' dtype.
+MASTER = "master"
 
 
 class MasterChunk:
@@ -214,6 +218,51 @@ class InBackwardOptimizer(ChunkedOptimizer):
             raise TimeoutError(f"offload=full: {self.in_flight} chunk(s) not stepped after {self.timeout_s} s (offload.timeout_s)")
         if self.h2d.stream is not None:  # the next forward reads the new weights
             torch.cuda.current_stream(self.h2d.stream.device).wait_stream(self.h2d.stream)
+
+    def _chunks(self) -> list[MasterChunk]:
+        return self.chunks
+
+    def _settle(self) -> None:
+        with self.done:
+            self.done.wait_for(lambda: self.in_flight == 0, timeout=self.timeout_s)
+        self._raise_worker_error()
+        if self.h2d.stream is not None:
+            self.h2d.stream.synchronize()
+
+    def _param_states(self, chunk: MasterChunk) -> list[dict]:
+        """The master and the chunk's optimizer state, sliced per parameter (the step count is the chunk's)."""
+        flat = chunk.optimizer.state.get(chunk.master, {})
+        states = []
+        for p, (offset, size) in chunk.offsets.items():
+            shape = local_shard(p).shape
+            entry = {MASTER: chunk.master.detach()[offset : offset + size].view(shape)}
+            for key, value in flat.items():
+                per_element = torch.is_tensor(value) and value.dim() > 0
+                entry[key] = value[offset : offset + size].view(shape) if per_element else value
+            states.append(entry)
+        return states
+
+    @torch.no_grad()
+    def _load_chunk(self, chunk: MasterChunk, hyperparameters: dict, entries: list[dict]) -> None:
+        """Masters and state into the chunk's flat host tensors, then the device weights from the masters. Without a
+        master (a checkpoint of another offload mode) a parameter's master is its weight."""
+        for p, entry in zip(chunk.params, entries):
+            offset, size = chunk.offsets[p]
+            chunk.master[offset : offset + size].copy_(entry.get(MASTER, local_shard(p)).reshape(-1))
+        flat = {}
+        for key in {key for entry in entries for key in entry} - {MASTER}:
+            values = [entry.get(key) for entry in entries]
+            if any(v is None for v in values):
+                raise ValueError(f"offload=full: optimizer state {key!r} is missing for some parameters of a chunk")
+            if torch.is_tensor(values[0]) and values[0].dim() > 0:
+                flat[key] = torch.empty(chunk.numel, dtype=values[0].dtype)
+                for (offset, size), value in zip(chunk.offsets.values(), values):
+                    flat[key][offset : offset + size].copy_(value.reshape(-1))
+            else:
+                flat[key] = values[0]  # one per chunk (AdamW's step count): each of its parameters carries it
+        load_keeping_group(chunk.optimizer, {0: flat} if flat else {}, hyperparameters)
+        for p, (offset, size) in chunk.offsets.items():
+            local_shard(p).detach().copy_(chunk.master[offset : offset + size].view(local_shard(p).shape))
 
     def _raise_worker_error(self) -> None:
         if self.error is not None:

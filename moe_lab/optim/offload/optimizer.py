@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked
+from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked, load_keeping_group
 from moe_lab.optim.offload.host import SideStream, host_empty, synchronize
 from moe_lab.parallel.sharding import local_shard
 
@@ -95,3 +95,20 @@ class StreamedStateOptimizer(ChunkedOptimizer):
                     self.d2h.copy(host, value)
                     state[key] = host
         return self.d2h.record()
+
+    def _chunks(self) -> list[StateChunk]:
+        return self.chunks
+
+    def _settle(self) -> None:
+        if self.d2h.stream is not None:  # the last chunks' state may still be on its way home
+            self.d2h.stream.synchronize()
+
+    def _param_states(self, chunk: StateChunk) -> list[dict]:
+        return [dict(chunk.optimizer.state.get(shard, {})) for shard in chunk.shards]
+
+    def _load_chunk(self, chunk: StateChunk, hyperparameters: dict, entries: list[dict]) -> None:
+        for p, shard in zip(chunk.params, chunk.shards):
+            shard.data = local_shard(p)
+        # torch puts the state on the device; it goes home at once, as after a step, one chunk at a time.
+        load_keeping_group(chunk.optimizer, {i: e for i, e in enumerate(entries) if e}, hyperparameters)
+        synchronize(self._offload(chunk))

@@ -1,0 +1,369 @@
+"""The whole training state through torch.distributed.checkpoint (DCP): every rank writes its pieces in parallel,
+and any mesh shape reads them back (DCP reshards by each tensor's place in the whole one).
+
+A checkpoint's DCP keys:
+
+    model/<name>              each parameter, as this rank's piece of the whole parameter (``GlobalLayout``)
+    optimizer/<name>/<key>    each parameter's optimizer state tensors: per-element ones laid out like the
+                              parameter, scalars (AdamW's step count) as they are; offload=full adds each fp32 master
+    optimizer_value/<name>/<key>  state that is not a tensor, pickled
+    param_group/<name>        the hyperparameters of the parameter's group (the LR where the schedule left it, ...),
+                              pickled, as are the objects below
+    scheduler                 the LR scheduler's state
+    progress                  steps done and the loss of each
+    rng/rank<r>, data/rank<r> each rank's random generators and data position (read back at the same world size)
+
+The optimizer is read and restored through ``state_dict`` / ``load_state_dict`` in torch's format over the model's
+parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode. On disk a
+checkpoint is complete or absent (``moe_lab.checkpoint.directory``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import pickle
+import random
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from moe_lab.checkpoint import directory as ckpt_dir
+from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
+
+log = logging.getLogger("moe_lab")
+# Marks background saves complete once written, one at a time (a save waits for the one before).
+_MARKER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-marker")
+
+
+@dataclass
+class Progress:
+    """How far a run is: optimizer steps done, and the loss of each."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def advance(self, loss: float) -> None:
+        self.step += 1
+        self.losses.append(loss)
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not fit the run resuming from it; the message names the checkpoint and the key."""
+
+
+class Checkpointer:
+    """Saves and restores one run's training state; built once, after the model, optimizer and scheduler.
+
+    ``restore()`` before the loop (where ``trainer.resume`` says), ``maybe_save(progress)`` after each step
+    (every ``trainer.checkpoint.every`` steps), ``save(progress)`` on a signal, ``close()`` at the end (waits for a
+    save still being written in the background). Every rank calls each of them at the same step.
+    """
+
+    def __init__(
+        self,
+        settings,
+        resume: str,
+        run_dir: str | Path,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        data,
+        device: torch.device,
+        state_device: torch.device,
+        config: dict,
+        model_config: dict,
+    ):
+        self.every, self.keep, self.async_save = settings.every or 0, settings.keep, settings.async_save
+        self.directory = ckpt_dir.checkpoint_dir(settings.dir, run_dir)
+        self.resume = resume
+        self.optimizer, self.scheduler, self.data = optimizer, scheduler, data
+        self.device, self.state_device = device, state_device
+        self.config, self.model_config = config, model_config
+        self.layout = GlobalLayout(model)
+        # Optimizer state is indexed by position in model.parameters(), as a torch optimizer built over them has it.
+        self.names = [name for name, _ in model.named_parameters()]
+        self.params = dict(model.named_parameters())
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # Background saves talk over a group of their own: the training loop's collectives never interleave with them.
+        self._group = dist.new_group(backend="gloo") if self.async_save and self.world > 1 else None
+        self._pending: Future | None = None  # the background save being written, then marked complete
+        self.resumed_from: Path | None = None
+
+    # ---- restore ----
+
+    def restore(self) -> Progress:
+        """Load the checkpoint ``trainer.resume`` names (auto: the newest complete one here, if any); the progress
+        to continue from. Also clears what a killed run left half-written in the checkpoint directory."""
+        chosen = None
+        if self.rank == 0:
+            ckpt_dir.remove_leftovers(self.directory)
+            if self.resume == "auto":
+                chosen = ckpt_dir.newest(self.directory)
+            elif self.resume != "never":
+                chosen = Path(self.resume)
+        chosen = _from_rank0(chosen)  # every rank reads the checkpoint rank 0 chose
+        if chosen is None:
+            return Progress()
+        progress = self._load(chosen)
+        self.resumed_from = chosen
+        log.info("resumed from %s at step %d", chosen, progress.step)
+        return progress
+
+    def _load(self, path: Path) -> Progress:
+        marker = ckpt_dir.read_marker(path)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        same_world = marker["world_size"] == self.world
+        current = self.optimizer.state_dict()
+        position = {name: i for i, name in enumerate(self.names)}
+        target: dict = {}  # what DCP fills in place, by key
+        for name in self.names:
+            self._check_shape(path, saved, f"model/{name}", name)
+            target[f"model/{name}"] = self.layout.view(name, local_shard(self.params[name]).detach())
+        for key, meta in saved.items():
+            kind, name, state_key = _split(key)
+            if kind in OBJECTS:
+                if kind not in PER_RANK or same_world and name == f"rank{self.rank}":
+                    target[key] = torch.empty(meta.size, dtype=torch.uint8)
+                continue
+            if kind != "optimizer":
+                continue
+            if name not in position:
+                raise CheckpointMismatch(f"checkpoint {path}: {key} is the state of a parameter this model lacks")
+            if len(meta.size) == 0:  # a scalar (AdamW's step count)
+                target[key] = torch.empty((), dtype=meta.properties.dtype)
+                continue
+            self._check_shape(path, saved, key, name)
+            existing = current["state"].get(position[name], {}).get(state_key)
+            if torch.is_tensor(existing) and existing.dtype == meta.properties.dtype:
+                local = local_shard(existing).detach()  # loaded in place (offload=full's masters)
+            else:
+                local = torch.empty(self.layout.local_shape(name), dtype=meta.properties.dtype, device=self.state_device)
+            target[key] = self.layout.view(name, local)
+        with torch.no_grad():
+            dcp.load(target, checkpoint_id=str(path), planner=_load_planner(), no_dist=not dist.is_initialized())
+
+        state: dict[int, dict] = {}
+        for key, value in target.items():
+            kind, name, state_key = _split(key)
+            if kind == "optimizer":
+                value = shaped_like(self.params[name], local_shard(value)) if value.dim() > 0 else value
+            elif kind == "optimizer_value":
+                value = _unpickled(value)
+            else:
+                continue
+            state.setdefault(position[name], {})[state_key] = value
+        groups = []
+        for group in current["param_groups"]:
+            key = f"param_group/{self.names[group['params'][0]]}"
+            if key not in target:
+                raise CheckpointMismatch(f"checkpoint {path}: no {key}")
+            groups.append({**group, **_unpickled(target[key])})
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.scheduler.load_state_dict(_regrouped(_unpickled(target["scheduler"]), len(groups), path))
+        if same_world:
+            _set_rng_state(_unpickled(target[f"rng/rank{self.rank}"]), self.device)
+            self.data.load_state_dict(_unpickled(target[f"data/rank{self.rank}"]))
+        else:
+            log.info(
+                "checkpoint %s was written by %d ranks, this run has %d: random generator states and data positions "
+                "start afresh", path, marker["world_size"], self.world,
+            )  # fmt: skip
+        progress = _unpickled(target["progress"])
+        return Progress(progress["step"], list(progress["losses"]))
+
+    def _check_shape(self, path: Path, saved: dict, key: str, name: str) -> None:
+        if key not in saved:
+            raise CheckpointMismatch(f"checkpoint {path}: no {key} (a checkpoint of another model?)")
+        if tuple(saved[key].size) != tuple(self.layout.shape(name)):
+            raise CheckpointMismatch(
+                f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this model's is {tuple(self.layout.shape(name))}"
+            )
+
+    # ---- save ----
+
+    def maybe_save(self, progress: Progress) -> None:
+        if self.every and progress.step % self.every == 0:
+            self.save(progress, background=self.async_save)
+
+    def save(self, progress: Progress, background: bool = False) -> Path:
+        """Write a checkpoint of ``progress.step``; returns where it is (complete once written and marked)."""
+        self._wait()
+        final = ckpt_dir.complete_path(self.directory, progress.step)
+        if _from_rank0(final.exists()):  # this step's state is already there (a run that resumed from it)
+            return final
+        partial = ckpt_dir.partial_path(self.directory, progress.step)
+        if background:  # a host copy of the state is taken now, the files are written by a thread of DCP's
+            written = dcp.async_save(
+                self._state_dict(progress, copy=True), checkpoint_id=str(partial), planner=_save_planner(),
+                process_group=self._group, no_dist=not dist.is_initialized(), async_stager=_AlreadyCopied(),
+            )  # fmt: skip
+            self._pending = _MARKER_THREAD.submit(self._finish_when_written, written, progress.step)
+        else:
+            dcp.save(self._state_dict(progress), checkpoint_id=str(partial), planner=_save_planner(), no_dist=not dist.is_initialized())
+            self._finish(progress.step)
+        return final
+
+    def close(self) -> None:
+        """Wait for a background save to be written and marked complete."""
+        self._wait()
+
+    def _state_dict(self, progress: Progress, copy: bool = False) -> dict:
+        """The state as DCP saves it; ``copy``: its tensors copied to host memory (else the live ones)."""
+
+        def piece(t: torch.Tensor) -> torch.Tensor:
+            t = local_shard(t).detach()
+            return t.to("cpu", copy=True) if copy else t
+
+        state: dict = {f"model/{name}": self.layout.view(name, piece(p)) for name, p in self.params.items()}
+        optimizer = self.optimizer.state_dict()
+        for position, entries in optimizer["state"].items():
+            name = self.names[position]
+            for key, value in entries.items():
+                if not torch.is_tensor(value):
+                    state[f"optimizer_value/{name}/{key}"] = _pickled(value)
+                elif value.dim() == 0:  # a scalar (AdamW's step count)
+                    state[f"optimizer/{name}/{key}"] = piece(value)
+                else:
+                    local = piece(value)
+                    if local.shape != self.layout.local_shape(name):
+                        raise ValueError(f"optimizer state {key!r} of {name} is not shaped like the parameter: {tuple(local.shape)}")
+                    state[f"optimizer/{name}/{key}"] = self.layout.view(name, local)
+        for group in optimizer["param_groups"]:
+            hyperparameters = _pickled({k: v for k, v in group.items() if k != "params"})
+            for position in group["params"]:
+                state[f"param_group/{self.names[position]}"] = hyperparameters
+        state["scheduler"] = _pickled(self.scheduler.state_dict())
+        state["progress"] = _pickled({"step": progress.step, "losses": list(progress.losses)})
+        state[f"rng/rank{self.rank}"] = _pickled(_rng_state(self.device))
+        state[f"data/rank{self.rank}"] = _pickled(self.data.state_dict())
+        return state
+
+    def _finish(self, step: int) -> None:
+        """Every rank's data is on disk (DCP's save returns once rank 0 has written the metadata after all ranks'
+        writes): rank 0 marks the checkpoint complete and prunes old ones."""
+        if self.rank != 0:
+            return
+        partial, final = ckpt_dir.partial_path(self.directory, step), ckpt_dir.complete_path(self.directory, step)
+        marker = {
+            "step": step,
+            "world_size": self.world,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "model": self.model_config,
+            "config": self.config,
+        }
+        (partial / ckpt_dir.MARKER).write_text(json.dumps(marker, indent=2, default=str))
+        partial.rename(final)
+        ckpt_dir.prune(self.directory, self.keep)
+        log.info("checkpoint: %s", final)
+
+    def _finish_when_written(self, written: Future, step: int) -> None:
+        written.result()
+        self._finish(step)
+
+    def _wait(self) -> None:
+        """Wait for the background save; its failure is raised here, on the training thread."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+
+# Objects that are not tensors (the scheduler's state, hyperparameters, random generator states) go in pickled, as
+# uint8 tensors: DCP reads tensors into the dict it is given, which its own path for objects does not do.
+OBJECTS = ("param_group", "optimizer_value", "scheduler", "progress", "rng", "data")
+PER_RANK = ("rng", "data")  # keyed by rank, read back at the same world size only
+
+
+def _split(key: str) -> tuple[str, str, str]:
+    """``kind/name[/state key]`` -> (kind, name, state key); parameter names hold dots, never slashes."""
+    kind, _, rest = key.partition("/")
+    if kind in ("optimizer", "optimizer_value"):
+        name, _, state_key = rest.rpartition("/")
+        return kind, name, state_key
+    return kind, rest, ""
+
+
+def _pickled(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(tensor: torch.Tensor):
+    return pickle.loads(tensor.numpy().tobytes())
+
+
+class _AlreadyCopied(AsyncStager):
+    """DCP's own staging copies each tensor's whole storage (all of offload=full's flat masters for one
+    parameter's view) and fails on a DTensor over a view at an offset (torch 2.13); ``_state_dict(copy=True)`` has
+    copied just the pieces."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict, **kwargs):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _save_planner():
+    # Flat keys, each a tensor.
+    return dcp.DefaultSavePlanner(flatten_state_dict=False)
+
+
+def _load_planner():
+    return dcp.DefaultLoadPlanner(flatten_state_dict=False)
+
+
+# An LR scheduler's values per param group. The offload modes have a group per chunk, so their number follows the
+# chunking, which follows the mesh; the schedule gives every group the same LR (warmup_cosine checks it).
+PER_GROUP = ("base_lrs", "_last_lr")
+
+
+def _regrouped(state, groups: int, path: Path):
+    """A scheduler's state (nested schedulers' included) for ``groups`` param groups."""
+    if isinstance(state, list):
+        return [_regrouped(item, groups, path) for item in state]
+    if not isinstance(state, dict):
+        return state
+    out = {}
+    for key, value in state.items():
+        if key in PER_GROUP and len(value) != groups:
+            if len(set(value)) != 1:
+                raise CheckpointMismatch(f"checkpoint {path}: the LR schedule's {key} differs between param groups, {value}")
+            value = value[:1] * groups
+        out[key] = _regrouped(value, groups, path)
+    return out
+
+
+def _from_rank0(value):
+    if not dist.is_initialized():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

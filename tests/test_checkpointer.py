@@ -1,0 +1,124 @@
+"""Training checkpoints in process (issue 17): complete or absent on disk, pruning, background (async) saves that
+resume exactly at world 1 and at world 2 with EP 2, a checkpoint of another model refused naming the tensor, and
+``trainer.resume`` checked at compose time, ``auto`` refusing a checkpoint of another configuration. The jobs killed and signalled for real are tests/test_resume.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from moe_lab import config, job
+from moe_lab.checkpoint import directory as ckpt_dir
+from moe_lab.checkpoint.checkpointer import CheckpointMismatch
+from moe_lab.config import ConfigError
+from moe_lab.trainer import train
+from tests.distributed import run_world
+from tests.test_offload import compose_train
+
+SMALL = ["trainer.steps=6", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1"]
+
+
+def train_in_process(overrides: list[str], run_dir) -> dict:
+    cfg = compose_train(SMALL + overrides)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return train(cfg, config.validate(cfg), run_dir, torch.device("cpu"), rank, world)
+
+
+def fake_checkpoint(directory, step: int, marker: bool = True):
+    path = ckpt_dir.complete_path(directory, step)
+    path.mkdir(parents=True)
+    (path / ckpt_dir.DCP_METADATA).write_text("")
+    if marker:
+        (path / ckpt_dir.MARKER).write_text("{}")
+    return path
+
+
+def test_only_marked_step_directories_are_complete_and_pruning_keeps_the_newest(tmp_path):
+    complete = [fake_checkpoint(tmp_path, step) for step in (2, 4, 6)]
+    unmarked = fake_checkpoint(tmp_path, 8, marker=False)  # its writer died before marking it
+    partial = ckpt_dir.partial_path(tmp_path, 10)
+    partial.mkdir()
+    assert ckpt_dir.complete(tmp_path) == complete and ckpt_dir.newest(tmp_path) == complete[-1]
+    assert ckpt_dir.why_incomplete(unmarked) == f"{ckpt_dir.MARKER} is missing"
+    assert "never completed" in ckpt_dir.why_incomplete(partial)
+    assert "the newest is" in ckpt_dir.why_incomplete(tmp_path) and str(complete[-1]) in ckpt_dir.why_incomplete(tmp_path)
+    ckpt_dir.prune(tmp_path, keep=2)
+    assert ckpt_dir.complete(tmp_path) == complete[1:]
+    ckpt_dir.remove_leftovers(tmp_path)
+    assert not partial.exists() and unmarked.exists()  # an unmarked step directory is left alone, and never loaded
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer.checkpoint.every=-1"], "trainer.checkpoint.every"),
+        (["trainer.checkpoint.keep=0"], "trainer.checkpoint.keep"),
+        (["trainer.checkpoint.dir=''"], "trainer.checkpoint.dir"),
+        (["trainer.resume=/nonexistent/step_00000010"], "trainer.resume"),
+        (["+trainer.checkpoint.foo=1"], "trainer.checkpoint.foo"),
+    ],
+)
+def test_bad_checkpoint_settings_fail_naming_their_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        config.validate(compose_train(overrides))
+    assert e.value.key == key
+
+
+def test_resume_names_why_a_path_is_no_checkpoint(tmp_path):
+    fake_checkpoint(tmp_path, 4)
+    partial = ckpt_dir.partial_path(tmp_path, 6)
+    partial.mkdir()
+    for path, why in ((partial, "never completed"), (tmp_path, "a directory of checkpoints")):
+        with pytest.raises(ConfigError, match=why):
+            config.validate(compose_train([f"trainer.resume={path}"]))
+    config.validate(compose_train([f"trainer.resume={ckpt_dir.complete_path(tmp_path, 4)}"]))
+
+
+def test_background_save_resumes_exactly_and_keeps_the_newest(tmp_path):
+    every = ["trainer.checkpoint.every=2", "trainer.checkpoint.async_save=true"]
+    reference = train_in_process(every, tmp_path / "a")
+    assert ckpt_dir.complete(tmp_path / "a" / "checkpoints") == [
+        ckpt_dir.complete_path(tmp_path / "a" / "checkpoints", step) for step in (4, 6)
+    ]  # keep=2
+    resumed_dir = tmp_path / "b"
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000004", resumed_dir / "checkpoints" / "step_00000004")
+    resumed = train_in_process(every, resumed_dir)
+    assert resumed["losses"] == reference["losses"] and resumed["resumed_from"].endswith("step_00000004")
+
+
+def _background_save_world2(run_dir: str) -> list[float]:
+    every = ["trainer.nproc_per_node=2", "parallel.ep=2", "offload=full", "trainer.checkpoint.every=3",
+             "trainer.checkpoint.async_save=true", "trainer.checkpoint.keep=null"]  # fmt: skip
+    reference = train_in_process(every, f"{run_dir}/a")
+    resumed = train_in_process([*every, f"trainer.resume={run_dir}/a/checkpoints/step_00000003"], f"{run_dir}/b")
+    return [reference["losses"], resumed["losses"]]
+
+
+def test_background_save_at_world2_ep2_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for reference, resumed in run_world(2, _background_save_world2, str(tmp_path)):
+        assert resumed == reference and len(reference) == 6
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
+    train_in_process(["trainer.steps=1", "trainer.checkpoint.every=1", "model.moe_intermediate_size=16"], tmp_path / "a")
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000001"
+    with pytest.raises(CheckpointMismatch, match=r"model/model\.layers\.0\.mlp\.experts\.gate_up_proj has shape \(8, 32, 64\), this model's is \(8, 64, 64\)"):
+        train_in_process([f"trainer.resume={checkpoint}"], tmp_path / "b")
+
+
+def test_auto_resume_refuses_a_checkpoint_of_another_configuration(tmp_path):
+    """A killed run leaves checkpoints and no record: the next job into its directory with another configuration
+    stops naming the checkpoint instead of continuing from it (checkpoint settings are no part of the point)."""
+    cfg = compose_train(SMALL)
+    checkpoint = fake_checkpoint(tmp_path / "checkpoints", 4)
+    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"config": job.point_config(compose_train([*SMALL, "ac=full"]))}))
+    with pytest.raises(job.RunDirInUse, match=f"{checkpoint} is a checkpoint of another configuration"):
+        job.earlier_record(tmp_path, cfg, multirun=True)
+    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"config": job.point_config(compose_train([*SMALL, "trainer.checkpoint.every=2"]))}))
+    assert job.earlier_record(tmp_path, cfg, multirun=True) is None  # the same point: it resumes
+    job.earlier_record(tmp_path, compose_train([*SMALL, "ac=full", "trainer.resume=never"]), multirun=True)

@@ -1,0 +1,77 @@
+"""``python -m moe_lab.export`` (issue 17): a training checkpoint becomes a sharded Hugging Face checkpoint that
+transformers' Qwen3MoeForCausalLM loads with the logits of the trained model, as the trainer restores it from the
+same checkpoint (fp32: 1e-5, as tests/test_hf_parity.py); offload=full's fp32 masters are what it exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moe_lab import config
+from moe_lab.checkpoint.checkpointer import Checkpointer
+from moe_lab.models.checkpoint import INDEX, CheckpointReader
+from moe_lab.optim.schedule import warmup_cosine
+from moe_lab.trainer import build_model
+from tests.test_checkpointer import train_in_process
+from tests.test_offload import compose_train
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def export_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "moe_lab.export", *map(str, args)], env=env, capture_output=True, text=True, timeout=300)
+
+
+def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
+    """The model as a run resuming from ``checkpoint`` starts."""
+    cfg = compose_train(overrides)
+    options = config.validate(cfg)
+    device = torch.device("cpu")
+    model = build_model(cfg, options, device, torch.float32)
+    optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
+    scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
+    Checkpointer(
+        cfg.trainer.checkpoint, str(checkpoint), "unused", model=model, optimizer=optimizer, scheduler=scheduler,
+        data=options.data, device=device, state_device=device, config={}, model_config={},
+    ).restore()  # fmt: skip
+    return model.eval()
+
+
+def test_export_loads_in_transformers_with_the_trained_logits(tmp_path):
+    overrides = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=2"]
+    train_in_process(overrides, tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    proc = export_cli(checkpoint, tmp_path / "hf", "--max-shard-size", "200KB")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    weight_map = json.loads((tmp_path / "hf" / INDEX).read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1 and "model.layers.1.mlp.experts.7.down_proj.weight" in weight_map
+    assert all(os.path.getsize(tmp_path / "hf" / f) <= 200_000 + 4096 for f in set(weight_map.values()))  # + header
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = restored_model(overrides, checkpoint)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_full_offload_in_bf16_holds_the_fp32_masters(tmp_path):
+    overrides = ["trainer.steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=1", "offload=full",
+                 "trainer.precision=bf16"]  # fmt: skip
+    train_in_process(overrides, tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert export_cli(checkpoint, tmp_path / "hf", "--max-shard-size", "100MB").returncode == 0
+    name = "model.layers.0.self_attn.q_proj.weight"
+    saved = {f"model/{name}": torch.empty(64, 64, dtype=torch.bfloat16), f"optimizer/{name}/master": torch.empty(64, 64)}
+    dcp.load(saved, checkpoint_id=str(checkpoint), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
+    exported = CheckpointReader(tmp_path / "hf").get(name, (64, 64), torch.float32)
+    assert exported.dtype == torch.float32 and torch.equal(exported, saved[f"optimizer/{name}/master"])
+    assert not torch.equal(exported, saved[f"model/{name}"].float())  # the bf16 weights are the masters rounded

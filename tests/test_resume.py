@@ -1,0 +1,228 @@
+"""Training checkpoints and signals, on real jobs (issue 17): ``python -m moe_lab.train`` in a subprocess, killed or
+signalled while a test data option holds it at a chosen step (``tests.pausing_data``).
+
+- Exact: a run killed with SIGKILL after its step-10 checkpoint (two steps later: metrics.jsonl then holds rows the
+  checkpoint does not) and run again (``trainer.resume=auto``, same run directory) reaches step 20 with the losses
+  of an uninterrupted 20-step run, bit for bit, for offload none / optimizer / full at world 1 and 2 (EP 2 for two
+  of them); its metrics.jsonl holds each step once and its record the losses of all 20.
+- Resharding: a checkpoint resumed at another world size or EP degree continues the loss curve of the run at that
+  mesh within fp32 summation-order tolerance (relative 1e-5; every mesh shape trains like one rank on the same
+  global batch, tests/test_distributed_training.py), its first 10 losses being the checkpoint's own.
+- Signals: SIGTERM to the launcher of two ranks stops both at the same step, saves a checkpoint there
+  (``on_signal``), records ``interrupted`` and exits 143, and the run resumes from it bit for bit; SIGINT ends a
+  single run with 130 and an ``interrupted`` record; in a sweep the signalled point is recorded and the sweep stops,
+  and running it again resumes that point from its checkpoint and runs the rest.
+
+Every rank computes with one thread (one CPU for a one-rank job): the same arithmetic in every attempt (the thread
+count changes float sums), and no oversubscribed OpenMP spinning on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pausing_data import PAUSE
+
+ROOT = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 2  # per rank: GLOBAL_BATCH // ranks, so every mesh sees the same global batch
+BASE = ["trainer.steps=20", "trainer.warmup_steps=2", "data.seq_len=16", "data._target_=tests.pausing_data.PausingData",
+        "trainer.checkpoint.every=10"]  # fmt: skip
+# Several chunks and fewer transfer buffers than chunks for the offload modes.
+CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
+CASES = [("none", 1, 1), ("optimizer", 1, 1), ("full", 1, 1), ("none", 2, 2), ("optimizer", 2, 1), ("full", 2, 2)]
+
+
+def mesh(offload: str, ranks: int, ep: int) -> list[str]:
+    chunks = CHUNKS if offload != "none" else []
+    return [f"offload={offload}", f"trainer.nproc_per_node={ranks}", f"parallel.ep={ep}", f"data.batch_size={GLOBAL_BATCH // ranks}", *chunks]
+
+
+def case_id(case) -> str:
+    return "{}-world{}-ep{}".format(*case)
+
+
+class Job:
+    """``python -m moe_lab.train ARGS`` in a session of its own (a kill reaches its ranks too), output to files."""
+
+    def __init__(self, args: list[str], directory: Path, pause: str | None = None):
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", PAUSE)}
+        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+        if pause:
+            env[PAUSE] = pause
+        directory.mkdir(parents=True, exist_ok=True)
+        self.log = directory / "job.out"
+        # One rank: one CPU (offload=full sizes its host threads by the CPUs it may use). Two: a CPU each.
+        cpus = sorted(os.sched_getaffinity(0))[: 1 if "trainer.nproc_per_node=2" not in args else 2]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moe_lab.train", *args], cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+            )  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"job still running after {timeout} s:\n{self.output()[-5000:]}")
+
+    def wait_for(self, condition, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(f"job ended ({self.proc.returncode}) before the awaited state:\n{self.output()[-5000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"awaited state not reached after {timeout} s:\n{self.output()[-5000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def run(args: list[str], directory: Path) -> Job:
+    job = Job(args, directory)
+    assert job.wait() == 0, job.output()[-5000:]
+    return job
+
+
+def paused(pause_dir: Path, ranks: int):
+    return lambda: all((pause_dir / f"paused_rank{r}").exists() for r in range(ranks))
+
+
+def result(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 20-step run of a case: its run directory (with checkpoints of steps 10 and 20)."""
+    done = {}
+
+    def get(case) -> Path:
+        if case not in done:
+            run_dir = tmp_path_factory.mktemp(case_id(case)) / "run"
+            run([*BASE, *mesh(*case), f"hydra.run.dir={run_dir}"], run_dir.parent)
+            assert result(run_dir)["status"] == "ok"
+            done[case] = run_dir
+        return done[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_killed_run_resumes_bit_for_bit(case, reference, tmp_path):
+    expected = result(reference(case))["metrics"]["losses"]
+    run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
+    args = [*BASE, *mesh(*case), f"hydra.run.dir={run_dir}"]
+    killed = Job(args, tmp_path, pause=f"12:{pause_dir}")
+    killed.wait_for(paused(pause_dir, case[1]))
+    killed.kill()
+    assert not (run_dir / "result.json").exists()
+    assert [row["step"] for row in metrics_rows(run_dir)] == list(range(12))  # two rows past the checkpoint
+    assert checkpoints(run_dir) == ["step_00000010"]
+
+    run(args, tmp_path)
+    record = result(run_dir)
+    assert record["status"] == "ok"
+    assert record["metrics"]["resumed_from"] == str(run_dir / "checkpoints" / "step_00000010")
+    assert record["metrics"]["losses"] == expected  # bit for bit
+    rows = metrics_rows(run_dir)
+    assert [row["step"] for row in rows] == list(range(20)) and [row["loss"] for row in rows] == expected
+    assert checkpoints(run_dir) == ["step_00000010", "step_00000020"]
+
+
+@pytest.mark.parametrize(
+    "saved, resumed",
+    [(("none", 1, 1), ("none", 2, 2)), (("full", 2, 2), ("full", 1, 1))],  # world size and EP degree, each way
+    ids=lambda case: case_id(case),
+)
+def test_resume_at_another_mesh_continues_the_curve(saved, resumed, reference, tmp_path):
+    checkpoint = reference(saved) / "checkpoints" / "step_00000010"
+    run_dir = tmp_path / "run"
+    run([*BASE, *mesh(*resumed), f"trainer.resume={checkpoint}", f"hydra.run.dir={run_dir}"], tmp_path)
+    losses = result(run_dir)["metrics"]["losses"]
+    saved_losses = result(reference(saved))["metrics"]["losses"]
+    assert losses[:10] == saved_losses[:10]  # the checkpoint's own
+    assert losses[10:] == pytest.approx(result(reference(resumed))["metrics"]["losses"][10:], rel=1e-5)
+    assert losses[10:] != pytest.approx(losses[:10], rel=1e-3)  # it trained on
+
+
+def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resumes(reference, tmp_path):
+    case = ("full", 2, 2)
+    expected = result(reference(case))["metrics"]["losses"]
+    run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
+    args = [*BASE, *mesh(*case), "trainer.checkpoint.on_signal=true", f"hydra.run.dir={run_dir}"]
+    job = Job(args, tmp_path, pause=f"5:{pause_dir}")
+    job.wait_for(paused(pause_dir, 2))
+    job.proc.send_signal(signal.SIGTERM)  # the launcher only; it forwards the signal to its ranks
+    time.sleep(0.5)  # both ranks have noted it (or the launcher's forwarding is under way) while held at step 5
+    (pause_dir / "release").touch()
+    assert job.wait() == 128 + signal.SIGTERM, job.output()[-5000:]
+    assert job.output().count("SIGTERM received: stopping at the end of this step") == 2  # each rank noted it
+
+    record = result(run_dir)
+    assert record["status"] == "interrupted" and record["world_size"] == 2 and record["environment"]["world_size"] == 2
+    error = record["error"]
+    assert error["signal"] == "SIGTERM" and error["step"] == 6
+    assert error["checkpoint"] == str(run_dir / "checkpoints" / "step_00000006")
+    assert record["metrics"]["steps_done"] == 6 and record["metrics"]["losses"] == expected[:6]
+    assert checkpoints(run_dir) == ["step_00000006"]
+
+    run(args, tmp_path)
+    record = result(run_dir)
+    assert record["status"] == "ok" and record["metrics"]["losses"] == expected
+    assert [row["step"] for row in metrics_rows(run_dir)] == list(range(20))
+
+
+def test_sigint_ends_a_single_run_with_an_interrupted_record(tmp_path):
+    run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
+    job = Job([*BASE, *mesh("none", 1, 1), f"hydra.run.dir={run_dir}"], tmp_path, pause=f"3:{pause_dir}")
+    job.wait_for(paused(pause_dir, 1))
+    job.proc.send_signal(signal.SIGINT)
+    job.wait_for(lambda: "SIGINT received" in job.output())
+    (pause_dir / "release").touch()
+    assert job.wait() == 128 + signal.SIGINT, job.output()[-5000:]
+    record = result(run_dir)
+    assert record["status"] == "interrupted" and record["error"]["step"] == 4 and record["error"]["checkpoint"] is None
+    assert record["environment"]["torch"] and len(record["metrics"]["losses"]) == 4
+    assert not (run_dir / "checkpoints").exists()  # on_signal is off and no step reached trainer.checkpoint.every
+
+
+def test_a_signalled_sweep_stops_and_resumes_its_point(reference, tmp_path):
+    expected = result(reference(("none", 1, 1)))["metrics"]["losses"]
+    sweep, pause_dir = tmp_path / "sweep", tmp_path / "pause"
+    args = ["-m", "ac=none,full", *BASE, *mesh("none", 1, 1), "trainer.checkpoint.on_signal=true", f"hydra.sweep.dir={sweep}"]
+    job = Job(args, tmp_path, pause=f"5:{pause_dir}")
+    job.wait_for(paused(pause_dir, 1))
+    job.proc.send_signal(signal.SIGTERM)
+    job.wait_for(lambda: "SIGTERM received" in job.output())
+    (pause_dir / "release").touch()
+    assert job.wait() == 128 + signal.SIGTERM, job.output()[-5000:]
+    assert result(sweep / "0")["status"] == "interrupted" and not (sweep / "1").exists()
+
+    run(args, tmp_path)
+    first, second = result(sweep / "0"), result(sweep / "1")
+    assert first["status"] == second["status"] == "ok"
+    assert first["metrics"]["resumed_from"] == str(sweep / "0" / "checkpoints" / "step_00000006")
+    assert first["metrics"]["losses"] == expected and second["metrics"]["resumed_from"] is None
