@@ -170,14 +170,14 @@ def test_validate_rejects_deep_gemm_when_absent():
 
 
 def test_layout_is_expert_contiguous_and_aligned():
-    from moe_lab.moe.fused.layout import capacity, routing_layout
+    from moe_lab.moe.fused.layout import routing_layout
 
     _, ids, _, _ = make_problem(0)
     layout = routing_layout(ids, E, 16, None)
     pos, offs = layout.pos.reshape(-1), layout.offs.long()
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     counts = torch.bincount(ids.reshape(-1), minlength=E)
-    assert pos.unique().numel() == pos.numel() and offs[-1] <= capacity(T, K, E, 1, 16)
+    assert pos.unique().numel() == pos.numel() and layout.rows == layout.max_rows == offs[-1]
     assert (starts % 16 == 0).all() and (offs - starts == (counts + 15) // 16 * 16).all()
     # Each slot lands inside its expert's segment, in (token, k) order within the expert.
     flat = ids.reshape(-1)
