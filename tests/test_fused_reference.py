@@ -63,7 +63,8 @@ def received_rows(all_ids: list[torch.Tensor], rank: int, ep: int, align: int, e
 
 class RowCounter(TorchDispatchMode):
     """The most rows any tensor made under it holds (elements over the last dimension), leaving out 3-d weight
-    gradients [L, N, K] and ``aten.from_file`` (the CPU stand-in for symmetric memory, checked on its own)."""
+    gradients [L, N, K], views and in-place ops (they allocate nothing; Triton's interpreter copies whole storages
+    with the latter) and ``aten.from_file`` (the CPU stand-in for symmetric memory, checked on its own)."""
 
     def __init__(self):
         super().__init__()
@@ -71,7 +72,8 @@ class RowCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is not torch.ops.aten.from_file.default:
+        made = not (func.is_view or func.overloadpacket.__name__.endswith("_") or func is torch.ops.aten.from_file.default)
+        if made:
             for t in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(t, torch.Tensor) and 0 < t.dim() < 3:
                     self.max_rows = max(self.max_rows, t.numel() // max(t.shape[-1], 1) if t.dim() == 2 else t.numel())
