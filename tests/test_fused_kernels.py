@@ -103,7 +103,7 @@ def compare_ep_rank(ep: int, directory: str) -> list[dict]:
     import moe_lab.moe.fused.gpu as gpu
     from moe_lab.moe.fused.layout import workspace_rows
     from moe_lab.moe.fused.ops import ALIGN
-    from tests.test_fused_reference import RowCounter, received_rows, routing
+    from tests.fused_cases import RowCounter, received_rows, routing
 
     memory = FileSymmetricMemory(directory)
     gpu.symmetric_empty = memory
@@ -127,8 +127,8 @@ def compare_ep_rank(ep: int, directory: str) -> list[dict]:
             y, x_routed, gate_up, row_weight, pos, offs = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
             grads = gpu.backward(grad_out, x_routed, gate_up, row_weight, pos, offs, ids, gate_up_proj, down_proj, group, "gpu")
         errors = [(g - r).abs().max().item() / (r.abs().max().item() + 1e-6) for g, r in zip([y, *grads], expected)]
-        received, rows = received_rows(all_ids, rank, ep, ALIGN["gpu"])
-        largest = max(largest, *(received_rows(all_ids, r, ep, ALIGN["gpu"])[1] for r in range(ep)))
+        received, rows = received_rows(all_ids, rank, ep, ALIGN["gpu"], E)
+        largest = max(largest, *(received_rows(all_ids, r, ep, ALIGN["gpu"], E)[1] for r in range(ep)))
         results.append({
             "kind": kind, "errors": errors, "received": received, "rows": rows, "held": counter.max_rows,
             "residual_rows": {x_routed.shape[0], gate_up.shape[0], row_weight.shape[0]},
