@@ -7,7 +7,7 @@ source "$(dirname "$0")/../common.sh"
 case "${1:-}" in
 one_gpu) log=$(record 1gpu).log limit=270 select="not expert_parallel_2"
          tests="tests/test_fused_gpu.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py" ;;
-two_gpu) log=$(record 2gpu).log limit=120 select="expert_parallel_2 or different_experts"
+two_gpu) log=$(record 2gpu).log limit=180 select="expert_parallel_2 or different_experts"
          tests="tests/test_fused_gpu.py tests/test_distributed_training.py" ;;
 *) echo "usage: $0 one_gpu|two_gpu" >&2; exit 2 ;;
 esac
