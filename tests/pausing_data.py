@@ -20,7 +20,7 @@ PAUSE = "MOE_LAB_TEST_PAUSE"
 
 
 class PausingData(SyntheticData):
-    def batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, dp_rank: int, *args, **kwargs):
         pause = os.environ.get(PAUSE)
         if pause:
             at, _, directory = pause.partition(":")
@@ -30,4 +30,4 @@ class PausingData(SyntheticData):
                 deadline = time.monotonic() + 300
                 while not (Path(directory) / "release").exists() and time.monotonic() < deadline:
                     time.sleep(0.02)
-        return super().batch(step, dp_rank)
+        return super().batch(step, dp_rank, *args, **kwargs)

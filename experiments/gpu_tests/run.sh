@@ -5,8 +5,8 @@
 # Records: records/<machine>_1gpu|2gpu/<UTC start>.log, headed by commit, GPU and command (see ../common.sh).
 source "$(dirname "$0")/../common.sh"
 case "${1:-}" in
-one_gpu) log=$(record 1gpu).log limit=270 select="not expert_parallel_2"
-         tests="tests/test_fused_gpu.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py" ;;
+one_gpu) log=$(record 1gpu).log limit=330 select="not expert_parallel_2"
+         tests="tests/test_fused_gpu.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py tests/test_tokens.py tests/test_routing.py tests/test_grad_accum.py" ;;
 two_gpu) log=$(record 2gpu).log limit=180 select="expert_parallel_2 or different_experts"
          tests="tests/test_fused_gpu.py tests/test_distributed_training.py" ;;
 *) echo "usage: $0 one_gpu|two_gpu" >&2; exit 2 ;;
