@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 
 from moe_lab.data.synthetic import SyntheticData
 
