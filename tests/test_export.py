@@ -60,7 +60,7 @@ def test_export_loads_in_transformers_with_the_trained_logits(tmp_path):
     ours = restored_model(overrides, checkpoint)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hf(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_export_of_full_offload_in_bf16_holds_the_fp32_masters(tmp_path):
