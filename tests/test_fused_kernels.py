@@ -1,9 +1,9 @@
 """The fused gpu backend's Triton kernels, run on CPU by Triton's interpreter (TRITON_INTERPRET=1, in a child
 process so no other test sees interpreted kernels): at EP=1 the whole gpu backend, grouped GEMMs included, equals the
-reference backend forward and backward, with skewed routing and an expert that gets no token. At EP=2 and 4 (gloo
-ranks) it runs its peer paths over a CPU stand-in for symmetric memory (``FileSymmetricMemory``) and equals the
-reference backend under balanced, skewed, all-to-the-same-experts and half-idle routing, its buffers and residuals
-following the rows each rank receives, its symmetric workspace the largest receive buffer of the group rounded up the
+reference backend forward and backward, with skewed routing and an expert that gets no token. At EP=4 (gloo ranks)
+it runs its peer paths over a CPU stand-in for symmetric memory (``FileSymmetricMemory``) and equals the reference
+backend under balanced, skewed and all-to-the-same-experts routing (two ranks receive nothing), its buffers and
+residuals following the rows each rank receives, its symmetric workspace the largest receive buffer of the group rounded up the
 1.25x ladder, grown once and reused."""
 
 from __future__ import annotations
@@ -92,9 +92,10 @@ class FileSymmetricMemory:
         dist.barrier(group)  # ``maps`` rides along: the peers' mappings live as long as the buffer
 
 
-# balanced first, the worst skew next (the workspace grows), then smaller cases it serves without allocating.
-EP_ROUTINGS = ("balanced", "same_experts", "zipf", "half_idle")
-EP_TOKENS = 16  # per rank: every interpreted program costs milliseconds
+# balanced first, the worst skew next (the workspace grows; at EP=4 two ranks receive nothing), then a smaller case it
+# serves without allocating.
+EP_ROUTINGS = ("balanced", "same_experts", "zipf")
+EP_TOKENS = 8  # per rank: every interpreted program costs milliseconds
 
 
 def compare_ep_rank(ep: int, directory: str) -> list[dict]:
@@ -144,7 +145,7 @@ def compare_ep(ep: int, directory: str) -> list:
     return run_world(ep, compare_ep_rank, ep, directory)
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", [4])  # EP=2 runs on two GPUs (tests/test_fused_gpu.py); 4 shows nothing is tuned to 2
 def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
     code = f"from tests.test_fused_kernels import compare_ep; print(repr(compare_ep({ep}, {str(tmp_path)!r})))"
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
