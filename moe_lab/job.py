@@ -39,7 +39,7 @@ from moe_lab.interrupt import Interrupted, StopRequest
 from moe_lab.launch.launcher import adopt_slurm_environment, launch_local, shared_run_dir, started_by_outer_launcher
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
-from moe_lab.results.record import RESULT, environment, failure, read_result, write_json_atomic
+from moe_lab.results.record import RESULT, environment, failure, point_config, read_result, write_json_atomic
 from moe_lab.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
 
 log = logging.getLogger("moe_lab")
@@ -89,7 +89,6 @@ class SweepDirGuard(Callback):
                 "hydra.sweep.dir, or run the same overrides again to resume that sweep."
             )
 
-
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.lock is not None:
             self.lock.close()  # releases the lock; the file stays, so a waiting sweep never locks a stale copy
@@ -105,16 +104,6 @@ def _point_overrides(overrides) -> list[str]:
         return not any(key == k or key.startswith(k + ".") for k in NOT_PART_OF_THE_POINT)
 
     return [o for o in overrides if part_of_the_point(o.lstrip("+~").partition("=")[0])]
-
-
-def point_config(cfg: DictConfig) -> dict:
-    """The resolved configuration that identifies a point (what it computes), as its record stores it."""
-    try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # an invalid config may hold an interpolation that does not resolve
-        resolved = OmegaConf.to_container(cfg)
-    resolved.pop("hydra", None)
-    return json.loads(json.dumps(resolved, default=str))
 
 
 def _comparable(point: dict) -> dict:
@@ -182,10 +171,8 @@ def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer
             write_json_atomic(run_dir / RESULT, record)
             return record
         if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
-            world = cfg.trainer.nproc_per_node
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
-            record = {**meta, "world_size": world, "config": point_config(cfg), "environment": environment(device, world)}
-            write_json_atomic(run_dir / RESULT, {**record, **failure(e)})
+            write_json_atomic(run_dir / RESULT, {**point_record(meta, cfg, device, cfg.trainer.nproc_per_node), **failure(e)})
         if not multirun:
             raise
         log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
@@ -290,7 +277,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
     reset_peak_host_rss()
-    record = {**meta, "world_size": world, "config": point_config(cfg), "environment": environment(device, world)}
+    record = point_record(meta, cfg, device, world)
     logger = options.logger if rank == 0 else NoLogger()
     logger.start(run_dir, record)
     result = {**record, "status": "error"}  # until the run says otherwise
@@ -321,6 +308,11 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
         # exits at once and its launcher stops the others.
         dist.barrier()
     return result
+
+
+def point_record(meta: dict, cfg: DictConfig, device: torch.device, world: int) -> dict:
+    """What every record of a point holds before its outcome: the job's meta, world size, config and environment."""
+    return {**meta, "world_size": world, "config": point_config(cfg), "environment": environment(device, world)}
 
 
 def interrupted(signal_name: str, step: int | None, checkpoint: str | None) -> dict:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
@@ -38,7 +38,7 @@ from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel import compile_loss, parallelize, set_micro_batch
 from moe_lab.parallel.sharding import local_rows, local_shard
-from moe_lab.results.record import MetricsLog
+from moe_lab.results.record import MetricsLog, point_config
 
 log = logging.getLogger("moe_lab")
 NO_STOP = StopRequest()  # never entered: notes no signal (ranks still agree on that each step)
@@ -102,10 +102,7 @@ def train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         balance.update(model, router_stats)
-        if world > 1:
-            dist.all_reduce(loss)  # gloo has no AVG
-            loss = loss / world
-        loss = loss.item()  # also waits for the step to finish, so the wall clock below is the step's time
+        loss = mean_over_ranks(loss, world).item()  # also waits for the step to finish, so the wall clock below is the step's time
         elapsed = time.perf_counter() - start
         step_times.append(elapsed)
         progress.advance(loss)
@@ -183,7 +180,7 @@ def build_checkpointer(cfg: DictConfig, options: Options, run_dir: Path, model, 
     t = cfg.trainer
     return Checkpointer(
         t.checkpoint, t.resume, run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=options.data,
-        device=device, state_device=options.offload.state_device(device), config=OmegaConf.to_container(cfg, resolve=True),
+        device=device, state_device=options.offload.state_device(device), config=point_config(cfg),
         model_config=options.model.to_dict(),
     )  # fmt: skip
 
@@ -242,11 +239,15 @@ def evaluate(model, data, batches: int, device, dp_rank: int, world: int, autoca
         with autocast:
             logits = model(batch.inputs, batch.documents).logits
         losses.append(loss_fn(logits, batch.labels))
-    loss = torch.stack(losses).mean()
+    return mean_over_ranks(torch.stack(losses).mean(), world).item()
+
+
+def mean_over_ranks(value: torch.Tensor, world: int) -> torch.Tensor:
+    """The mean of each rank's ``value`` over the ``world`` ranks (gloo has no AVG: a sum, then a division)."""
     if world > 1:
-        dist.all_reduce(loss)
-        loss = loss / world
-    return loss.item()
+        dist.all_reduce(value)
+        value = value / world
+    return value
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

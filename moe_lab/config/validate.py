@@ -32,7 +32,6 @@ from moe_lab.config.schema import GROUPS, TrainConfig
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
 GRAD_SYNCS = ("step", "micro_batch")
-CHECKPOINT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def validate(cfg: DictConfig) -> Options:
@@ -249,12 +248,14 @@ def check_init_checkpoint(path, model: DictConfig) -> None:
     contradict it (shape-preserving differences such as rope_theta would otherwise load into another model)."""
     if path is None:
         return
+    from moe_lab.models.checkpoint import INDEX, SINGLE  # (moe_lab.models imports this package's errors)
+    from moe_lab.models.hf_config import CONFIG, check_agrees
+
     _require(
-        path != "" and any((Path(path) / name).is_file() for name in CHECKPOINT_FILES),
+        path != "" and any((Path(path) / name).is_file() for name in (SINGLE, INDEX)),
         "trainer.init_checkpoint",
-        f"must be null or a directory holding {' or '.join(CHECKPOINT_FILES)}, got {path!r}",
+        f"must be null or a directory holding {SINGLE} or {INDEX}, got {path!r}",
     )
-    from moe_lab.models.hf_config import CONFIG, check_agrees  # (moe_lab.models imports this package's errors)
 
     if (Path(path) / CONFIG).is_file():
         check_agrees(OmegaConf.to_container(model, resolve=True), path, "trainer.init_checkpoint")

@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
@@ -42,6 +43,17 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def point_config(cfg) -> dict:
+    """The resolved configuration that identifies a point (what it computes), as its record and its checkpoints
+    store it: plain JSON values, without Hydra's own node."""
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an invalid config may hold an interpolation that does not resolve
+        resolved = OmegaConf.to_container(cfg)
+    resolved.pop("hydra", None)
+    return json.loads(json.dumps(resolved, default=str))
 
 
 def read_result(run_dir: str | Path) -> dict | None:
