@@ -1,7 +1,8 @@
 """Activation checkpointing changes memory, not maths (issue 2, acceptance 3): ac=full and ac=selective give the same
-loss and gradients as ac=none, at world 1 and at world 2 with EP=2 (FSDP2 + all-to-all), where they also equal the
-world-1 step on the same global batch. Recompute is observed, not assumed: the ops run during backward show that
-full re-runs routing and attention, selective re-runs norms only and never a routing decision or a collective."""
+loss and gradients as ac=none, at world 1 and at world 2 with EP=2 (FSDP2 + the torch dispatcher's all-to-all, or
+the fused op with its data-dependent residual sizes), where they also equal the world-1 step on the same global batch.
+Recompute is observed, not assumed: the ops run during backward show that full re-runs routing and attention,
+selective re-runs norms only and never a routing decision or a collective."""
 
 from __future__ import annotations
 
@@ -55,9 +56,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def resolved_configs(routing: str, world: int) -> dict[str, str]:
+def resolved_configs(routing: str, world: int, dispatcher: str = "torch") -> dict[str, str]:
     config.register()
-    overrides = [f"model.routing={routing}", f"data.seq_len={SEQ}"]
+    overrides = [f"model.routing={routing}", f"data.seq_len={SEQ}", f"dispatcher={dispatcher}"]
     if world > 1:
         overrides += [f"trainer.nproc_per_node={world}", f"parallel.ep={world}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -144,10 +145,11 @@ def test_ac_modes_agree_world1(routing, tmp_path):
     assert_recompute(steps)
 
 
-def test_ac_modes_agree_world2_ep2(tmp_path):
-    configs = resolved_configs("learned", world=2)
+@pytest.mark.parametrize("dispatcher", ["torch", "fused"])
+def test_ac_modes_agree_world2_ep2(dispatcher, tmp_path):
+    configs = resolved_configs("learned", world=2, dispatcher=dispatcher)
     write_checkpoint(tmp_path, configs["none"])
-    world1 = train_step(resolved_configs("learned", world=1)["none"], str(tmp_path))
+    world1 = train_step(resolved_configs("learned", world=1, dispatcher=dispatcher)["none"], str(tmp_path))
     per_rank = run_world(2, train_steps, configs, str(tmp_path))
     for rank, steps in enumerate(per_rank):
         for mode in ("full", "selective"):

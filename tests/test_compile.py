@@ -1,7 +1,8 @@
 """Issue 3, acceptance 2: ``trainer.compile=true`` (each decoder block compiled with fullgraph=True, after AC, before
-FSDP) trains like eager under ac=selective and ac=full, and the compiled selective policy keeps the all-to-all
+FSDP) trains like eager under ac=none, selective and full, and the compiled selective policy keeps the exchange's
 outputs instead of re-communicating. Run where compile has the most to get through: 2 gloo ranks with ep 2, so every
-block holds the dispatcher's custom-op all-to-alls and FSDP2 on two meshes.
+block holds a dispatcher's custom ops with data-dependent sizes (the torch dispatcher's all-to-alls; the fused op,
+reference backend on CPU, whose residuals have as many rows as the rank receives) and FSDP2 on two meshes.
 
 bf16 (torch._grouped_mm compiles in bf16 only); inductor fuses elementwise work differently from eager, so losses
 agree to bf16 rounding: relative 2e-3 over 3 steps (they differ by about 1e-5 in practice).
@@ -25,9 +26,7 @@ from tests.distributed import run_world
 
 CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
 LAYERS = 2  # the tiny model
-# Per block and step, the torch dispatcher runs 3 all-to-alls forward (counts, tokens out, tokens back) and 2
-# backward (the token exchanges' gradients); full AC re-runs the 3 forward ones to recompute the block.
-BACKWARD_A2A = {"none": 2 * LAYERS, "selective": 2 * LAYERS, "full": 5 * LAYERS}
+MODES = (("none", False), ("none", True), ("selective", True), ("full", True))  # (ac, compiled)
 
 
 def can_compile() -> str | None:
@@ -39,11 +38,11 @@ def can_compile() -> str | None:
     return None
 
 
-def train(ac: str, compiled: bool, checkpoint: str) -> dict:
+def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str) -> dict:
     """3 steps on this rank's share of the global batch; the loss (mean over ranks) and the all-to-alls run during
-    each backward."""
+    each forward and each backward."""
     config.register()
-    overrides = [f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2"]
+    overrides = [f"dispatcher={dispatcher}", f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2"]
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     with torch.device("meta"):
@@ -63,13 +62,15 @@ def train(ac: str, compiled: bool, checkpoint: str) -> dict:
         calls += 1
         return all_to_all_single(*args, **kwargs)
 
-    losses, backward_a2a = [], []
-    dist.all_to_all_single = counted  # what moe_lab.moe.collectives calls, eager or compiled
+    losses, forward_a2a, backward_a2a = [], [], []
+    dist.all_to_all_single = counted  # what moe_lab.moe.collectives and the fused reference backend call
     try:
         for step in range(3):
             batch = data.batch(step, dist.get_rank(), dist.get_world_size())
             inputs, labels = batch.inputs, batch.labels
+            calls = 0
             loss = F.cross_entropy(model(inputs).logits.float().flatten(0, 1), labels.flatten())
+            forward_a2a.append(calls)
             calls = 0
             loss.backward()
             backward_a2a.append(calls)
@@ -80,11 +81,11 @@ def train(ac: str, compiled: bool, checkpoint: str) -> dict:
             losses.append(loss.item() / dist.get_world_size())
     finally:
         dist.all_to_all_single = all_to_all_single
-    return {"losses": losses, "backward_a2a": backward_a2a}
+    return {"losses": losses, "forward_a2a": forward_a2a, "backward_a2a": backward_a2a}
 
 
-def train_all(checkpoint: str) -> dict:
-    return {(ac, compiled): train(ac, compiled, checkpoint) for ac, compiled in (("none", False), ("selective", True), ("full", True))}
+def train_all(dispatcher: str, checkpoint: str) -> dict:
+    return {(ac, compiled): train(dispatcher, ac, compiled, checkpoint) for ac, compiled in MODES}
 
 
 def config_model():
@@ -94,7 +95,8 @@ def config_model():
         return instantiate(compose("train").model)
 
 
-def test_compiled_blocks_train_like_eager(tmp_path):
+@pytest.mark.parametrize("dispatcher", ["torch", "fused"])
+def test_compiled_blocks_train_like_eager(dispatcher, tmp_path):
     if reason := can_compile():
         pytest.skip(reason)
     torch.manual_seed(0)
@@ -102,15 +104,22 @@ def test_compiled_blocks_train_like_eager(tmp_path):
     model.init_weights()
     save_hf_checkpoint(model.state_dict(), tmp_path)
 
-    runs = run_world(2, train_all, str(tmp_path))[0]
+    runs = run_world(2, train_all, dispatcher, str(tmp_path))[0]
 
     eager = runs[("none", False)]
     assert eager["losses"][-1] < eager["losses"][0]
-    for ac in ("selective", "full"):
-        compiled = runs[(ac, True)]
-        assert compiled["losses"] == pytest.approx(eager["losses"], rel=2e-3), ac
+    for ac, compiled in MODES[1:]:
+        assert runs[(ac, compiled)]["losses"] == pytest.approx(eager["losses"], rel=2e-3), ac
+    # Backward communicates what the forward's gradients need; full AC re-runs every forward exchange on top
+    # (torch dispatcher per block: 3 forward, 2 backward), selective none of them.
+    forward, backward = eager["forward_a2a"][0], eager["backward_a2a"][0]
+    assert forward > 0 and backward > 0
+    expected = {"none": backward, "selective": backward, "full": backward + forward}
     for (ac, _), run in runs.items():
-        assert run["backward_a2a"] == [BACKWARD_A2A[ac]] * 3, f"ac={ac}: all-to-alls in backward {run['backward_a2a']}"
+        assert run["forward_a2a"] == [forward] * 3, f"ac={ac}: all-to-alls in forward {run['forward_a2a']}"
+        assert run["backward_a2a"] == [expected[ac]] * 3, f"ac={ac}: all-to-alls in backward {run['backward_a2a']}"
+    if dispatcher == "torch":
+        assert (forward, backward) == (3 * LAYERS, 2 * LAYERS)
 
 
 def test_compiled_loss_equals_eager():

@@ -1,15 +1,23 @@
 """The fused gpu backend's Triton kernels, run on CPU by Triton's interpreter (TRITON_INTERPRET=1, in a child
 process so no other test sees interpreted kernels): at EP=1 the whole gpu backend, grouped GEMMs included, equals the
-reference backend forward and backward, with skewed routing and an expert that gets no token."""
+reference backend forward and backward, with skewed routing and an expert that gets no token. At EP=2 and 4 (gloo
+ranks) it runs its peer paths over a CPU stand-in for symmetric memory (``FileSymmetricMemory``) and equals the
+reference backend under balanced, skewed, all-to-the-same-experts and half-idle routing, its buffers and residuals
+following the rows each rank receives, its symmetric workspace the largest receive buffer of the group rounded up the
+1.25x ladder, grown once and reused."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("triton")
 
@@ -58,3 +66,98 @@ def test_zero_idle_experts_interpreted():
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+class FileSymmetricMemory:
+    """``moe_lab.moe.fused.gpu.symmetric_empty`` on CPU: each rank's buffer is a file that every rank maps shared,
+    so a peer's buffer address is valid in this process and the interpreted kernels read and write it as they would
+    over NVLink; the barrier is the group's, which orders everything on CPU. Records each allocation's shape."""
+
+    def __init__(self, directory: str):
+        self.directory, self.count, self.shapes = directory, itertools.count(), []
+
+    def __call__(self, shape, dtype, device, group):
+        rank, world, n, numel = dist.get_rank(group), dist.get_world_size(group), next(self.count), math.prod(shape)
+        path = functools.partial("{}/{}.{}".format, self.directory, n)
+        with open(path(rank), "wb") as f:
+            f.truncate(numel * dtype.itemsize)
+        dist.barrier(group)
+        maps = [torch.from_file(path(r), shared=True, size=numel, dtype=dtype) for r in range(world)]
+        self.shapes.append(tuple(shape))
+        ptrs = torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
+        return maps[rank].view(shape), ptrs, functools.partial(self.barrier, group, maps)
+
+    @staticmethod
+    def barrier(group, maps):
+        dist.barrier(group)  # ``maps`` rides along: the peers' mappings live as long as the buffer
+
+
+# balanced first, the worst skew next (the workspace grows), then smaller cases it serves without allocating.
+EP_ROUTINGS = ("balanced", "same_experts", "zipf", "half_idle")
+EP_TOKENS = 16  # per rank: every interpreted program costs milliseconds
+
+
+def compare_ep_rank(ep: int, directory: str) -> list[dict]:
+    """Per routing, on this rank: the gpu backend's forward and backward (called directly, as the op does) against
+    the reference backend's op, and the sizes of what it made."""
+    import moe_lab.moe.fused.gpu as gpu
+    from moe_lab.moe.fused.layout import workspace_rows
+    from moe_lab.moe.fused.ops import ALIGN
+    from tests.fused_cases import RowCounter, received_rows, routing
+
+    memory = FileSymmetricMemory(directory)
+    gpu.symmetric_empty = memory
+    rank, group = dist.get_rank(), dist.group.WORLD
+    local = slice(rank * E // ep, (rank + 1) * E // ep)
+    gen = torch.Generator().manual_seed(0)
+    gate_up_proj, down_proj = torch.randn(E, 2 * I, H, generator=gen) * 0.3, torch.randn(E, H, I, generator=gen) * 0.3
+    gate_up_proj, down_proj = gate_up_proj[local].contiguous(), down_proj[local].contiguous()
+    largest, results = 0, []
+    for kind in EP_ROUTINGS:
+        gen = torch.Generator().manual_seed(rank)
+        x, weights = torch.randn(EP_TOKENS, H, generator=gen), torch.rand(EP_TOKENS, K, generator=gen)
+        grad_out = torch.randn(EP_TOKENS, H, generator=gen)
+        all_ids = [routing(kind, r, EP_TOKENS, E, K) for r in range(ep)]
+        ids = all_ids[rank]
+        inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
+        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group.group_name, "reference")[0]
+        expected = [y, *torch.autograd.grad(y, inputs, grad_out)]
+        allocated = len(memory.shapes)
+        with RowCounter() as counter:
+            y, x_routed, gate_up, row_weight, pos, offs = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
+            grads = gpu.backward(grad_out, x_routed, gate_up, row_weight, pos, offs, ids, gate_up_proj, down_proj, group, "gpu")
+        errors = [(g - r).abs().max().item() / (r.abs().max().item() + 1e-6) for g, r in zip([y, *grads], expected)]
+        received, rows = received_rows(all_ids, rank, ep, ALIGN["gpu"], E)
+        largest = max(largest, *(received_rows(all_ids, r, ep, ALIGN["gpu"], E)[1] for r in range(ep)))
+        results.append({
+            "kind": kind, "errors": errors, "received": received, "rows": rows, "held": counter.max_rows,
+            "residual_rows": {x_routed.shape[0], gate_up.shape[0], row_weight.shape[0]},
+            "workspace": gpu._Exchange._workspace_rows[(x.device, group.group_name)], "expected_workspace": workspace_rows(largest),
+            "allocated": memory.shapes[allocated:],
+        })
+    return results
+
+
+def compare_ep(ep: int, directory: str) -> list:
+    from tests.distributed import run_world
+
+    return run_world(ep, compare_ep_rank, ep, directory)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
+    code = f"from tests.test_fused_kernels import compare_ep; print(repr(compare_ep({ep}, {str(tmp_path)!r})))"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    per_rank = eval(done.stdout.strip().splitlines()[-1])
+    for rank, results in enumerate(per_rank):
+        for step, r in enumerate(results):
+            case = f"rank {rank} step {step} ({r['kind']})"
+            assert max(r["errors"]) < 1e-5, f"{case}: relative errors y, dx, dweights, dgate_up, ddown = {r['errors']}"
+            assert r["residual_rows"] == {r["rows"]} and r["rows"] <= max(8, r["received"] + (E // ep) * 7), case
+            assert r["held"] <= max(r["rows"], EP_TOKENS * K), f"{case}: a tensor of {r['held']} rows"
+            assert r["workspace"] == r["expected_workspace"], case
+        # Receive-side buffers come at the workspace's size; it grows at the worst skew (every rank at once), and
+        # the smaller cases after it allocate nothing.
+        workspace = [{shape for shape in r["allocated"] if shape[0] == r["workspace"]} for r in results]
+        assert workspace[0] and workspace[1] and not any(r["allocated"] for r in results[2:]), [r["allocated"] for r in results]

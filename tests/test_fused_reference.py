@@ -1,6 +1,12 @@
 """dispatcher=fused, reference backend: equals a dense per-token loop and the torch dispatcher, forward and backward,
-at EP=1 and over gloo at EP=2 and 4; a decoder block with it compiles with fullgraph=True under full and selective
-activation checkpointing and matches eager."""
+at EP=1 and over gloo at EP=2 and 4, under balanced, Zipf-skewed, all-to-the-same-experts and half-idle routing; a
+decoder block with it compiles with fullgraph=True under full and selective activation checkpointing and matches eager.
+
+Memory follows the rows received (issue 15): the op's residuals (what autograd saves) have exactly as many rows as
+this rank receives, each expert's padded to the alignment (at least one aligned block); no tensor the op makes holds
+more rows than the larger of that and the slots it sends; at EP=8 the layout gives every rank that size and places
+every source's rows inside it.
+"""
 
 from __future__ import annotations
 
@@ -19,19 +25,18 @@ from moe_lab.moe.router import Router
 from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel, keep_local_experts
 from tests.distributed import run_world
+from tests.fused_cases import ROUTINGS, buffer_rows, received_rows, routing, saved_shapes
 
 E, H, I, K, T = 8, 16, 12, 3, 10
 
 
-def make_problem(rank: int):
-    """One rank's tokens, routing and output gradient; expert 5 gets no token on any rank."""
+def make_problem(rank: int, kind: str = "random"):
+    """One rank's tokens, routing and output gradient."""
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T, H, generator=gen)
-    allowed = torch.tensor([e for e in range(E) if e != 5])
-    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)])
     weights = torch.rand(T, K, generator=gen)
     grad_out = torch.randn(T, H, generator=gen)
-    return x, ids, weights, grad_out
+    return x, routing(kind, rank, T, E, K), weights, grad_out
 
 
 def make_experts() -> GroupedExperts:
@@ -76,37 +81,61 @@ def test_reference_matches_dense_and_torch_dispatcher():
 
 
 def _ep_rank(ep: int):
+    """Per routing: relative errors of each dispatcher against the dense loop, and the fused op's sizes on this rank."""
     rank = dist.get_rank()
-    experts = make_experts()
-    problems = [make_problem(r) for r in range(ep)]
-    full = [experts.gate_up_proj, experts.down_proj]
-    # Dense reference on every rank's tokens, with the full expert stacks: expert grads sum over all ranks.
-    xs = [p[0].clone().requires_grad_() for p in problems]
-    ws = [p[2].clone().requires_grad_() for p in problems]
-    ys = [dense_reference(xs[r], problems[r][1], ws[r], *full) for r in range(ep)]
-    torch.autograd.backward(ys, [p[3] for p in problems])
+    group = dist.new_group(list(range(ep)))
     local = E // ep
     mine = slice(rank * local, (rank + 1) * local)
-    expected = [ys[rank].detach(), xs[rank].grad, ws[rank].grad, full[0].grad[mine], full[1].grad[mine]]
-    x, ids, weights, grad_out = problems[rank]
-    group = dist.new_group(list(range(ep)))
     results = {}
-    for dispatcher in (FusedDispatcher(backend="reference").set_ep_group(group), TorchDispatcher().set_ep_group(group)):
+    for kind in ROUTINGS:
         experts = make_experts()
-        keep_local_experts(experts, rank, ep)
-        params = [experts.gate_up_proj, experts.down_proj]
-        got = forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out)
-        results[type(dispatcher).__name__] = [
-            (g - e).abs().max().item() / (e.abs().max().item() + 1e-6) for g, e in zip(got, expected)
-        ]
+        problems = [make_problem(r, kind) for r in range(ep)]
+        full = [experts.gate_up_proj, experts.down_proj]
+        # Dense reference on every rank's tokens, with the full expert stacks: expert grads sum over all ranks.
+        xs = [p[0].clone().requires_grad_() for p in problems]
+        ws = [p[2].clone().requires_grad_() for p in problems]
+        ys = [dense_reference(xs[r], problems[r][1], ws[r], *full) for r in range(ep)]
+        torch.autograd.backward(ys, [p[3] for p in problems])
+        expected = [ys[rank].detach(), xs[rank].grad, ws[rank].grad, full[0].grad[mine], full[1].grad[mine]]
+        x, ids, weights, grad_out = problems[rank]
+        errors, saved = {}, set()
+        for dispatcher in (FusedDispatcher(backend="reference").set_ep_group(group), TorchDispatcher().set_ep_group(group)):
+            experts = make_experts()
+            keep_local_experts(experts, rank, ep)
+            params = [experts.gate_up_proj, experts.down_proj]
+            got = []
+            shapes = saved_shapes(
+                lambda: got.extend(forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out))
+            )
+            if isinstance(dispatcher, FusedDispatcher):
+                saved = shapes
+                held = buffer_rows("reference", x, ids, weights, *(p.detach() for p in params), grad_out, E, group)
+            errors[type(dispatcher).__name__] = [
+                (g - e).abs().max().item() / (e.abs().max().item() + 1e-6) for g, e in zip(got, expected)
+            ]
+        received, rows = received_rows([p[1] for p in problems], rank, ep, 1, E)
+        results[kind] = {"errors": errors, "received": received, "rows": rows, "saved": saved, "held": held, "local": local}
     return results
+
+
+def assert_sizes_follow_received_rows(kind: str, sizes: dict) -> None:
+    """What autograd saved has the rows this rank receives (align 1: at least one), and nothing the op made held more
+    rows than that or the T x K slots this rank sends."""
+    rows, local = sizes["rows"], sizes["local"]
+    assert rows == max(1, sizes["received"]), kind
+    allowed = {(rows, H), (rows, 2 * I), (rows,), (T, K), (local,), (local, 2 * I, H), (local, H, I)}
+    assert sizes["saved"] <= allowed, f"{kind}: saved {sizes['saved'] - allowed}"
+    assert {(rows, H), (rows, 2 * I), (rows,)} <= sizes["saved"], kind
+    assert sizes["held"] <= max(rows, T * K), f"{kind}: a tensor of {sizes['held']} rows, {rows} received, {T * K} sent"
 
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_reference_expert_parallel_gloo(ep):
     for rank, results in enumerate(run_world(ep, _ep_rank, ep)):
-        for dispatcher, errors in results.items():
-            assert max(errors) < 1e-5, f"rank {rank} {dispatcher}: relative errors {errors}"
+        for kind, result in results.items():
+            for dispatcher, errors in result["errors"].items():
+                assert max(errors) < 1e-5, f"rank {rank} {kind} {dispatcher}: relative errors {errors}"
+            assert_sizes_follow_received_rows(f"rank {rank} {kind}", result)
 
 
 def _tiny_model(ac):
@@ -170,17 +199,76 @@ def test_validate_rejects_deep_gemm_when_absent():
 
 
 def test_layout_is_expert_contiguous_and_aligned():
-    from moe_lab.moe.fused.layout import capacity, routing_layout
+    from moe_lab.moe.fused.layout import routing_layout
 
     _, ids, _, _ = make_problem(0)
     layout = routing_layout(ids, E, 16, None)
     pos, offs = layout.pos.reshape(-1), layout.offs.long()
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     counts = torch.bincount(ids.reshape(-1), minlength=E)
-    assert pos.unique().numel() == pos.numel() and offs[-1] <= capacity(T, K, E, 1, 16)
+    assert pos.unique().numel() == pos.numel() and layout.rows == layout.max_rows == offs[-1]
     assert (starts % 16 == 0).all() and (offs - starts == (counts + 15) // 16 * 16).all()
     # Each slot lands inside its expert's segment, in (token, k) order within the expert.
     flat = ids.reshape(-1)
     assert ((pos >= starts[flat]) & (pos < starts[flat] + counts[flat])).all()
     for e in range(E):
         assert (pos[flat == e].diff() > 0).all()
+
+
+@pytest.mark.parametrize("align", [1, 8, 128])
+def test_layout_sizes_follow_received_rows_at_ep8(align):
+    """Eight ranks' layouts from their counts, in one process: each rank's receive buffer has its received rows
+    (padded per expert), every source's slots land inside their owner's buffer and expert segment without collision,
+    and max_rows is the largest buffer, under every routing."""
+    from moe_lab.moe.fused.layout import layout_from_counts
+
+    ep, local = 8, E // 8
+    for kind in ROUTINGS:
+        all_ids = [routing(kind, r, T, E, K) for r in range(ep)]
+        all_counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=E) for ids in all_ids])
+        layouts = [layout_from_counts(all_ids[r], all_counts, r, align) for r in range(ep)]
+        expected = [received_rows(all_ids, r, ep, align, E) for r in range(ep)]
+        assert [lay.rows for lay in layouts] == [rows for _, rows in expected], kind
+        assert {lay.max_rows for lay in layouts} == {max(rows for _, rows in expected)}, kind
+        for owner in range(ep):
+            received, rows = expected[owner]
+            assert rows <= max(align, 1.25 * received + local * (align - 1)), kind  # issue 15's bound
+            offs = layouts[owner].offs.long()
+            starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+            assert (starts % align == 0).all() and offs[-1] <= rows, kind
+            landed = []
+            for src in range(ep):
+                ids, pos = all_ids[src].reshape(-1), layouts[src].pos.reshape(-1)
+                to_owner = ids // local == owner
+                expert = ids[to_owner] - owner * local
+                landed.append(pos[to_owner])
+                assert ((pos[to_owner] >= starts[expert]) & (pos[to_owner] < offs[expert])).all(), kind
+            landed = torch.cat(landed)
+            assert landed.numel() == received and landed.unique().numel() == received, kind
+
+
+def test_fake_op_gives_the_residuals_one_unbacked_size():
+    """Under the compiler (fake tensors), the residuals' rows are one data-dependent size, at least the alignment."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        x, ids, weights = torch.empty(T, H), torch.zeros(T, K, dtype=torch.int64), torch.empty(T, K)
+        local = E // 8  # the stacks of one of eight ranks
+        y, x_routed, gate_up, row_weight, pos, offs = torch.ops.moe_lab.fused_moe(
+            x, ids, weights, torch.empty(local, 2 * I, H), torch.empty(local, H, I), E, "", "gpu_deep_gemm"
+        )
+    rows = x_routed.shape[0]
+    assert isinstance(rows, torch.SymInt)
+    assert row_weight.shape == (rows,) and gate_up.shape == (rows, 2 * I) and y.shape == (T, H)
+    assert pos.shape == (T, K) and offs.shape == (local,)
+    assert rows.node.shape_env.var_to_range[rows.node.expr].lower == 128
+
+
+def test_workspace_ladder_steps_are_at_most_a_quarter_apart():
+    from moe_lab.moe.fused.layout import workspace_rows
+
+    steps = sorted({workspace_rows(n) for n in range(1, 5000)})
+    assert all(workspace_rows(n) >= n and workspace_rows(n) <= 1.25 * n for n in range(1, 5000))
+    assert steps[:8] == list(range(1, 9)) and all(b <= 1.25 * a for a, b in zip(steps[7:], steps[8:]))
+    assert workspace_rows(131072) == 131072 and workspace_rows(131073) == 163840

@@ -171,10 +171,11 @@ class FusedDispatcher(TokenDispatcher):
     """Hands tokens, routing and the local expert weights to one custom op that dispatches, runs the SwiGLU
     experts and combines, forward and backward (``moe_lab.moe.fused``); the dispatcher itself moves nothing.
 
-    ``backend``: ``reference`` (plain PyTorch, CPU or GPU), ``gpu`` (Triton kernels, no host sync; CUDA only) or
+    ``backend``: ``reference`` (plain PyTorch, CPU or GPU), ``gpu`` (Triton kernels; CUDA only) or
     ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
     ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
-    ``moe_lab.moe.fused.gpu_backend_name``).
+    ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
+    receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``).
     """
 
     # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.

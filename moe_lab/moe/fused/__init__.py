@@ -28,8 +28,10 @@ def gpu_backend_name(gemm: str, ep: int = 1) -> str:
     """The op backend for the gpu path with this ``gemm`` choice.
 
     auto: deep_gemm when importable and EP=1, else torch. DeepGEMM's contiguous layout runs over the whole receive
-    buffer, and at EP>1 that buffer holds the worst case (EP x the average rows): on two H200s its GEMMs took twice
+    buffer, and at EP>1 that buffer held the worst case (EP x the average rows): on two H200s its GEMMs took twice
     their EP=1 time, while ``torch._grouped_mm`` stops at the last expert's rows (experiments/moe_layer/records/h200_ep2/).
+    The buffer now holds the rows received (``moe_lab.moe.fused.layout``), which removes that reason; the choice stays
+    until DeepGEMM at EP>1 is measured again.
     """
     if gemm == "torch" or (gemm == "auto" and ep > 1):
         return "gpu"

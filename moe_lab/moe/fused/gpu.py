@@ -1,25 +1,30 @@
-"""The ``gpu`` backend: Triton dispatch / SwiGLU / combine kernels around grouped GEMMs, with no host sync.
+"""The ``gpu`` backend: Triton dispatch / SwiGLU / combine kernels around grouped GEMMs, with one host sync per
+forward (the receive-buffer sizes, ``moe_lab.moe.fused.layout``) and none in backward.
 
-Forward, per rank: the routing layout (counts gathered device to device at EP > 1); each slot tells its owner
+Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each slot tells its owner
 where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's buffer); the owner pulls
 each routed row into its expert-contiguous, GEMM-aligned receive buffer (``gather_rows``); gate/up GEMM; SwiGLU with
 the routing weight folded in; down GEMM; each token sums its K rows from wherever they were computed (``combine``).
 Backward mirrors it: dy is pulled like x, dx and the routing-weight gradients are gathered like y.
 
-At EP > 1 the buffers that peers read or write are torch symmetric memory (CUDA backend, NVLink peer access;
-multicast stays off), allocated once per shape; device-side barriers order the phases.
+Every receive-side buffer (the routed rows, gate/up, the activations, the GEMM outputs, what is saved for backward)
+holds exactly this rank's received rows plus per-expert alignment. At EP > 1 the buffers that peers read or write
+are torch symmetric memory (CUDA backend, NVLink peer access; multicast stays off), reused across calls (see
+``_Exchange``); device-side barriers order the phases.
 ``gpu_deep_gemm`` runs the forward and input-gradient GEMMs with DeepGEMM's m-grouped contiguous bf16 kernels;
 weight gradients always use ``torch._grouped_mm`` (DeepGEMM's k-grouped kernel takes its group sizes on the host).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import triton
 
 from moe_lab.moe.fused import kernels
-from moe_lab.moe.fused.layout import routing_layout
+from moe_lab.moe.fused.layout import routing_layout, workspace_rows
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
@@ -71,32 +76,76 @@ class _Gemms:
 # --- exchange ------------------------------------------------------------------------------------------------------
 
 
-class _Exchange:
-    """Where rows live. EP=1: local tensors. EP>1: symmetric-memory buffers, one per (name, shape, dtype)."""
+def symmetric_empty(shape, dtype, device, group):
+    """A torch symmetric-memory buffer -> (this rank's tensor, every rank's buffer address as an int64 tensor on
+    ``device``, the group's device-side barrier). Collective: every rank allocates the same shape in the same order.
+    tests/test_fused_kernels.py swaps in shared file mappings to run the peer paths on CPU."""
+    import torch.distributed._symmetric_memory as symm_mem
 
-    _buffers: dict = {}
+    local = symm_mem.empty(shape, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(local, group.group_name)
+    ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+    return local, ptrs, functools.partial(handle.barrier, channel=0)
+
+
+class _Exchange:
+    """Where rows live. EP=1: local tensors. EP>1: symmetric-memory buffers that peers read or write, of two kinds.
+
+    Sized by this rank's tokens (``x``, ``dy`` [T, H]): one per shape. Receive side (``row_src``, ``row_weight``,
+    ``d_row_weight`` [P], ``out`` [P, H]: the expert outputs in forward, the input gradients in backward, never live at
+    once): P rows shared by every layer, each call using its first ``rows``. P is the largest receive buffer over the
+    group rounded up the 1.25x ladder (``workspace_rows``); it only grows, and only in forward right after the
+    layout's host sync (``reserve``), so every rank allocates the same sizes in the same order, backward never
+    allocates, and freeing the smaller buffers cannot pull memory from under a peer: that sync waited for the count
+    all-gather, which no peer finishes before its stream has run every earlier kernel that touched this rank's buffers.
+    """
+
+    _buffers: dict = {}  # key -> (local tensor, peer pointers, barrier)
+    _workspace_rows: dict = {}  # (device, group name) -> P
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         self.group, self.device = group, device
         self.peer = group is not None
         self.rank = dist.get_rank(group) if self.peer else 0
         if self.peer:
-            self._sync = self.buffer("sync", (1,), torch.int32)
+            self.place = (self.device, self.group.group_name)
+            self.barrier = self._symmetric(("sync", (1,), torch.int32), (1,), torch.int32)[2]
+
+    def _symmetric(self, key, shape, dtype):
+        """The buffer of ``key`` (+ this device and group), allocated with ``shape`` and ``dtype`` on first use."""
+        key = (*key, *self.place)
+        if key not in self._buffers:
+            self._buffers[key] = symmetric_empty(shape, dtype, self.device, self.group)
+        return self._buffers[key]
 
     def buffer(self, name, shape, dtype):
-        """-> (local tensor, device tensor of every rank's buffer address)."""
-        import torch.distributed._symmetric_memory as symm_mem
+        """A buffer sized by this rank's tokens -> (local tensor, device tensor of every rank's buffer address)."""
+        return self._symmetric((name, tuple(shape), dtype), shape, dtype)[:2]
 
-        key = (name, tuple(shape), dtype, self.device, self.group.group_name)
-        if key not in self._buffers:
-            local = symm_mem.empty(shape, dtype=dtype, device=self.device)
-            handle = symm_mem.rendezvous(local, self.group.group_name)
-            ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=self.device)
-            self._buffers[key] = (local, ptrs, handle)
-        return self._buffers[key][:2]
+    def reserve(self, max_rows: int, width: int, dtype: torch.dtype):
+        """Forward, after the layout's host sync (every rank passes the same values): the receive-side buffers hold
+        at least ``max_rows`` rows."""
+        if not self.peer:
+            return
+        held = self._workspace_rows.get(self.place, 0)
+        if max_rows > held:
+            held = self._workspace_rows[self.place] = workspace_rows(max_rows)
+            for key in [k for k in self._buffers if k[0] == "workspace" and k[-2:] == self.place]:
+                del self._buffers[key]  # before allocating the larger one: the two never coexist
+                _, _, row_shape, row_dtype = key[:-2]
+                self._symmetric(key[:-2], (held, *row_shape), row_dtype)
+        for name, row_shape, row_dtype in (
+            ("row_src", (), torch.int64), ("row_weight", (), torch.float32), ("d_row_weight", (1,), torch.float32),
+            ("out", (width,), dtype),
+        ):
+            self._symmetric(("workspace", name, row_shape, row_dtype), (held, *row_shape), row_dtype)
 
-    def barrier(self):
-        self._buffers[("sync", (1,), torch.int32, self.device, self.group.group_name)][2].barrier(channel=0)
+    def workspace(self, name, rows, row_shape, dtype):
+        """The first ``rows`` of a receive-side buffer -> (local view, peer pointers)."""
+        local, ptrs, _ = self._buffers[("workspace", name, tuple(row_shape), dtype, *self.place)]
+        if rows > local.shape[0]:
+            raise RuntimeError(f"fused MoE: {rows} received rows overflow the {local.shape[0]}-row {name} buffer")
+        return local[:rows], ptrs
 
     def publish(self, name, tensor):
         """Make a local tensor readable by peers: (local, peer pointers); at EP=1 the tensor itself."""
@@ -106,19 +155,19 @@ class _Exchange:
         local.copy_(tensor)
         return local, ptrs
 
-    def route(self, pos, dest, weights, capacity, num_tokens):
+    def route(self, pos, dest, weights, rows, num_tokens):
         """Each slot writes (source rank, token) and its weight into its owner's row. -> row_src, row_weight."""
         top_k = pos.shape[1]
         with_weight = weights is not None
         if self.peer:
-            row_src, src_ptrs = self.buffer("row_src", (capacity,), torch.int64)
-            row_weight, weight_ptrs = self.buffer("row_weight", (capacity,), torch.float32)
+            row_src, src_ptrs = self.workspace("row_src", rows, (), torch.int64)
+            row_weight, weight_ptrs = self.workspace("row_weight", rows, (), torch.float32)
             row_src.fill_(-1)
             row_weight.zero_()
             self.barrier()  # every owner has cleared its rows before anyone writes into them
         else:
-            row_src = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-            row_weight = torch.zeros(capacity, dtype=torch.float32, device=self.device)
+            row_src = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
+            row_weight = torch.zeros(rows, dtype=torch.float32, device=self.device)
             src_ptrs = weight_ptrs = row_src
         num_slots = pos.numel()
         kernels.push_slots_kernel[(triton.cdiv(num_slots, SLOT_BLOCK),)](
@@ -130,23 +179,27 @@ class _Exchange:
             return row_src.clone(), row_weight.clone()
         return row_src, row_weight
 
-    def gather_rows(self, name, src, row_src, offs, capacity):
-        """Dispatch: the receive buffer [capacity, D], pulled row by row from the sources' ``src`` [T, D]."""
+    def gather_rows(self, name, src, row_src, offs):
+        """Dispatch: the receive buffer [rows, D], pulled row by row from the sources' ``src`` [T, D]."""
         local, ptrs = self.publish(name, src)
         if self.peer:
             self.barrier()
-        out = src.new_empty(capacity, src.shape[1])
-        grid = (capacity, triton.cdiv(src.shape[1], ROW_BLOCK))
+        out = src.new_empty(row_src.shape[0], src.shape[1])
+        grid = (row_src.shape[0], triton.cdiv(src.shape[1], ROW_BLOCK))
         kernels.gather_rows_kernel[grid](
             out, local, ptrs, row_src, offs, offs.numel(), src.shape[0], src.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
         )
         return out
 
     def combine(self, name, buf, pos, dest, out_dtype):
-        """Gather-sum by slot group: out[i] = sum_j buf_{dest[i, j]}[pos[i, j]] for pos [N, J]."""
-        local, ptrs = self.publish(name, buf)
+        """Gather-sum by slot group: out[i] = sum_j buf_{dest[i, j]}[pos[i, j]] for pos [N, J]; ``buf`` [rows, D] is
+        receive-side, published to peers through the workspace buffer ``name``."""
         if self.peer:
+            local, ptrs = self.workspace(name, buf.shape[0], buf.shape[1:], buf.dtype)
+            local.copy_(buf)
             self.barrier()
+        else:
+            local = ptrs = buf
         out = torch.empty(pos.shape[0], buf.shape[1], dtype=out_dtype, device=buf.device)
         grid = (pos.shape[0], triton.cdiv(buf.shape[1], ROW_BLOCK))
         kernels.combine_kernel[grid](
@@ -164,19 +217,20 @@ def _swiglu_block(inter: int) -> int:
     return min(ROW_BLOCK, triton.next_power_of_2(inter))
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, capacity, align, backend):
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
     num_tokens, top_k = topk_ids.shape
     inter = down_proj.shape[2]
-    layout = routing_layout(topk_ids, num_experts, align, group)
+    layout = routing_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
     ex = _Exchange(group, x.device)
-    row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), capacity, num_tokens)
+    ex.reserve(layout.max_rows, x.shape[1], x.dtype)
+    row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), layout.rows, num_tokens)
     gemms = _Gemms(backend, layout.offs, row_src)
-    x_routed = ex.gather_rows("x", x.contiguous(), row_src, layout.offs, capacity)
+    x_routed = ex.gather_rows("x", x.contiguous(), row_src, layout.offs)
     gate_up = gemms.nt(x_routed, gate_up_proj)
-    act = x.new_empty(capacity, inter)
+    act = x.new_empty(layout.rows, inter)
     block = _swiglu_block(inter)
-    kernels.swiglu_forward_kernel[(capacity, triton.cdiv(inter, block))](
+    kernels.swiglu_forward_kernel[(layout.rows, triton.cdiv(inter, block))](
         act, gate_up, row_weight, row_src, layout.offs, layout.offs.numel(), inter, BLOCK=block
     )
     out = gemms.nt(act, down_proj)
@@ -186,23 +240,23 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
 
 def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
     num_tokens, top_k = pos.shape
-    capacity, inter = gate_up.shape[0], down_proj.shape[2]
+    rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
     ex = _Exchange(group, dy.device)
-    row_src, _ = ex.route(pos, dest, None, capacity, num_tokens)
+    row_src, _ = ex.route(pos, dest, None, rows, num_tokens)
     gemms = _Gemms(backend, offs, row_src)
-    dy_routed = ex.gather_rows("dy", dy, row_src, offs, capacity)
+    dy_routed = ex.gather_rows("dy", dy, row_src, offs)
     d_act_weighted = gemms.nn(dy_routed, down_proj)
     d_gate_up = torch.empty_like(gate_up)
     act_weighted = torch.empty_like(d_act_weighted)
     d_row_weight = torch.empty_like(row_weight)
-    kernels.swiglu_backward_kernel[(capacity,)](
+    kernels.swiglu_backward_kernel[(rows,)](
         d_gate_up, act_weighted, d_row_weight, gate_up, d_act_weighted, row_weight, row_src, offs, offs.numel(),
         INTER=inter, BLOCK=_swiglu_block(inter),
     )
     d_down_proj = gemms.wgrad(dy_routed, act_weighted)
     dx_routed = gemms.nn(d_gate_up, gate_up_proj)
     d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
-    dx = ex.combine("dx", dx_routed, pos, dest, dy.dtype)
+    dx = ex.combine("out", dx_routed, pos, dest, dy.dtype)
     d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), dest.view(-1, 1), torch.float32)
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj

@@ -4,6 +4,10 @@ second custom op, fake implementations and registered autograd, so a decoder blo
 
 ``fused_moe`` returns y and, as extra outputs, what backward needs (the routed rows, the gate/up pre-activations,
 each row's routing weight, the layout), so saving the op's outputs means nothing is re-dispatched in recompute.
+Those residuals have as many rows as this rank receives (each local expert's rows padded to ``ALIGN``; see
+``moe_lab.moe.fused.layout``), a number only the routing decides: the fake implementation gives them an unbacked
+size, as the torch dispatcher's all-to-all does (``moe_lab.moe.collectives``), and the op reads it back to the host
+once per forward.
 ``backend`` names the implementation: ``reference`` (plain PyTorch, any device) or ``gpu`` / ``gpu_deep_gemm``
 (Triton kernels with torch or DeepGEMM grouped GEMMs).
 """
@@ -15,8 +19,6 @@ import importlib
 import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
-
-from moe_lab.moe.fused.layout import capacity
 
 _BACKEND_MODULES = {"reference": "moe_lab.moe.fused.reference", "gpu": "moe_lab.moe.fused.gpu", "gpu_deep_gemm": "moe_lab.moe.fused.gpu"}
 # Rows of each expert's segment start at a multiple of this (DeepGEMM's contiguous layout needs its M block).
@@ -31,11 +33,6 @@ def _group(group_name: str):
     return _resolve_process_group(group_name) if group_name else None
 
 
-def _capacity(topk_ids: Tensor, gate_up_proj: Tensor, num_experts: int, backend: str) -> int:
-    num_tokens, top_k = topk_ids.shape
-    return capacity(num_tokens, top_k, num_experts, num_experts // gate_up_proj.shape[0], ALIGN[backend])
-
-
 @torch.library.custom_op("moe_lab::fused_moe", mutates_args=())
 def fused_moe(
     x: Tensor,
@@ -47,21 +44,22 @@ def fused_moe(
     group_name: str,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> y [T, H], x_routed [C, H], gate_up [C, 2I], row_weight [C] fp32, pos [T, K] int64, offs [L] int32."""
-    cap = _capacity(topk_ids, gate_up_proj, num_experts, backend)
+    """-> y [T, H], x_routed [R, H], gate_up [R, 2I], row_weight [R] fp32, pos [T, K] int64, offs [L] int32, with R
+    the rows this rank receives (padded per expert)."""
     return _impl(backend).forward(
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, _group(group_name), cap, ALIGN[backend], backend
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, _group(group_name), ALIGN[backend], backend
     )
 
 
 @fused_moe.register_fake
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend):
-    cap = _capacity(topk_ids, gate_up_proj, num_experts, backend)
+    # No lower bound: torch 2.11's Inductor fails on a size bound (min=...) that reaches the backward graph as an input.
+    rows = torch.library.get_ctx().new_dynamic_size()
     return (
         x.new_empty(x.shape),
-        x.new_empty(cap, x.shape[1]),
-        x.new_empty(cap, gate_up_proj.shape[1]),
-        x.new_empty(cap, dtype=torch.float32),
+        x.new_empty(rows, x.shape[1]),
+        x.new_empty(rows, gate_up_proj.shape[1]),
+        x.new_empty(rows, dtype=torch.float32),
         topk_ids.new_empty(topk_ids.shape, dtype=torch.int64),
         topk_ids.new_empty(gate_up_proj.shape[0], dtype=torch.int32),
     )

@@ -1,7 +1,9 @@
 """The ``reference`` backend: the fused op's semantics in plain PyTorch, on CPU and GPU, over any process group.
 
-Exchanges use fixed-size all-to-alls (every slot travels to every rank, masked), and the experts run as a loop of
-per-expert matmuls: slow and obviously right, the oracle the ``gpu`` backend is tested against.
+Exchanges are all-to-alls with exact splits (each slot travels to its owner only; the split sizes go through the
+host), and the experts run as a loop of per-expert matmuls: slow and obviously right, the oracle the ``gpu`` backend
+is tested against. Its buffers are this rank's slots (T x K rows) on the sending side and the rows it receives on
+the other, as the ``gpu`` backend's.
 """
 
 from __future__ import annotations
@@ -13,23 +15,32 @@ import torch.nn.functional as F
 from moe_lab.moe.fused.layout import routing_layout
 
 
+def _exchange(send, send_counts, group):
+    """All-to-all of ``send``'s rows, ``send_counts[r]`` consecutive rows to rank r. -> (received rows in source rank
+    order, rows received from each rank)."""
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_counts = recv_counts.tolist()
+    recv = send.new_empty(sum(recv_counts), *send.shape[1:])
+    dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts.tolist(), group=group)
+    return recv, recv_counts
 
-def scatter_to_owners(rows, pos, dest, capacity, group):
-    """rows [S, D] of this rank's slots -> [capacity, D] receive buffer of this rank: buf[pos] = row on the owner."""
+
+def _by_owner(dest, group):
+    """This rank's slots ordered by owner, and how many go to each."""
+    return torch.argsort(dest, stable=True), torch.bincount(dest, minlength=dist.get_world_size(group))
+
+
+def scatter_to_owners(rows, pos, dest, num_rows, group):
+    """rows [S, D] of this rank's slots -> [num_rows, D] receive buffer of this rank: buf[pos] = row on the owner."""
+    buf = rows.new_zeros(num_rows, rows.shape[1])
     if group is None:
-        buf = rows.new_zeros(capacity, rows.shape[1])
         buf[pos] = rows
         return buf
-    ep = dist.get_world_size(group)
-    mine = dest.unsqueeze(0) == torch.arange(ep, device=dest.device).unsqueeze(1)  # [ep, S]
-    send_rows = torch.where(mine.unsqueeze(-1), rows.unsqueeze(0), 0).contiguous()
-    send_pos = torch.where(mine, pos.unsqueeze(0), -1).contiguous()
-    recv_rows, recv_pos = torch.empty_like(send_rows), torch.empty_like(send_pos)
-    dist.all_to_all_single(recv_rows, send_rows, group=group)
-    dist.all_to_all_single(recv_pos, send_pos, group=group)
-    valid = recv_pos >= 0
-    buf = rows.new_zeros(capacity, rows.shape[1])
-    buf[recv_pos[valid]] = recv_rows[valid]
+    order, counts = _by_owner(dest, group)
+    recv_rows, _ = _exchange(rows[order], counts, group)
+    recv_pos, _ = _exchange(pos[order], counts, group)
+    buf[recv_pos] = recv_rows
     return buf
 
 
@@ -37,15 +48,13 @@ def gather_from_owners(buf, pos, dest, group):
     """The reverse: row pos of the owner's buffer for each of this rank's slots -> [S, D]."""
     if group is None:
         return buf[pos]
-    ep = dist.get_world_size(group)
-    mine = dest.unsqueeze(0) == torch.arange(ep, device=dest.device).unsqueeze(1)
-    requests = torch.where(mine, pos.unsqueeze(0), -1).contiguous()
-    asked = torch.empty_like(requests)
-    dist.all_to_all_single(asked, requests, group=group)
-    answers = torch.where((asked >= 0).unsqueeze(-1), buf[asked.clamp(min=0)], 0).contiguous()
-    got = torch.empty_like(answers)
-    dist.all_to_all_single(got, answers, group=group)
-    return got[dest, torch.arange(dest.numel(), device=dest.device)]
+    order, counts = _by_owner(dest, group)
+    asked, asked_counts = _exchange(pos[order], counts, group)
+    answers = buf.new_empty(dest.numel(), buf.shape[1])
+    dist.all_to_all_single(answers, buf[asked], counts.tolist(), asked_counts, group=group)
+    out = torch.empty_like(answers)
+    out[order] = answers
+    return out
 
 
 def _segments(offs):
@@ -53,15 +62,15 @@ def _segments(offs):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, capacity, align, backend):
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
     num_tokens, top_k = topk_ids.shape
     layout = routing_layout(topk_ids, num_experts, align, group)
     pos = layout.pos.reshape(-1)
     dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]
-    x_routed = scatter_to_owners(x.repeat_interleave(top_k, 0), pos, dest, capacity, group)
-    row_weight = scatter_to_owners(topk_weights.reshape(-1, 1).float(), pos, dest, capacity, group).view(-1)
-    gate_up = x.new_zeros(capacity, gate_up_proj.shape[1])
-    out = x.new_zeros(capacity, x.shape[1])
+    x_routed = scatter_to_owners(x.repeat_interleave(top_k, 0), pos, dest, layout.rows, group)
+    row_weight = scatter_to_owners(topk_weights.reshape(-1, 1).float(), pos, dest, layout.rows, group).view(-1)
+    gate_up = x.new_zeros(layout.rows, gate_up_proj.shape[1])
+    out = x.new_zeros(layout.rows, x.shape[1])
     for j, (s, e) in enumerate(_segments(layout.offs)):
         gate_up[s:e] = x_routed[s:e] @ gate_up_proj[j].T
         gate, up = gate_up[s:e].float().chunk(2, dim=-1)
