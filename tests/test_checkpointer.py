@@ -1,5 +1,6 @@
 """Training checkpoints in process (issue 17): complete or absent on disk, pruning, background (async) saves that
-resume exactly at world 1 and at world 2 with EP 2, a checkpoint of another model refused naming the tensor, and
+resume exactly at world 1 and at world 2 with EP 2, the routers' expert biases (router_balance=bias) saved and
+restored (exact resume at world 1 and world 2), a checkpoint of another model refused naming the tensor, and
 ``trainer.resume`` checked at compose time, ``auto`` refusing a checkpoint of another configuration. The jobs killed and signalled for real are tests/test_resume.py."""
 
 from __future__ import annotations
@@ -90,9 +91,28 @@ def test_background_save_resumes_exactly_and_keeps_the_newest(tmp_path):
     assert resumed["losses"] == reference["losses"] and resumed["resumed_from"].endswith("step_00000004")
 
 
+# Aux-loss-free balancing at a rate that moves the choice of experts within a step or two: a resumed run whose
+# routers forgot their biases routes (and so trains) differently.
+EXPERT_BIAS = ["model.router_balance=bias", "model.router_bias_update_rate=0.05"]
+
+
+def test_expert_bias_is_saved_and_resumes_exactly(tmp_path):
+    every = [*EXPERT_BIAS, "trainer.checkpoint.every=2"]
+    reference = train_in_process(every, tmp_path / "a")
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000004"
+    resumed = train_in_process([*every, f"trainer.resume={checkpoint}"], tmp_path / "b")
+    assert resumed["losses"] == reference["losses"]
+    bias = "buffer/model\\.layers\\.0\\.mlp\\.gate\\.expert_bias"
+    with pytest.raises(CheckpointMismatch, match=f"{bias} is a buffer this model lacks"):
+        train_in_process([f"trainer.resume={checkpoint}"], tmp_path / "c")  # router_balance=aux_loss
+    train_in_process(["trainer.steps=1", "trainer.checkpoint.every=1"], tmp_path / "d")
+    with pytest.raises(CheckpointMismatch, match=f"no {bias}"):
+        train_in_process([*every, f"trainer.resume={tmp_path / 'd' / 'checkpoints' / 'step_00000001'}"], tmp_path / "e")
+
+
 def _background_save_world2(run_dir: str) -> list[float]:
     every = ["trainer.nproc_per_node=2", "parallel.ep=2", "offload=full", "trainer.checkpoint.every=3",
-             "trainer.checkpoint.async_save=true", "trainer.checkpoint.keep=null"]  # fmt: skip
+             "trainer.checkpoint.async_save=true", "trainer.checkpoint.keep=null", *EXPERT_BIAS]  # fmt: skip
     reference = train_in_process(every, f"{run_dir}/a")
     resumed = train_in_process([*every, f"trainer.resume={run_dir}/a/checkpoints/step_00000003"], f"{run_dir}/b")
     return [reference["losses"], resumed["losses"]]
