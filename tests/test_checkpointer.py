@@ -15,7 +15,9 @@ from moe_lab import config, job
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.checkpoint.checkpointer import CheckpointMismatch
 from moe_lab.config import ConfigError
-from moe_lab.trainer import train
+from moe_lab.moe.router import Router
+from moe_lab.optim.schedule import warmup_cosine
+from moe_lab.trainer import build_checkpointer, build_model, train
 from tests.distributed import run_world
 from tests.test_offload import compose_train
 
@@ -108,6 +110,31 @@ def test_expert_bias_is_saved_and_resumes_exactly(tmp_path):
     train_in_process(["trainer.steps=1", "trainer.checkpoint.every=1"], tmp_path / "d")
     with pytest.raises(CheckpointMismatch, match=f"no {bias}"):
         train_in_process([*every, f"trainer.resume={tmp_path / 'd' / 'checkpoints' / 'step_00000001'}"], tmp_path / "e")
+
+
+def restored_expert_biases(overrides: list[str], run_dir) -> list[list[float]]:
+    """Each router's expert_bias after restoring the checkpoint ``trainer.resume`` names, on this rank."""
+    cfg = compose_train(SMALL + EXPERT_BIAS + overrides)
+    options = config.validate(cfg)
+    model = build_model(cfg, options, torch.device("cpu"), torch.float32)
+    optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
+    scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
+    build_checkpointer(cfg, options, run_dir, model, optimizer, scheduler, torch.device("cpu")).restore()
+    return [m.expert_bias.tolist() for m in model.modules() if isinstance(m, Router)]
+
+
+def _restored_expert_biases_world2(checkpoint: str, run_dir: str) -> list[list[float]]:
+    return restored_expert_biases(["trainer.nproc_per_node=2", "parallel.ep=2", f"trainer.resume={checkpoint}"], run_dir)
+
+
+def test_expert_bias_written_at_world1_restores_whole_at_world2_ep2(tmp_path, monkeypatch):
+    """The biases are not sharded: a checkpoint of one rank gives both ranks of an EP 2 mesh the same, whole ones."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    train_in_process([*EXPERT_BIAS, "trainer.steps=3", "trainer.checkpoint.every=3"], tmp_path / "a")
+    checkpoint = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    saved = restored_expert_biases([f"trainer.resume={checkpoint}"], tmp_path / "b")
+    assert all(any(b != 0 for b in layer) for layer in saved)  # three updates moved every layer's biases
+    assert run_world(2, _restored_expert_biases_world2, checkpoint, str(tmp_path / "c")) == [saved, saved]
 
 
 def _background_save_world2(run_dir: str) -> list[float]:
