@@ -1,6 +1,6 @@
 """Training checkpoints in process (issue 17): complete or absent on disk, pruning, background (async) saves that
 resume exactly at world 1 and at world 2 with EP 2, the routers' expert biases (router_balance=bias) saved and
-restored (exact resume at world 1 and world 2), a checkpoint of another model refused naming the tensor, and
+restored (exact resume at world 1 and at world 2 / EP 2; a world-1 checkpoint's restored whole at world 2), a checkpoint of another model refused naming the tensor, and
 ``trainer.resume`` checked at compose time, ``auto`` refusing a checkpoint of another configuration. The jobs killed and signalled for real are tests/test_resume.py."""
 
 from __future__ import annotations
