@@ -4,12 +4,12 @@
 # records/ folders and, with OUT_DIR, also as OUT_DIR/<study>-<stamp>.tgz (unpack each with `tar -xzf` in the
 # checkout's root, then regenerate the docs' tables with `python experiments/doc_tables.py`).
 #   bash benchmarks/performance_suite.sh PHASE [OUT_DIR]
-#   two_gpu          grid_30b two_gpu, moe_layer ep2
+#   two_gpu          grid_30b two_gpu
 #   torchtitan       torchtitan_baseline two_gpu (its four AC settings)
 #   one_gpu          grid_30b one_gpu on GPU 0 while GPU 1 runs torchtitan_baseline one_gpu
 #   gpu_tests        gpu_tests one_gpu, then gpu_tests two_gpu
 #   depth            offload_depth search
-#   seq8192          grid_30b seq8192
+#   seq8192          grid_30b seq8192, moe_layer ep2
 #   torchtitan_8192  torchtitan_baseline seq8192
 #   grid_235b        grid_235b two_gpu
 #   torchtitan_235b  torchtitan_baseline two_gpu_235b
@@ -28,12 +28,12 @@ side_by_side() {  # side_by_side "STUDY PART" "STUDY PART": the first on GPU 0, 
 }
 
 case "$phase" in
-two_gpu) study grid_30b two_gpu; study moe_layer ep2 ;;
+two_gpu) study grid_30b two_gpu ;;
 torchtitan) study torchtitan_baseline two_gpu ;;
 one_gpu) side_by_side "grid_30b one_gpu" "torchtitan_baseline one_gpu" ;;
 gpu_tests) study gpu_tests one_gpu; study gpu_tests two_gpu ;;
 depth) study offload_depth search ;;
-seq8192) study grid_30b seq8192 ;;
+seq8192) study grid_30b seq8192; study moe_layer ep2 ;;
 torchtitan_8192) study torchtitan_baseline seq8192 ;;
 grid_235b) study grid_235b two_gpu ;;
 torchtitan_235b) study torchtitan_baseline two_gpu_235b ;;
