@@ -91,9 +91,18 @@ def torchtitan(path: str) -> dict[str, dict]:
     return {ac: p for ac, p in torchtitan_points(path).items() if p["status"] == "ok"}
 
 
-def fastest(points: dict[str, dict]) -> tuple[str, dict]:
-    """The (name, point) with the most tokens/s/GPU."""
-    return max(points.items(), key=lambda item: item[1]["tokens_per_s_per_gpu"])
+def fastest(points: dict[str, dict]) -> tuple[str, dict | None]:
+    """The (name, point) with the most tokens/s/GPU; ("(none ok)", None) without any."""
+    return max(points.items(), key=lambda item: item[1]["tokens_per_s_per_gpu"], default=("(none ok)", None))
+
+
+def value(point, key: str):
+    """A field of a point (a record row or a raw file's point), None without a point."""
+    return None if point is None else point[key]
+
+
+def ratio(ours: dict | None, theirs: dict | None) -> str:
+    return f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x" if ours is not None and theirs is not None else ""
 
 
 def grid(path: str, baseline: str | None = None) -> str:
@@ -102,10 +111,10 @@ def grid(path: str, baseline: str | None = None) -> str:
     titan_ac, titan_best = fastest(torchtitan(baseline)) if baseline else (None, None)
     rows = []
     for _, r in sweep(path).iterrows():
-        ratio = f"{r['tokens_per_s_per_gpu'] / titan_best['tokens_per_s_per_gpu']:.2f}x" if r["status"] == "ok" and titan_best else ""
         rows.append([r["offload"], r["dispatcher"], r["ac"], r["status"], num(r.get("s_per_step"), ".3f"),
                      num(r.get("tokens_per_s_per_gpu")), pct(r.get("mfu")), pct(r.get("mfu_executed")),
-                     num(r.get("peak_gpu_mem_gib"), ".1f"), num(r.get("peak_host_rss_gib"), ".1f"), ratio])  # fmt: skip
+                     num(r.get("peak_gpu_mem_gib"), ".1f"), num(r.get("peak_host_rss_gib"), ".1f"),
+                     ratio(r if r["status"] == "ok" else None, titan_best)])  # fmt: skip
     header = ["offload", "dispatcher", "ac", "status", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB",
               "peak host GiB"] + ([f"vs torchtitan's fastest ({titan_ac})"] if baseline else [])  # fmt: skip
     return markdown([row[: len(header)] for row in rows], header)
@@ -185,11 +194,10 @@ def best_vs_best(*paths: str) -> str:
         ours_ac, ours_best = fastest({n: r for n, r in ours.items() if r["status"] == "ok"})
         titan_ac, titan_best = fastest(torchtitan(titan_path))
         proxy, gpus, seq = setup
-        rows.append([proxy, gpus, num(seq), ours_ac, num(ours_best["tokens_per_s_per_gpu"]), pct(ours_best["mfu"]),
-                     num(ours_best["peak_gpu_mem_gib"], ".1f"), titan_ac, num(titan_best["tokens_per_s_per_gpu"]),
-                     pct(titan_best["mfu"]), num(titan_best["peak_gpu_mem_reserved_gib"], ".1f"),
-                     f"{ours_best['tokens_per_s_per_gpu'] / titan_best['tokens_per_s_per_gpu']:.2f}x",
-                     grid_covered(points),
+        rows.append([proxy, gpus, num(seq), ours_ac, num(value(ours_best, "tokens_per_s_per_gpu")), pct(value(ours_best, "mfu")),
+                     num(value(ours_best, "peak_gpu_mem_gib"), ".1f"), titan_ac, num(value(titan_best, "tokens_per_s_per_gpu")),
+                     pct(value(titan_best, "mfu")), num(value(titan_best, "peak_gpu_mem_reserved_gib"), ".1f"),
+                     ratio(ours_best, titan_best), grid_covered(points),
                      titan_covered(torchtitan_points(titan_path))])  # fmt: skip
     header = ["proxy", "GPUs", "seq", "moe_lab fastest", "tokens/s/GPU", "MFU", "peak GPU GiB", "torchtitan fastest",
               "tokens/s/GPU", "MFU", "peak GPU GiB (reserved)", "fastest / fastest", "moe_lab ran", "torchtitan ran"]  # fmt: skip

@@ -84,5 +84,8 @@ def test_best_vs_best_divides_the_fastest_by_the_fastest_and_says_what_each_side
     assert row[11] == f"{51_000 / 40_800:.2f}x"
     assert row[12] == "dispatcher fused, torch; ac none, selective; offload none; fused + none, offload none: oom; not run: ac full"
     assert row[13] == "none, full, layer-selective (oom); not run: op-selective |"
+    failed = _titan(tmp_path / "failed.json", [("none", "oom", None, None)])
+    row = tables.best_vs_best(ours, failed).splitlines()[2].split(" | ")
+    assert row[7:12] == ["(none ok)", "", "", "", ""]  # nothing to divide by
     with pytest.raises(ValueError, match="is .*1, 16384.* is .*2, 16384"):
         tables.best_vs_best(_ours(tmp_path / "one_gpu", [("fused", "selective", "ok", 1, 1)], gpus=1), titan)
