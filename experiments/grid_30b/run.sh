@@ -8,9 +8,9 @@
 # Records: records/<machine>_1gpu|2gpu|2gpu_seq8192/<UTC start>/, one directory per point (see ../common.sh).
 source "$(dirname "$0")/../common.sh"
 case "${1:-}" in
-one_gpu) dir=$(record 1gpu) && timeout 520 python3 -m moe_lab.train -m +experiment=grid_30b hydra.sweep.dir="$dir" "${@:2}" ;;
-two_gpu) dir=$(record 2gpu) && timeout 420 python3 -m moe_lab.train -m +experiment=grid_30b/two_gpu hydra.sweep.dir="$dir" "${@:2}" ;;
-seq8192) dir=$(record 2gpu_seq8192) && timeout 340 python3 -m moe_lab.train -m +experiment=grid_30b/seq8192 hydra.sweep.dir="$dir" "${@:2}" ;;
+one_gpu) dir=$(record 1gpu) && timeout -k 30 490 python3 -m moe_lab.train -m +experiment=grid_30b hydra.sweep.dir="$dir" "${@:2}" ;;
+two_gpu) dir=$(record 2gpu) && timeout -k 30 400 python3 -m moe_lab.train -m +experiment=grid_30b/two_gpu hydra.sweep.dir="$dir" "${@:2}" ;;
+seq8192) dir=$(record 2gpu_seq8192) && timeout -k 30 320 python3 -m moe_lab.train -m +experiment=grid_30b/seq8192 hydra.sweep.dir="$dir" "${@:2}" ;;
 *) echo "usage: $0 one_gpu|two_gpu|seq8192" >&2; exit 2 ;;
 esac
 pack "$dir"

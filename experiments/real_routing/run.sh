@@ -17,12 +17,13 @@ prepare() {
 }
 
 # A part fits one 10-minute device call with the wheel install before it: the sweep gets what is left of BUDGET
-# seconds after the prepare step; the timeout's SIGTERM records the point it cuts as `interrupted` and ends the sweep.
+# seconds after the prepare step; the timeout's SIGTERM records the point it cuts as `interrupted` at its next step
+# boundary and ends the sweep, and a sweep still running 45 s later (stuck before a step boundary) is killed.
 BUDGET=${BUDGET:-520}
 sweep() {  # sweep LABEL PRESET OVERRIDES...
   dir=$(record "$1")
   prepare || return
-  timeout $((BUDGET - SECONDS)) python3 -m moe_lab.train -m +experiment="$2" hydra.sweep.dir="$dir" "${@:3}"
+  timeout -k 45 $((BUDGET - SECONDS - 45)) python3 -m moe_lab.train -m +experiment="$2" hydra.sweep.dir="$dir" "${@:3}"
 }
 
 case "${1:-}" in
