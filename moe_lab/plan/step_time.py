@@ -26,13 +26,13 @@ from moe_lab.plan.memory import Step, fused_receive_rows, routed_rows
 
 # Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
 # grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies); its
-# glue's memory traffic in bytes per routed row and pass (forward 1, backward 2, ac=full's recompute 1 more); and the
-# traffic per routed row and pass its index work leaves outside any scope (``other``), more at EP>1 (the received
-# rows' reordering).
+# glue's memory traffic in bytes per routed row and pass (forward 1, backward 2, ac=full's recompute 1 more); and
+# the torch dispatcher's permutation backwards outside any scope (``other``): bf16 index_add with atomics, one per
+# layer (the unsort) at EP=1, three at EP>1 (and the received rows' reordering both ways), at the HBM traffic of
+# this many bytes per element (10 ms per 4 layers of 131,072 rows x 2048 on the H200).
 EXPERT_RATE = {"fused": 1.0, "torch": 0.72}
 GLUE_BYTES_PER_ROW = {"fused": 21_000.0, "torch": 15_000.0}
-OTHER_BYTES_PER_ROW = {"fused": 0.0, "torch": 22_000.0}
-OTHER_BYTES_PER_ROW_EP = {"fused": 0.0, "torch": 70_000.0}
+INDEX_ADD_BYTES_PER_ELEMENT = 32.0
 OTHER_BYTES_PER_TOKEN_LAYER = 20_000.0  # norms, RoPE, residual adds: per token, layer and pass
 LOSS_BYTES_PER_LOGIT = 12.0  # the compiled loss: bf16 logits read, fp32 log-softmax forward and backward
 EAGER_OTHER = 3.0  # trainer.compile=false: the elementwise work unfused
@@ -101,10 +101,12 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         seconds["dispatch_glue"] += exchange  # pulled and pushed inside the op's kernels
     else:
         seconds["ep_all_to_all"] = exchange
-    per_row = OTHER_BYTES_PER_ROW[step.dispatcher] + (OTHER_BYTES_PER_ROW_EP[step.dispatcher] if mesh.ep > 1 else 0.0)
-    elementwise = c.num_layers * glue_passes * (t * OTHER_BYTES_PER_TOKEN_LAYER + rows * per_row)
+    elementwise = c.num_layers * glue_passes * t * OTHER_BYTES_PER_TOKEN_LAYER
     if not step.compile:
         elementwise *= EAGER_OTHER
+    if step.dispatcher == "torch":
+        index_adds = 3 if mesh.ep > 1 else 1
+        elementwise += c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT
     seconds["other"] = micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
 
     n = s.local_params(mesh)
