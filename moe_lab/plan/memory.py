@@ -91,9 +91,9 @@ def fused_receive_rows(step: Step, worst_case: bool | None = None) -> float:
     worst_case = step.fused_worst_case if worst_case is None else worst_case
     c, mesh, align = step.cfg, step.mesh, step.fused_align
     local_experts = c.num_experts // mesh.ep
-    if worst_case:
+    if worst_case:  # each local expert's segment rounded up to the alignment
         rows = mesh.ep * step.tokens * min(c.num_experts_per_tok, local_experts)
-        return rows + local_experts * align
+        return rows + local_experts * (align - 1)
     per_expert = routed_rows(step) / local_experts
     padded = -(-per_expert // align) * align if per_expert == int(per_expert) else per_expert + align / 2
     return local_experts * max(padded, align)
@@ -253,7 +253,7 @@ def plan_memory(step: Step) -> Memory:
     # ones have left theirs: .grad itself on one rank (offload=full: in bf16, until the final backward's hooks take
     # them), FSDP2's fp32 unsharded accumulators of the whole EP-local model with grad_sync=step.
     layer_grads = lambda l: grad_of(head_local + (layers - l) * layer_local)  # noqa: E731
-    grads = {"loss": in_flight, "step": grad_of(n) + in_flight, **{l: layer_grads(l) + in_flight for l in range(layers)}}
+    grads = {"loss": in_flight, "step": grad_of(n) + in_flight, **{l: layer_grads(l) + in_flight for l in {0, layers - 1}}}
     if step.grad_accum > 1:
         if fsdp and step.grad_sync == "step":
             held = 4 * (s.outside_params + layers * s.layer_params_unsharded(mesh))
@@ -282,7 +282,9 @@ def plan_memory(step: Step) -> Memory:
     # The loss of the last micro-batch: every layer's activations, the logits and their gradient.
     loss = {**base, "grads": grads["loss"], "activations": layers * saved, "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "fsdp buffers": gathered_fwd}
     phases["loss"] = loss
-    for layer in reversed(range(layers)):
+    # Gradients grow and saved activations shrink by a layer's worth each layer: the peak of the backward is at its
+    # first layer or its last.
+    for layer in sorted({layers - 1, 0}, reverse=True):
         phases[f"backward layer {layer}"] = {
             **base, "grads": grads[layer], "activations": (layer + 1) * saved + workspace,
             "bf16 params": base.get("bf16 params", 0.0) + casts, "fsdp buffers": gathered_bwd,

@@ -184,10 +184,11 @@ def offload_step(step: Step, mode: str, options_offload) -> Step:
     return dataclasses.replace(step, offload=mode, chunk_mib=getattr(offload, "chunk_mib", 256.0), max_inflight=getattr(offload, "max_inflight", 3))
 
 
-def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = False) -> dict:
+def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = False, search: bool = True) -> dict:
     """The plan of a composed ``moe_lab.plan`` config (``hw``: its hardware, built from ``cfg.hardware`` if None):
     its metrics, in the result record's format, and the plan's own detail. ``fused_worst_case``: size the fused
-    dispatcher's buffers as the code before commit 0c0883f did (for records made then)."""
+    dispatcher's buffers as the code before commit 0c0883f did (for records made then); ``search``: also find the
+    largest num_layers and seq_len that fit under each offload mode."""
     hw = hw or build_hardware(cfg.hardware)
     train, options = validated(cfg, hw)
     step = step_of(train, options, hw, fused_worst_case=fused_worst_case)
@@ -200,7 +201,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
     ok, why = fits(step, hw)
     max_layers = step.cfg.num_layers * 4
     deepest = {}
-    for mode in OFFLOAD_MODES:
+    for mode in OFFLOAD_MODES if search else ():
         moded = offload_step(step, mode, options.offload)
         deepest[mode] = {
             "num_layers": largest(moded, hw, "num_layers", 1, max(max_layers, 256)),
