@@ -36,7 +36,7 @@ def run(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool) -> dict:
     """One point: its record, ok or invalid (a config train would refuse, with the key it names)."""
     record = {**meta, "kind": "plan", "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": point_config(cfg)}
     try:
-        hw = build_hardware(cfg.hardware)
+        hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
         record["world_size"] = hw.gpus
         record["environment"] = {"device": "plan", "gpu": hw.name, "world_size": hw.gpus, "nodes": hw.nodes, **git_state()}
         result = plan(cfg, hw)

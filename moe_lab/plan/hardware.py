@@ -10,9 +10,11 @@ the kernels reach the same share of each peak there is the planner's main assump
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -27,7 +29,7 @@ class Hardware:
 
     name: str
     nodes: int = 1
-    gpus_per_node: int = 1
+    gpus_per_node: Optional[int] = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
     # Datasheet peaks.
     peak_bf16_tflops: float = 989.0  # dense bf16 tensor-core FLOP/s (no sparsity), also MFU's denominator
     hbm_gib: float = 139.8  # device memory torch reports as total
@@ -54,8 +56,10 @@ class Hardware:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "gpus_per_node" and value is None:
+                continue
             if f.name in ("nodes", "gpus_per_node"):
-                if not isinstance(value, int) or value < 1:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ConfigError(f"hardware.{f.name}", f"must be an integer >= 1, got {value!r}")
             elif f.type == "float" and not (isinstance(value, (int, float)) and value >= 0):
                 raise ConfigError(f"hardware.{f.name}", f"must be a number >= 0, got {value!r}")
@@ -65,6 +69,14 @@ class Hardware:
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def on_mesh(self, gpus_per_node: int) -> Hardware:
+        """This profile with ``gpus_per_node`` where it left it to the job (None)."""
+        if self.gpus_per_node is not None:
+            return self
+        placed = copy.copy(self)
+        placed.gpus_per_node = gpus_per_node
+        return placed
 
     # Achieved rates, in bytes/s and FLOP/s.
     def flops(self, kind: str) -> float:
@@ -96,7 +108,7 @@ class HardwareFile(Hardware):
     (keys of ``Hardware``: one GPU and its host); the mesh (``hardware.nodes``, ``hardware.gpus_per_node``) is the
     command's."""
 
-    def __init__(self, path: str, nodes: int = 1, gpus_per_node: int = 1):
+    def __init__(self, path: str, nodes: int = 1, gpus_per_node: Optional[int] = None):
         file = Path(path)
         if not file.is_file():
             raise ConfigError("hardware.path", f"no hardware profile at {path!r}")

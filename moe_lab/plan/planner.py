@@ -33,13 +33,14 @@ OFFLOADS = {NoOffload: "none", OptimizerOffload: "optimizer", FullOffload: "full
 OFFLOAD_MODES = ("none", "optimizer", "full")
 
 
-def build_hardware(node) -> Hardware:
-    """The ``hardware`` group's option, built, its construction errors naming their key."""
+def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
+    """The ``hardware`` group's option, built, its construction errors naming their key; a mesh that leaves
+    ``gpus_per_node`` to the job gets the job's ``trainer.nproc_per_node``."""
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ConfigError("hardware", "must be a hardware group option (hardware=h200|h100|b200|b300|file)")
     check_target_node("hardware", node)
     try:
-        return instantiate(node)
+        return instantiate(node).on_mesh(nproc_per_node)
     except Exception as e:
         cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else e
         if isinstance(cause, ConfigError):
@@ -189,7 +190,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
     its metrics, in the result record's format, and the plan's own detail. ``fused_worst_case``: size the fused
     dispatcher's buffers as the code before commit 0c0883f did (for records made then); ``search``: also find the
     largest num_layers and seq_len that fit under each offload mode."""
-    hw = hw or build_hardware(cfg.hardware)
+    hw = hw or build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
     train, options = validated(cfg, hw)
     step = step_of(train, options, hw, fused_worst_case=fused_worst_case)
     memory = plan_memory(step)
