@@ -210,6 +210,28 @@ def plan(*paths: str) -> str:
     return markdown(rows, header)
 
 
+def plan_breakdown(*paths: str) -> str:
+    """The profiled step's breakdown beside the plan's, in ms per category (measured / planned), for every ok point
+    of the sweeps that was profiled."""
+    from moe_lab.plan.records import plan_record
+
+    rows, used = [], set()
+    for path in paths:
+        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+            record = json.loads(result.read_text())
+            measured = (record.get("metrics") or {}).get("trace_breakdown") or {}
+            if record["status"] != "ok" or "seconds" not in measured:
+                continue
+            planned = plan_record(record)["metrics"]["trace_breakdown"]["seconds"]
+            parts = {c: (measured["seconds"].get(c, 0.0), planned.get(c, 0.0)) for c in CATEGORIES}
+            used |= {c for c, (m, p) in parts.items() if m > 5e-4 or p > 5e-4}
+            rows.append((record, parts))
+    categories = [c for c in CATEGORIES if c in used]
+    table = [[record["world_size"], record["choices"]["dispatcher"], record["choices"]["ac"],
+              *(f"{1e3 * m:.0f} / {1e3 * p:.0f}" for m, p in (parts[c] for c in categories))] for record, parts in rows]  # fmt: skip
+    return markdown(table, ["GPUs", "dispatcher", "ac", *categories])
+
+
 def plan_depth(path: str) -> str:
     """The offload depth search's deepest proxy per mode beside the planner's (its commands planned on an H200)."""
     from moe_lab.plan.records import plan_command
@@ -249,6 +271,7 @@ KINDS = {
     "points": points,
     "plan": plan,
     "plan-depth": plan_depth,
+    "plan-breakdown": plan_breakdown,
     "plan-reference": plan_reference,
 }
 

@@ -93,7 +93,8 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     seconds["expert_gemm"] = micro * gemm_passes * s.expert_flops(t) / (hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher])
     seconds["attention"] = micro * attention_passes * s.attention_flops(t, step.seq_len) / hw.flops("attention")
 
-    rows = fused_receive_rows(step) if step.dispatcher == "fused" else routed_rows(step)
+    # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
+    rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
     glue_passes = gemm_passes  # forward 1, backward 2, recompute 1
     seconds["dispatch_glue"] = micro * c.num_layers * glue_passes * rows * GLUE_BYTES_PER_ROW[step.dispatcher] / hw.hbm_bytes_per_s
     exchange = micro * exchange_bytes(step) / hw.link_bytes_per_s(mesh.ep_across_nodes)
