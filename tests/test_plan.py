@@ -102,6 +102,7 @@ def test_fused_buffers_received_rows_and_worst_case():
         (["parallel.ep=3", "model=qwen3_30b", "hardware.gpus_per_node=3"], "parallel.ep"),  # 3 does not divide 128 experts
         (["+experiment=reference_235b", "hardware.nodes=8", "hardware.gpus_per_node=8"], "parallel.dp_shard"),  # 64 GPUs, mesh of 32
         (["hardware.nodes=0"], "hardware.nodes"),
+        (["+experiment=reference_235b", "hardware.nodes=4", "hardware.gpus_per_node=8", "parallel.ep=16", "dispatcher=fused"], "parallel.ep"),
         (["hardware=file", "hardware.path=/nonexistent.yaml"], "hardware.path"),
         (["trainer.device=cpu"], "trainer.device"),
     ],
@@ -136,3 +137,28 @@ def test_cli_sweep_writes_a_plan_record_per_point(tmp_path):
     ok = table[table["status"] == "ok"].iloc[0]
     assert ok["s_per_step"] > 0 and ok["peak_gpu_mem_gib"] > 0 and ok["time.attention"] > 0
     assert "largest that fits" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("offload, reverse", [("optimizer", False), ("full", True)])
+def test_offload_chunks_replay_the_code(offload, reverse):
+    """The planner's chunks (what offload=optimizer's window and offload=full's buffers are sized by) are those
+    ``moe_lab.optim.offload.chunked.chunked`` makes of the model's parameters."""
+    import torch
+
+    from moe_lab.optim.offload.chunked import chunked
+    from moe_lab.plan.memory import chunks
+
+    cfg = compose(["model=qwen3_30b", "model.num_layers=2", f"offload={offload}", "offload.chunk_mib=64"])
+    hw = build_hardware(cfg.hardware)
+    train, options = validated(cfg, hw)
+    with torch.device("meta"):
+        params = list(options.model.build().parameters())
+    expected = [sum(p.numel() for p in chunk) for chunk in chunked(reversed(params) if reverse else params, 64 * 2**20 // 4)]
+    assert chunks(step_of(train, options, hw), reverse=reverse) == expected
+
+
+@pytest.mark.parametrize("point", ["7", "11"])  # fused + selective AC under offload=optimizer and offload=full
+def test_host_memory_of_offload_points(point):
+    record = read(GRID / "h200_1gpu/2026-11-30_09-27" / point / "result.json")
+    planned = plan_record(record)["metrics"]["peak_host_rss_gib"]
+    assert planned == pytest.approx(record["metrics"]["peak_host_rss_gib"], rel=0.10)

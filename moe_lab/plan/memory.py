@@ -3,8 +3,9 @@
 The peak is what ``torch.cuda.max_memory_allocated`` reports (the figure every record holds): the largest sum over
 the moments of a step where memory peaks. Those are walked as the step runs them:
 - the loss: model state, every layer's saved activations, the logits and their gradient;
-- each layer's backward (last layer first): the gradients made so far, the saved activations of the layers not yet
-  run backward, and the layer's own working set (what full AC recomputes, and backward's temporaries);
+- the backward of its last layer and of its first (gradients grow and saved activations shrink by a layer each
+  layer, so the peak of backward is at one end): the gradients made so far, the saved activations of the layers
+  not yet run backward, and the layer's own working set (what full AC recomputes, and backward's temporaries);
 - the optimizer step: model state and the step's temporaries (foreach AdamW's square roots; offload=optimizer's
   window of moments on the device).
 Memory outside the caching allocator (the fused dispatcher's symmetric workspace at EP>1, the CUDA context) does
@@ -28,7 +29,6 @@ from moe_lab.plan.shapes import Mesh, Shapes
 GIB = 2**30
 _aten = torch.ops.aten
 
-# Elements per routed row each fused op output has beside the rows themselves (see moe_lab.moe.fused.ops).
 ADAMW_STATE_BYTES = 8  # exp_avg, exp_avg_sq in fp32
 # The fitted factor on one layer's backward temporaries (experts' activation gradients and weight gradients), from
 # the one-GPU records (experiments/plan/README.md).
@@ -145,6 +145,14 @@ def saved_per_layer(step: Step) -> float:
     return block_input + every + elementwise_outputs(step)
 
 
+def fused_saved_per_layer(step: Step) -> float:
+    """Of ``saved_per_layer``, what the fused op keeps: its receive-side residuals (rows received) and its output."""
+    op = torch.ops.moe_lab.fused_moe.default
+    if step.dispatcher != "fused" or step.ac == "full" or (step.ac == "selective" and op not in step.saved_ops):
+        return 0.0
+    return sum(op_outputs(step)[op])
+
+
 def backward_workspace(step: Step) -> float:
     """One block's backward, beyond what it saved: under ac=full its recomputed forward, and the temporaries of its
     backward (the experts' activation gradients, their weight gradients in bf16 before the fp32 cast)."""
@@ -243,7 +251,7 @@ def plan_memory(step: Step) -> Memory:
     if step.offload == "full":
         weights, grad_bytes, state = {"bf16 params": 2 * n}, 2, 0.0
     else:
-        weights, grad_bytes = {"fp32 params": 4 * n}, 4
+        weights, grad_bytes = {"fp32 params (masters)": 4 * n}, 4
         state = state_bytes(step) * n if step.offload == "none" else 0.0
     grad_of = (lambda p: 0.0) if step.offload == "full" else (lambda p: grad_bytes * p)
     # offload=full: gradients leave for the host as they are made, a chunk or so in flight.
@@ -273,23 +281,25 @@ def plan_memory(step: Step) -> Memory:
     # One rank: autocast's bf16 copies of the LM head (saved for its backward) and of the current block.
     casts = 0.0 if fsdp or step.offload == "full" else 2 * (s.embedding_params + block)
 
-    saved = saved_per_layer(step)
+    fused = fused_saved_per_layer(step)
+    saved = saved_per_layer(step) - fused
     workspace = backward_workspace(step)
     base = {**weights, "optimizer state": state}
-    comm = {"fsdp buffers": 0.0}
 
     phases = {}
     # The loss of the last micro-batch: every layer's activations, the logits and their gradient.
-    loss = {**base, "grads": grads["loss"], "activations": layers * saved, "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "fsdp buffers": gathered_fwd}
-    phases["loss"] = loss
+    phases["loss"] = {
+        **base, "grads": grads["loss"], "activations": layers * saved, "fused dispatcher buffers": layers * fused,
+        "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_fwd,
+    }  # fmt: skip
     # Gradients grow and saved activations shrink by a layer's worth each layer: the peak of the backward is at its
     # first layer or its last.
     for layer in sorted({layers - 1, 0}, reverse=True):
         phases[f"backward layer {layer}"] = {
             **base, "grads": grads[layer], "activations": (layer + 1) * saved + workspace,
-            "bf16 params": base.get("bf16 params", 0.0) + casts, "fsdp buffers": gathered_bwd,
+            "fused dispatcher buffers": (layer + 1) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
         }  # fmt: skip
-    after = {**base, "grads": grads["step"], "fsdp buffers": 0.0}
+    after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
     if step.offload == "optimizer":  # moments of (max_inflight + 1) consecutive chunks on the device at once
         sizes = chunks(step)
         window = step.max_inflight + 1
@@ -302,7 +312,7 @@ def plan_memory(step: Step) -> Memory:
     phase = max(totals, key=totals.get)
     categories = {k: v for k, v in phases[phase].items() if v}
 
-    outside = {"cuda context": 0.0}
+    outside = {}
     if step.dispatcher == "fused" and mesh.ep > 1:  # symmetric workspace: 4 receive-side buffers, the 1.25x ladder
         rows = fused_receive_rows(step) * 1.25
         outside["fused symmetric workspace"] = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size

@@ -100,6 +100,12 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
     align = 8
     if kind["dispatcher"] == "fused" and dispatcher.gemm != "torch" and (dispatcher.gemm == "deep_gemm" or train.parallel.ep == 1):
         align = 128  # DeepGEMM's contiguous layout (the GPU runs deep_gemm at EP=1 where importable)
+    if kind["dispatcher"] == "fused" and train.parallel.ep > hw.gpus_per_node:
+        raise ConfigError(
+            "parallel.ep",
+            f"the fused dispatcher exchanges rows through peer GPUs' memory over NVLink: its EP group must fit in a node "
+            f"(hardware.gpus_per_node={hw.gpus_per_node}), got {train.parallel.ep}; use dispatcher=torch across nodes",
+        )
     offload = options.offload
     step = Step(
         shapes=Shapes(model),
