@@ -1,6 +1,6 @@
 """``python -m moe_lab.plan.calibrate``: measure the rates the planner uses on this machine's GPU (bf16 GEMM, the
 experts' grouped GEMM, causal attention forward + backward, device memory bandwidth, pinned host <-> device copies,
-NCCL all-to-all when started by torchrun with more than one rank, the host's fused AdamW) and write a hardware
+NCCL all-to-all when started by torchrun with more than one rank, offload=full's host AdamW step) and write a hardware
 profile the planner reads (``python -m moe_lab.plan hardware=<profile.yaml>``).
 
 Peaks cannot be measured: they come from a base profile (``--base``, by default the hardware group option named
@@ -15,6 +15,7 @@ base's value, and the file's header says which were. Without a GPU it runs the s
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from datetime import datetime, timezone
@@ -26,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from moe_lab.plan.hardware import GIB, Hardware
-from moe_lab.plan.records import HARDWARE_OF_GPU
+from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer
+from moe_lab.plan.hardware import GIB, HARDWARE_OF_GPU, Hardware
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 # Sizes per --size: (GEMM side, expert rows per expert, experts, hidden, intermediate, seq, heads, head_dim,
@@ -95,11 +96,14 @@ def copy_bytes_per_s(src: torch.Tensor, dst: torch.Tensor, device) -> float:
 
 
 def host_adamw_params_per_s(s) -> float:
-    """torch's fused CPU AdamW over fp32 parameters (offload=full's host step runs that kernel)."""
-    p = torch.zeros(s["adamw"], requires_grad=True)
-    p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW([p], fused=True)
-    return s["adamw"] / timed(optimizer.step, torch.device("cpu"))
+    """offload=full's host step as it runs (``moe_lab.optim.offload.host_step``: blocks of a bf16 gradient widened,
+    stepped by torch's fused CPU AdamW, narrowed back) on the threads it gets by default, the CPUs less one."""
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    torch.set_num_threads(threads)
+    master = torch.nn.Parameter(torch.zeros(s["adamw"]))
+    optimizer = host_optimizer(functools.partial(torch.optim.AdamW, lr=1e-4, fused=True), [master])
+    transfer, scratch = torch.randn(s["adamw"], dtype=torch.bfloat16), torch.empty(cache_block_numel(threads))
+    return s["adamw"] / timed(lambda: optimizer.step(transfer=transfer, scratch=scratch), torch.device("cpu"))
 
 
 def all_to_all_bytes_per_s(device, s) -> float:
@@ -140,17 +144,18 @@ def calibrate(size: str, base: str | None) -> tuple[dict, list[str]]:
     measured["attention_efficiency"] = share(attention_flops(device, dtype, s), flops)
     big = torch.empty(s["copy_mib"] * 2**20 // 4, device=device)
     measured["hbm_efficiency"] = share(2 * copy_bytes_per_s(big, torch.empty_like(big), device), peak.hbm_tbps * 1e12)
-    host = torch.empty(s["copy_mib"] * 2**20 // 4)
-    host_bw = 2 * copy_bytes_per_s(host, torch.empty_like(host), torch.device("cpu"))
-    measured["host_memory_gbps"] = round(host_bw / 1e9, 1)
-    measured["host_memory_gib"] = round(psutil.virtual_memory().total / GIB, 1)
-    measured["host_adamw_efficiency"] = share(host_adamw_params_per_s(s) * 32, host_bw)
     if device.type == "cuda":
         measured["hbm_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GIB, 1)
         pinned = torch.empty(s["copy_mib"] * 2**20 // 4, pin_memory=True)
         measured["pcie_efficiency"] = share(copy_bytes_per_s(pinned, big, device), peak.pcie_gbps * 1e9)
     if dist.is_initialized() and dist.get_world_size() > 1:
         measured["nvlink_efficiency"] = share(all_to_all_bytes_per_s(device, s), peak.nvlink_gbps * 1e9)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the host's rates as one process sees them, the node idle
+        host = torch.empty(s["copy_mib"] * 2**20 // 4)
+        host_bw = 2 * copy_bytes_per_s(host, torch.empty_like(host), torch.device("cpu"))
+        measured["host_memory_gbps"] = round(host_bw / 1e9, 1)
+        measured["host_memory_gib"] = round(psutil.virtual_memory().total / GIB, 1)
+        measured["host_adamw_efficiency"] = share(host_adamw_params_per_s(s) * 32, host_bw)
     profile.update(measured)
     profile["name"] = f"{profile['name']}_measured"
     Hardware(**profile)  # the profile the planner will build must be valid

@@ -21,6 +21,7 @@ import yaml
 from moe_lab.config.errors import ConfigError
 
 GIB = 2**30
+HARDWARE_OF_GPU = {"H200": "h200", "H100": "h100", "B200": "b200", "B300": "b300"}  # the option of a GPU by its name
 
 
 @dataclass

@@ -11,9 +11,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from moe_lab.plan.config import compose
+from moe_lab.plan.hardware import HARDWARE_OF_GPU
 from moe_lab.plan.planner import plan
-
-HARDWARE_OF_GPU = {"H200": "h200", "H100": "h100", "B200": "b200", "B300": "b300"}
 
 
 def _hardware(gpu: str | None, world: int) -> list[str]:
