@@ -60,6 +60,16 @@ def exchange_bytes(step: Step) -> float:
     return c.num_layers * exchanges * per_exchange
 
 
+def exchange_seconds(step: Step, hw: Hardware) -> float:
+    """The EP exchange's time: a rank sends to its peers at once, those in its node over NVLink and those on other
+    nodes (EP groups wider than a node) over its NIC; the slower share sets the time."""
+    mesh, sent = step.mesh, exchange_bytes(step)
+    if not mesh.ep_across_nodes:
+        return sent / hw.link_bytes_per_s(False)
+    remote = (mesh.ep - mesh.gpus_per_node) / (mesh.ep - 1)
+    return max((1 - remote) * sent / hw.link_bytes_per_s(False), remote * sent / hw.link_bytes_per_s(True))
+
+
 def fsdp_bytes(step: Step) -> dict[str, tuple[float, bool]]:
     """Bytes each rank receives (all-gather) and sends (reduce-scatter) per step, each with whether it crosses
     nodes. Dense weights gather over all ranks; experts over the ``world // ep`` ranks that shard them."""
@@ -97,7 +107,7 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
     glue_passes = gemm_passes  # forward 1, backward 2, recompute 1
     seconds["dispatch_glue"] = micro * c.num_layers * glue_passes * rows * GLUE_BYTES_PER_ROW[step.dispatcher] / hw.hbm_bytes_per_s
-    exchange = micro * exchange_bytes(step) / hw.link_bytes_per_s(mesh.ep_across_nodes)
+    exchange = micro * exchange_seconds(step, hw)
     if step.dispatcher == "fused":
         seconds["dispatch_glue"] += exchange  # pulled and pushed inside the op's kernels
     else:
