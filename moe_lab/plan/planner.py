@@ -42,9 +42,8 @@ def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
     try:
         return instantiate(node).on_mesh(nproc_per_node)
     except Exception as e:
-        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else e
-        if isinstance(cause, ConfigError):
-            raise cause from None
+        if isinstance(e.__cause__, ConfigError):  # Hydra wraps what a constructor raises
+            raise e.__cause__ from None
         raise
 
 
@@ -84,11 +83,8 @@ def validated(cfg: DictConfig, hw: Hardware) -> tuple[DictConfig, Options]:
 
 
 def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Step:
-    """The plan's description of one rank's step. ``changes``: Step fields to vary (num_layers and seq_len go
-    through the model and data)."""
+    """The plan's description of one rank's step; ``changes``: Step fields to set otherwise."""
     model = options.model
-    if "num_layers" in changes:
-        model = dataclasses.replace(model, num_layers=changes.pop("num_layers"))
     kind = {name: _kind(table, getattr(options, name), name) for name, table in
             (("dispatcher", DISPATCHERS), ("ac", ACS), ("offload", OFFLOADS))}  # fmt: skip
     opt = options.make_optimizer
@@ -136,6 +132,7 @@ def _kind(table: dict, option, key: str) -> str:
     raise ConfigError(f"{key}._target_", f"the planner has no model of {type(option).__name__}; it knows {', '.join(c.__name__ for c in table)}")
 
 
+HOST_PROCESS = 1.5 * GIB  # a training process's own resident memory (torch, CUDA runtime), the records' offload=none RSS
 ALLOCATOR_SLACK = 0.025  # reserved but unallocated: the caching allocator's fragmentation at the edge (H200 depth search)
 
 
@@ -159,9 +156,6 @@ def fits(step: Step, hw: Hardware) -> tuple[bool, str]:
     if host > usable_host_bytes(hw):
         return False, f"host: {host / GIB:.1f} GiB per node > {usable_host_bytes(hw) / GIB:.1f} GiB usable"
     return True, "fits"
-
-
-HOST_PROCESS = 1.5 * GIB  # a training process's own resident memory (torch, CUDA runtime), the records' offload=none RSS
 
 
 def largest(step: Step, hw: Hardware, field: str, low: int, high: int, multiple: int = 1) -> int | None:
@@ -206,12 +200,11 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
     tokens_per_s = tokens / time["step_s"]
     peak = hw.peak_bf16_tflops * 1e12
     ok, why = fits(step, hw)
-    max_layers = step.cfg.num_layers * 4
     deepest = {}
     for mode in OFFLOAD_MODES if search else ():
         moded = offload_step(step, mode, options.offload)
         deepest[mode] = {
-            "num_layers": largest(moded, hw, "num_layers", 1, max(max_layers, 256)),
+            "num_layers": largest(moded, hw, "num_layers", 1, max(4 * step.cfg.num_layers, 256)),
             "seq_len": largest(moded, hw, "seq_len", 128, options.model.max_position_embeddings, multiple=128),
         }
     memory_detail = memory.gib() | {"allocator_slack_gib": ALLOCATOR_SLACK * memory.peak / GIB}
