@@ -26,13 +26,18 @@ from moe_lab.plan.memory import Step, fused_receive_rows, routed_rows
 
 # Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
 # grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies); its
-# glue's memory traffic in bytes per routed row and pass (forward 1, backward 2, ac=full's recompute 1 more); and
+# glue's memory traffic per routed row element and pass (forward 1, backward 2, ac=full's recompute 1 more); and
 # the torch dispatcher's permutation backwards outside any scope (``other``): bf16 index_add with atomics, one per
 # layer (the unsort) at EP=1, three at EP>1 (and the received rows' reordering both ways), at the HBM traffic of
 # this many bytes per element (10 ms per 4 layers of 131,072 rows x 2048 on the H200).
 EXPERT_RATE = {"fused": 1.0, "torch": 0.72}
-GLUE_BYTES_PER_ROW = {"fused": 21_000.0, "torch": 15_000.0}
+GLUE_BYTES_PER_ELEMENT = {"fused": 10.25, "torch": 7.3}  # per element of a routed row (H wide)
 INDEX_ADD_BYTES_PER_ELEMENT = 32.0
+# The grouped GEMMs' share of peak grows with the experts' narrower side (min(H, I)): the profile's share is at the
+# 30B proxy's experts (I = 768); the 235B's (I = 1536) ran at 1.16x it (experiments/moe_layer/records/h200_ep2/
+# 2026-11-30_09-45.json: 735 vs 633 TFLOP/s), which a share of d / (d + 284) fits.
+GROUPED_REFERENCE_WIDTH = 768
+GROUPED_HALF_WIDTH = 284
 OTHER_BYTES_PER_TOKEN_LAYER = 20_000.0  # norms, RoPE, residual adds: per token, layer and pass
 LOSS_BYTES_PER_LOGIT = 12.0  # the compiled loss: bf16 logits read, fp32 log-softmax forward and backward
 EAGER_OTHER = 3.0  # trainer.compile=false: the elementwise work unfused
@@ -41,6 +46,16 @@ GRAD_CAST_BYTES_PER_PARAM = 6.0  # bf16 weight gradients widened to fp32
 ATTENTION_BACKWARD = 2.5  # flash attention's backward over its forward FLOPs
 ADAMW_BYTES = 28  # fp32 param, grad, exp_avg, exp_avg_sq read; param and moments written
 FOREACH_ADAMW_BYTES = 60  # the same through foreach kernels, one pass per op
+
+
+def grouped_shape_factor(step: Step) -> float:
+    """The grouped GEMMs' rate at this model's expert shape over the rate at the profile's reference shape."""
+    width = min(step.cfg.hidden_size, step.cfg.moe_intermediate_size)
+
+    def share(d: float) -> float:
+        return d / (d + GROUPED_HALF_WIDTH)
+
+    return share(width) / share(GROUPED_REFERENCE_WIDTH)
 
 
 def passes(step: Step) -> tuple[float, float]:
@@ -92,6 +107,26 @@ def fsdp_bytes(step: Step) -> dict[str, tuple[float, bool]]:
     return out
 
 
+def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
+    """One micro-batch's time in the MoE blocks' dispatch, experts and combine, by category: the grouped GEMMs, the
+    dispatcher's glue (with the fused op's exchange, which its kernels do), the torch dispatcher's all-to-all, and
+    its permutation backwards (``index_add``, which the trace puts in ``other``)."""
+    c, mesh = step.cfg, step.mesh
+    gemm_passes, _ = passes(step)
+    expert_rate = hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher] * grouped_shape_factor(step)
+    # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
+    rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
+    glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * GLUE_BYTES_PER_ELEMENT[step.dispatcher]
+    exchange = exchange_seconds(step, hw)
+    index_adds = (3 if mesh.ep > 1 else 1) if step.dispatcher == "torch" else 0
+    return {
+        "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) / expert_rate,
+        "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if step.dispatcher == "fused" else 0.0),
+        "ep_all_to_all": exchange if step.dispatcher == "torch" else 0.0,
+        "other": c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s,
+    }
+
+
 def plan_time(step: Step, hw: Hardware) -> dict:
     s, c, mesh = step.shapes, step.cfg, step.mesh
     t, micro = step.tokens, step.grad_accum
@@ -100,25 +135,14 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     head = s.dense_flops(t) - layer_dense
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     seconds["dense_gemm"] = micro * (gemm_passes * layer_dense + 3 * head) / hw.flops("dense_gemm")
-    seconds["expert_gemm"] = micro * gemm_passes * s.expert_flops(t) / (hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher])
     seconds["attention"] = micro * attention_passes * s.attention_flops(t, step.seq_len) / hw.flops("attention")
-
-    # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
-    rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
-    glue_passes = gemm_passes  # forward 1, backward 2, recompute 1
-    seconds["dispatch_glue"] = micro * c.num_layers * glue_passes * rows * GLUE_BYTES_PER_ROW[step.dispatcher] / hw.hbm_bytes_per_s
+    for category, value in moe_seconds(step, hw).items():
+        seconds[category] += micro * value
     exchange = micro * exchange_seconds(step, hw)
-    if step.dispatcher == "fused":
-        seconds["dispatch_glue"] += exchange  # pulled and pushed inside the op's kernels
-    else:
-        seconds["ep_all_to_all"] = exchange
-    elementwise = c.num_layers * glue_passes * t * OTHER_BYTES_PER_TOKEN_LAYER
+    elementwise = c.num_layers * gemm_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue
     if not step.compile:
         elementwise *= EAGER_OTHER
-    if step.dispatcher == "torch":
-        index_adds = 3 if mesh.ep > 1 else 1
-        elementwise += c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT
-    seconds["other"] = micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
+    seconds["other"] += micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
 
     n = s.local_params(mesh)
     if step.offload == "none":
