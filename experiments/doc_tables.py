@@ -303,6 +303,78 @@ def points(*paths: str) -> str:
     return markdown(rows, ["raw", "status", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB"])
 
 
+def plan(*paths: str) -> str:
+    """Every ok point of the sweeps planned (``moe_lab.plan``) on the hardware it ran on, beside what it measured."""
+    from moe_lab.plan.records import plan_record
+
+    rows = []
+    for path in paths:
+        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+            record = json.loads(result.read_text())
+            if record["status"] != "ok":
+                continue
+            m, p = record["metrics"], plan_record(record)["metrics"]
+            choices = record["choices"]
+            err = lambda key: f"{100 * (p[key] / m[key] - 1):+.0f} %"  # noqa: E731
+            rows.append([cite(str(result.parent.relative_to(ROOT / path.split("/records/")[0]))), record["world_size"],
+                         choices["offload"], choices["dispatcher"], choices["ac"], record["config"]["trainer"].get("grad_accum", 1),
+                         num(m["s_per_step"], ".3f"), num(p["s_per_step"], ".3f"), err("s_per_step"),
+                         num(m["peak_gpu_mem_gib"], ".1f"), num(p["peak_gpu_mem_gib"], ".1f"), err("peak_gpu_mem_gib"),
+                         num(m["peak_host_rss_gib"], ".1f"), num(p["peak_host_rss_gib"], ".1f")])  # fmt: skip
+    header = ["point", "GPUs", "offload", "dispatcher", "ac", "micro-batches", "s/step measured", "planned", "error",
+              "peak GPU GiB measured", "planned", "error", "peak host GiB measured", "planned"]  # fmt: skip
+    return markdown(rows, header)
+
+
+def plan_breakdown(*paths: str) -> str:
+    """The profiled step's breakdown beside the plan's, in ms per category (measured / planned), for every ok point
+    of the sweeps that was profiled."""
+    from moe_lab.plan.records import plan_record
+
+    rows, used = [], set()
+    for path in paths:
+        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+            record = json.loads(result.read_text())
+            measured = (record.get("metrics") or {}).get("trace_breakdown") or {}
+            if record["status"] != "ok" or "seconds" not in measured:
+                continue
+            planned = plan_record(record)["metrics"]["trace_breakdown"]["seconds"]
+            parts = {c: (measured["seconds"].get(c, 0.0), planned.get(c, 0.0)) for c in CATEGORIES}
+            used |= {c for c, (m, p) in parts.items() if m > 5e-4 or p > 5e-4}
+            rows.append((record, parts))
+    categories = [c for c in CATEGORIES if c in used]
+    table = [[record["world_size"], record["choices"]["dispatcher"], record["choices"]["ac"],
+              *(f"{1e3 * m:.0f} / {1e3 * p:.0f}" for m, p in (parts[c] for c in categories))] for record, parts in rows]  # fmt: skip
+    return markdown(table, ["GPUs", "dispatcher", "ac", *categories])
+
+
+def plan_depth(path: str) -> str:
+    """The offload depth search's deepest proxy per mode beside the planner's (its commands planned on an H200)."""
+    from moe_lab.plan.records import plan_command
+
+    data = raw(path)
+    rows = []
+    for mode in ("none", "optimizer", "full"):
+        point = next(p for p in data["points"] if p["mode"] == mode and p["num_layers"] == 4)
+        extra = ["optimizer.fused=false"] if mode == "none" else []  # adamw.yaml set fused=true after that search
+        planned = plan_command(point["command"], data["environment"]["compare"]["gpu"], extra=extra)["plan"]["largest_fitting"][mode]
+        search = data["search"][mode]
+        rows.append([mode, search["largest_fitting_num_layers"], search["smallest_failing_num_layers"], planned["num_layers"]])
+    return markdown(rows, ["offload", "deepest measured", "fails at", "deepest planned"])
+
+
+def plan_reference(*paths: str) -> str:
+    """The published Qwen3-235B-A22B reference (32 B300) beside the plans of the matching moe_lab configurations."""
+    from moe_lab.plan.records import reference_235b
+
+    rows = [[r["reference"], r["dispatcher"], r["ac"], num(r["published_s"], ".2f"), num(r["planned_s"], ".2f"),
+             f"{100 * (r['planned_s'] / r['published_s'] - 1):+.0f} %", pct(r["planned_mfu"]), num(r["peak_gpu_mem_gib"], ".0f"),
+             "yes" if r["fits"] else "no", "yes" if r["compared"] else "no (shown)"] for r in reference_235b()]  # fmt: skip
+    header = ["reference row", "planned dispatcher", "ac", "published s/step", "planned s/step", "error", "planned MFU",
+              "planned peak GiB", "fits 268 GiB", "held to 20 %"]  # fmt: skip
+    return markdown(rows, header)
+
+
 KINDS = {
     "grid": grid,
     "torchtitan": torchtitan_table,
@@ -314,6 +386,10 @@ KINDS = {
     "offload-depth": offload_depth,
     "host-optimizer": host_optimizer,
     "points": points,
+    "plan": plan,
+    "plan-depth": plan_depth,
+    "plan-breakdown": plan_breakdown,
+    "plan-reference": plan_reference,
 }
 
 
