@@ -64,6 +64,21 @@ def routing_layout(topk_ids: torch.Tensor, num_experts: int, align: int, group: 
     return layout_from_counts(topk_ids, gather_counts(topk_ids, num_experts, group), rank, align)
 
 
+def chunk_spans(rows: int, chunks: int, align: int) -> list[tuple[int, int]]:
+    """The receive buffer's rows [0, rows) cut into at most ``chunks`` consecutive, non-empty spans of nearly equal
+    length, each starting at a multiple of ``align`` (``rows`` is one: every expert segment is padded to it): the
+    units the gpu backend pipelines, each span's rows pulled while the previous span's GEMMs run.
+
+    Spans cut by rows, not by expert: a span may end inside an expert's segment (a grouped GEMM over a span takes each
+    expert's offsets clipped to it, ``gpu._Gemms.span``), so the spans stay even under any skew, and they follow from
+    the buffer's size alone, which both forward (after the layout's host sync) and backward (the residuals' shapes)
+    know on the host: no second sync, nothing more copied to the host.
+    """
+    blocks = rows // align
+    ends = sorted({min(blocks, -(-blocks * c // chunks)) * align for c in range(1, chunks + 1)})
+    return [(start, end) for start, end in zip([0, *ends[:-1]], ends) if end > start]
+
+
 def workspace_rows(rows: int) -> int:
     """``rows`` rounded up to the next step of a ladder whose steps are at most 1.25x apart (m * 2**e, m in 4..8), so
     a buffer sized by it is reused across small changes in routing and never exceeds 1.25x what was asked."""
