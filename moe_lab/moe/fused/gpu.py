@@ -30,6 +30,9 @@ from moe_lab.moe.fused.layout import chunk_spans, routing_layout, workspace_rows
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
 IDLE_PROGRAMS_PER_EXPERT = 16
+# SMs the grouped GEMMs leave free while a pull or combine runs beside them on the side stream (DeepEP's default for
+# its intranode kernels; not tuned here).
+EXCHANGE_SMS = 20
 
 
 # --- grouped GEMMs -------------------------------------------------------------------------------------------------
@@ -74,6 +77,26 @@ class _Gemms:
             return out
         return _into(torch._grouped_mm(a, w, offs=self.offs), out)
 
+    @contextlib.contextmanager
+    def leaving_sms(self, sms: int):
+        """The GEMMs launched inside run on all SMs but ``sms``. ``torch._grouped_mm``'s CUTLASS kernels and
+        DeepGEMM's are persistent, one block per SM that holds its registers: without this a kernel on another stream
+        gets an SM only when a GEMM has finished."""
+        if sms == 0:
+            yield
+            return
+        carveout = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms)
+        if self.deep:
+            num_sms = self.dg.get_num_sms()
+            self.dg.set_num_sms(num_sms - sms)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(carveout)
+            if self.deep:
+                self.dg.set_num_sms(num_sms)
+
     def wgrad(self, grad, inp):
         """sum over each expert's rows of grad^T inp -> [L, N, K] (k-grouped)."""
         out = torch._grouped_mm(grad.t(), inp, offs=self.offs)
@@ -93,8 +116,9 @@ def _into(result, out):
 
 
 class _Streams:
-    """The main (current) stream and a side stream for the exchange, per device. On CPU (the Triton interpreter's
-    tests) there are no streams: the same calls run in program order, which is one of the orders the events allow.
+    """The main (current) stream and a side stream for the exchange, per device. With ``overlap`` off (chunks=1), and
+    on CPU (the Triton interpreter's tests) where there are no streams, the same calls run in program order on the
+    main stream, which is one of the orders the events allow.
 
     Every tensor the side stream touches is allocated on the main stream before the side stream starts, and the main
     stream waits for the side stream (``join``, or the event of the last span) before the op returns, so nothing the
@@ -102,8 +126,9 @@ class _Streams:
 
     _side: dict = {}  # device -> torch.cuda.Stream
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, overlap: bool):
+        self.overlap = overlap
+        self.cuda = overlap and device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
             if device not in self._side:
@@ -121,7 +146,7 @@ class _Streams:
             yield
 
     def mark(self):
-        """An event at this point of the current stream (None on CPU)."""
+        """An event at this point of the current stream (None without streams)."""
         return torch.cuda.current_stream().record_event() if self.cuda else None
 
     def wait(self, event) -> None:
@@ -132,6 +157,10 @@ class _Streams:
     def join(self) -> None:
         if self.cuda:
             self.main.wait_stream(self.side_stream)
+
+    def exchange_sms(self) -> int:
+        """SMs the GEMMs leave to a side-stream kernel running beside them."""
+        return EXCHANGE_SMS if self.overlap else 0
 
 
 # --- exchange ------------------------------------------------------------------------------------------------------
@@ -304,26 +333,30 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     layout = routing_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
     rows = layout.rows
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
-    ex, streams = _Exchange(group, x.device), _Streams(x.device)
+    ex, streams = _Exchange(group, x.device), _Streams(x.device, chunks > 1)
     ex.reserve(layout.max_rows, x.shape[1], x.dtype)
     row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), rows, num_tokens)
     gemms = _Gemms(backend, layout.offs, row_src)
+    spans = chunk_spans(rows, chunks, align)
     x_routed = x.new_empty(rows, x.shape[1])
-    gate_up = x.new_empty(rows, gate_up_proj.shape[1])
+    # With one span the GEMM's own output is the residual: torch._grouped_mm has no out=, a span's is copied in.
+    gate_up = x.new_empty(rows, gate_up_proj.shape[1]) if len(spans) > 1 else None
     act = x.new_empty(rows, inter)
     out, out_ptrs = ex.combine_buffer("out", rows, (x.shape[1],), x.dtype)
     y = x.new_empty(x.shape)
     block = _swiglu_block(inter)
-    spans = chunk_spans(rows, chunks, align)
     # Span c's GEMMs run on the main stream while span c+1's rows are pulled on the side stream.
-    for (start, end), (g, landed) in zip(spans, _pull_spans(ex, streams, "x", x.contiguous(), x_routed, row_src, gemms, spans)):
+    pulled = _pull_spans(ex, streams, "x", x.contiguous(), x_routed, row_src, gemms, spans)
+    for c, ((start, end), (g, landed)) in enumerate(zip(spans, pulled)):
         streams.wait(landed)
-        g.nt(x_routed[start:end], gate_up_proj, out=gate_up[start:end])
-        kernels.swiglu_forward_kernel[(end - start, triton.cdiv(inter, block))](
-            act[start:end], gate_up[start:end], row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(), inter,
-            BLOCK=block,
-        )
-        g.nt(act[start:end], down_proj, out=out[start:end])
+        with g.leaving_sms(streams.exchange_sms() if c + 1 < len(spans) else 0):
+            span_gate_up = g.nt(x_routed[start:end], gate_up_proj, out=None if gate_up is None else gate_up[start:end])
+            kernels.swiglu_forward_kernel[(end - start, triton.cdiv(inter, block))](
+                act[start:end], span_gate_up, row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(), inter,
+                BLOCK=block,
+            )
+            g.nt(act[start:end], down_proj, out=out[start:end])
+    gate_up = span_gate_up if gate_up is None else gate_up
     ex.combine(y, out, out_ptrs, layout.pos, dest)
     return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
 
@@ -332,7 +365,7 @@ def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_pro
     num_tokens, top_k = pos.shape
     rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
-    ex, streams = _Exchange(group, dy.device), _Streams(dy.device)
+    ex, streams = _Exchange(group, dy.device), _Streams(dy.device, chunks > 1)
     row_src, _ = ex.route(pos, dest, None, rows, num_tokens)
     gemms = _Gemms(backend, offs, row_src)
     dy_routed = dy.new_empty(rows, dy.shape[1])
@@ -344,19 +377,22 @@ def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_pro
     d_weights = torch.empty(pos.numel(), 1, dtype=torch.float32, device=dy.device)
     block = _swiglu_block(inter)
     spans = chunk_spans(rows, chunks, align)
-    for (start, end), (g, landed) in zip(spans, _pull_spans(ex, streams, "dy", dy, dy_routed, row_src, gemms, spans)):
+    pulled = _pull_spans(ex, streams, "dy", dy, dy_routed, row_src, gemms, spans)
+    for c, ((start, end), (g, landed)) in enumerate(zip(spans, pulled)):
         streams.wait(landed)
-        d_act_weighted = g.nn(dy_routed[start:end], down_proj)
-        kernels.swiglu_backward_kernel[(end - start,)](
-            d_gate_up[start:end], act_weighted[start:end], d_row_weight[start:end], gate_up[start:end], d_act_weighted,
-            row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(), INTER=inter, BLOCK=block,
-        )
-        g.nn(d_gate_up[start:end], gate_up_proj, out=dx_routed[start:end])
+        with g.leaving_sms(streams.exchange_sms() if c + 1 < len(spans) else 0):
+            d_act_weighted = g.nn(dy_routed[start:end], down_proj)
+            kernels.swiglu_backward_kernel[(end - start,)](
+                d_gate_up[start:end], act_weighted[start:end], d_row_weight[start:end], gate_up[start:end], d_act_weighted,
+                row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(), INTER=inter, BLOCK=block,
+            )
+            g.nn(d_gate_up[start:end], gate_up_proj, out=dx_routed[start:end])
     # The combines (dx, routing-weight gradients) run on the side stream while the weight gradients run on this one.
     with streams.side():
         ex.combine(dx, dx_routed, dx_ptrs, pos, dest)
         ex.combine(d_weights, d_row_weight, d_weight_ptrs, pos.view(-1, 1), dest.view(-1, 1))
-    d_down_proj = gemms.wgrad(dy_routed, act_weighted)
-    d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
+    with gemms.leaving_sms(streams.exchange_sms()):
+        d_down_proj = gemms.wgrad(dy_routed, act_weighted)
+        d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
     streams.join()
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj
