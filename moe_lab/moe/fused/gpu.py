@@ -1,11 +1,20 @@
 """The ``gpu`` backend: Triton dispatch / SwiGLU / combine kernels around grouped GEMMs, with one host sync per
 forward (the receive-buffer sizes, ``moe_lab.moe.fused.layout``) and none in backward.
 
-Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each slot tells its owner
-where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's buffer); the owner pulls
-each routed row into its expert-contiguous, GEMM-aligned receive buffer (``gather_rows``); gate/up GEMM; SwiGLU with
-the routing weight folded in; down GEMM; each token sums its K rows from wherever they were computed (``combine``).
-Backward mirrors it: dy is pulled like x, dx and the routing-weight gradients are gathered like y.
+Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each
+slot tells its owner where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's
+buffer); the owner pulls each routed row into its expert-contiguous, GEMM-aligned receive buffer (``pull_rows``);
+gate/up GEMM; SwiGLU with the routing weight folded in; down GEMM, straight into the buffer peers combine from; each
+token sums its K rows from wherever they were computed (``combine``). Backward mirrors it: dy is pulled like x, dx
+and the routing-weight gradients are gathered like y.
+
+The exchange overlaps the compute (``chunks`` > 1): the receive buffer is cut into spans of rows
+(``layout.chunk_spans``); a side stream pulls span after span while the main stream runs each span's GEMMs and
+SwiGLU as soon as its rows have landed (an event per span), the GEMMs leaving ``EXCHANGE_SMS`` SMs to the pulls. In
+backward the same holds for dy and the input-gradient GEMMs, then the dx and routing-weight combines run on the side
+stream while the two weight-gradient GEMMs run on the main one. The combine in forward needs every span (a token's K
+rows fall in any of them) and runs last. Every barrier runs on the main stream except the backward combines', and
+no two run at once on a rank, so the barriers pair up across ranks in program order.
 
 Every receive-side buffer (the routed rows, gate/up, the activations, the GEMM outputs, what is saved for backward)
 holds exactly this rank's received rows plus per-expert alignment. At EP > 1 the buffers that peers read or write
