@@ -121,6 +121,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
     from moe_lab.moe.router import Router
     from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
+    from moe_lab.parallel.compile import compile_block
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 
     def build(dtype, backend, checkpointing=None):
@@ -145,7 +146,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     eager = grads(build(torch.bfloat16, "gpu"))
     compiled_model = build(torch.bfloat16, "gpu", FullCheckpoint() if ac == "full" else SelectiveCheckpoint())
     layer = compiled_model.model.layers[0]
-    layer.forward = torch.compile(layer.forward, fullgraph=True)
+    layer.forward = compile_block(layer.forward)  # as apply_compile does
     compiled = grads(compiled_model)
 
     def err(got, name):

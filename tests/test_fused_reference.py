@@ -198,6 +198,11 @@ def test_validate_rejects_deep_gemm_when_absent():
     assert _validation_error(FusedDispatcher(gemm="deep_gemm")) == "dispatcher.gemm"
 
 
+def test_validate_rejects_chunks_below_one():
+    assert _validation_error(FusedDispatcher(chunks=0)) == "dispatcher.chunks"
+    assert _validation_error(FusedDispatcher(chunks=3)) is None
+
+
 def test_layout_is_expert_contiguous_and_aligned():
     from moe_lab.moe.fused.layout import routing_layout
 
