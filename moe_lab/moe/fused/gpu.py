@@ -39,8 +39,9 @@ from moe_lab.moe.fused.layout import chunk_spans, routing_layout, workspace_rows
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
 IDLE_PROGRAMS_PER_EXPERT = 16
-# SMs the grouped GEMMs leave free while a pull or combine runs beside them on the side stream (DeepEP's default for
-# its intranode kernels; not tuned here).
+# SMs the grouped GEMMs leave free while a pull or combine over NVLink runs beside them on the side stream (DeepEP's
+# default for its intranode kernels; not tuned here). At EP=1 the pulls are local copies at HBM speed: they take the
+# gaps between kernels, and the GEMMs keep every SM.
 EXCHANGE_SMS = 20
 
 
@@ -135,8 +136,8 @@ class _Streams:
 
     _side: dict = {}  # device -> torch.cuda.Stream
 
-    def __init__(self, device: torch.device, overlap: bool):
-        self.overlap = overlap
+    def __init__(self, device: torch.device, overlap: bool, peer: bool):
+        self.overlap, self.peer = overlap, peer
         self.cuda = overlap and device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
@@ -168,8 +169,8 @@ class _Streams:
             self.main.wait_stream(self.side_stream)
 
     def exchange_sms(self) -> int:
-        """SMs the GEMMs leave to a side-stream kernel running beside them."""
-        return EXCHANGE_SMS if self.overlap else 0
+        """SMs the GEMMs leave to a side-stream kernel that reads peers' memory beside them."""
+        return EXCHANGE_SMS if self.overlap and self.peer else 0
 
 
 # --- exchange ------------------------------------------------------------------------------------------------------
@@ -342,7 +343,8 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     layout = routing_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
     rows = layout.rows
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
-    ex, streams = _Exchange(group, x.device), _Streams(x.device, chunks > 1)
+    ex = _Exchange(group, x.device)
+    streams = _Streams(x.device, chunks > 1, ex.peer)
     ex.reserve(layout.max_rows, x.shape[1], x.dtype)
     row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), rows, num_tokens)
     gemms = _Gemms(backend, layout.offs, row_src)
@@ -374,7 +376,8 @@ def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_pro
     num_tokens, top_k = pos.shape
     rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
-    ex, streams = _Exchange(group, dy.device), _Streams(dy.device, chunks > 1)
+    ex = _Exchange(group, dy.device)
+    streams = _Streams(dy.device, chunks > 1, ex.peer)
     row_src, _ = ex.route(pos, dest, None, rows, num_tokens)
     gemms = _Gemms(backend, offs, row_src)
     dy_routed = dy.new_empty(rows, dy.shape[1])
