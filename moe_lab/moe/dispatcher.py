@@ -176,9 +176,9 @@ class FusedDispatcher(TokenDispatcher):
     ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
     ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
     receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``). ``chunks``: the gpu
-    backend pulls its receive buffer's rows in up to this many spans, each span's GEMMs running while the next span's
-    rows arrive, and combines input gradients while the weight gradients run (1: no overlap; see
-    ``moe_lab.moe.fused.gpu``).
+    backend pulls and combines its receive buffer's rows in this many chunks, each chunk's GEMMs running while the next
+    chunk's rows arrive and the previous chunk's are combined, and combines input gradients while the weight
+    gradients run (1: no overlap; see ``moe_lab.moe.fused.gpu``).
     """
 
     # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.

@@ -8,13 +8,14 @@ gate/up GEMM; SwiGLU with the routing weight folded in; down GEMM, straight into
 token sums its K rows from wherever they were computed (``combine``). Backward mirrors it: dy is pulled like x, dx
 and the routing-weight gradients are gathered like y.
 
-The exchange overlaps the compute (``chunks`` > 1): the receive buffer is cut into spans of rows
-(``layout.chunk_spans``); a side stream pulls span after span while the main stream runs each span's GEMMs and
-SwiGLU as soon as its rows have landed (an event per span), the GEMMs leaving ``EXCHANGE_SMS`` SMs to the pulls. In
-backward the same holds for dy and the input-gradient GEMMs, then the dx and routing-weight combines run on the side
-stream while the two weight-gradient GEMMs run on the main one. The combine in forward needs every span (a token's K
-rows fall in any of them) and runs last. Every barrier runs on the main stream except the backward combines', and
-no two run at once on a rank, so the barriers pair up across ranks in program order.
+The exchange overlaps the compute (``chunks`` > 1): every receive buffer is cut into ``chunks`` chunks of rows
+(``layout.chunk_bounds``); a side stream pulls chunk after chunk while the main stream runs each chunk's GEMMs and
+SwiGLU as soon as its rows have landed (an event per chunk), and combines chunk c (each token adds the rows it has in
+chunk c of any rank, into fp32 partial sums) once every rank has computed it, while chunk c+1 computes; at EP>1 the
+GEMMs leave ``EXCHANGE_SMS`` SMs to the side stream. In backward dy is pulled the same way, and the dx and
+routing-weight combines run on the side stream while the two weight-gradient GEMMs run on the main one. Barriers run
+on the main stream before the side stream starts and on the side stream after it has, never on both at once, so they
+pair up across ranks in program order; every rank makes the same ones, whatever chunks its rows fall in.
 
 Every receive-side buffer (the routed rows, gate/up, the activations, the GEMM outputs, what is saved for backward)
 holds exactly this rank's received rows plus per-expert alignment. At EP > 1 the buffers that peers read or write
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import triton
 
 from moe_lab.moe.fused import kernels
-from moe_lab.moe.fused.layout import chunk_spans, routing_layout, workspace_rows
+from moe_lab.moe.fused.layout import chunk_spans, routing_layout, slot_chunks, workspace_rows
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
@@ -303,16 +304,21 @@ class _Exchange:
         local = torch.empty(rows, *row_shape, dtype=dtype, device=self.device)
         return local, local
 
-    def combine(self, out, buf, ptrs, pos, dest):
+    def combine(self, out, buf, ptrs, pos, dest, chunked=None):
         """Gather-sum by slot group: out[i] = sum_j buf_{dest[i, j]}[pos[i, j]] for pos [N, J]; ``buf`` [rows, D] from
-        ``combine_buffer``, complete on this rank's current stream."""
+        ``combine_buffer``, complete on this rank's current stream. ``chunked`` = (acc, slot_chunk, chunk, chunks):
+        add only the slots whose row is in chunk ``chunk`` of its owner's buffer onto ``acc`` ([N, D] fp32), writing
+        ``out`` at the last chunk; every rank calls it for every chunk in order, each once that chunk's rows are
+        complete on its stream (so every rank makes the same barriers, whatever chunks it has rows in)."""
+        acc, slot_chunk, chunk, chunks = chunked if chunked is not None else (out, pos, 0, 1)
         if self.peer:
-            self.barrier()  # every peer's rows are complete
+            self.barrier()  # every peer's rows (of this chunk) are complete
         grid = (pos.shape[0], triton.cdiv(buf.shape[1], ROW_BLOCK))
         kernels.combine_kernel[grid](
-            out, buf, ptrs, pos, dest, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
+            out, acc, buf, ptrs, pos, dest, slot_chunk, chunk, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer,
+            CHUNKED=chunked is not None, FIRST=chunk == 0, LAST=chunk == chunks - 1, BLOCK=ROW_BLOCK,
         )
-        if self.peer:
+        if self.peer and chunk == chunks - 1:
             self.barrier()  # peers are done reading this rank's buffer before anyone reuses it
         return out
 
@@ -328,10 +334,10 @@ def _pull_spans(ex, streams, name, src, out, row_src, gemms, spans):
     """Publish ``src`` and pull each span's rows of the receive buffer ``out`` on the side stream, span after span.
     -> per span, (its GEMMs, the event its rows have landed at)."""
     local, ptrs = ex.publish_rows(name, src)  # on the main stream: the barrier orders the pulls after every peer's publish
-    span_gemms = [gemms.span(start, end) for start, end in spans]
+    span_gemms = [gemms.span(start, end) for _, start, end in spans]
     landed = []
     with streams.side():
-        for (start, end), g in zip(spans, span_gemms):
+        for (_, start, end), g in zip(spans, span_gemms):
             ex.pull_rows(out[start:end], local, ptrs, row_src[start:end], g.offs)
             landed.append(streams.mark())
     return list(zip(span_gemms, landed))
@@ -355,20 +361,30 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     act = x.new_empty(rows, inter)
     out, out_ptrs = ex.combine_buffer("out", rows, (x.shape[1],), x.dtype)
     y = x.new_empty(x.shape)
+    if chunks > 1:  # chunk c is combined on the side stream once every rank has computed it
+        chunked = [torch.empty(x.shape, dtype=torch.float32, device=x.device), slot_chunks(layout, dest, chunks, align)]
     block = _swiglu_block(inter)
-    # Span c's GEMMs run on the main stream while span c+1's rows are pulled on the side stream.
-    pulled = _pull_spans(ex, streams, "x", x.contiguous(), x_routed, row_src, gemms, spans)
-    for c, ((start, end), (g, landed)) in enumerate(zip(spans, pulled)):
-        streams.wait(landed)
-        with g.leaving_sms(streams.exchange_sms() if c + 1 < len(spans) else 0):
-            span_gate_up = g.nt(x_routed[start:end], gate_up_proj, out=None if gate_up is None else gate_up[start:end])
-            kernels.swiglu_forward_kernel[(end - start, triton.cdiv(inter, block))](
-                act[start:end], span_gate_up, row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(), inter,
-                BLOCK=block,
-            )
-            g.nt(act[start:end], down_proj, out=out[start:end])
+    # Span c's GEMMs run on the main stream while span c+1's rows are pulled and chunk c-1 is combined on the side one.
+    pulled = dict(zip((c for c, _, _ in spans), _pull_spans(ex, streams, "x", x.contiguous(), x_routed, row_src, gemms, spans)))
+    starts = dict((c, (start, end)) for c, start, end in spans)
+    for c in range(chunks):
+        if c in pulled:
+            (g, landed), (start, end) = pulled[c], starts[c]
+            streams.wait(landed)
+            with g.leaving_sms(streams.exchange_sms()):
+                span_gate_up = g.nt(x_routed[start:end], gate_up_proj, out=None if gate_up is None else gate_up[start:end])
+                kernels.swiglu_forward_kernel[(end - start, triton.cdiv(inter, block))](
+                    act[start:end], span_gate_up, row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(),
+                    inter, BLOCK=block,
+                )
+                g.nt(act[start:end], down_proj, out=out[start:end])
+        if chunks > 1:
+            with streams.side():
+                ex.combine(y, out, out_ptrs, layout.pos, dest, (*chunked, c, chunks))
+    if chunks == 1:
+        ex.combine(y, out, out_ptrs, layout.pos, dest)
+    streams.join()
     gate_up = span_gate_up if gate_up is None else gate_up
-    ex.combine(y, out, out_ptrs, layout.pos, dest)
     return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
 
 
@@ -390,7 +406,7 @@ def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_pro
     block = _swiglu_block(inter)
     spans = chunk_spans(rows, chunks, align)
     pulled = _pull_spans(ex, streams, "dy", dy, dy_routed, row_src, gemms, spans)
-    for c, ((start, end), (g, landed)) in enumerate(zip(spans, pulled)):
+    for c, ((_, start, end), (g, landed)) in enumerate(zip(spans, pulled)):
         streams.wait(landed)
         with g.leaving_sms(streams.exchange_sms() if c + 1 < len(spans) else 0):
             d_act_weighted = g.nn(dy_routed[start:end], down_proj)

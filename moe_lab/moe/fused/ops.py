@@ -9,8 +9,8 @@ Those residuals have as many rows as this rank receives (each local expert's row
 size, as the torch dispatcher's all-to-all does (``moe_lab.moe.collectives``), and the op reads it back to the host
 once per forward.
 ``backend`` names the implementation: ``reference`` (plain PyTorch, any device) or ``gpu`` / ``gpu_deep_gemm``
-(Triton kernels with torch or DeepGEMM grouped GEMMs). ``chunks``: the gpu backend cuts its receive buffer into up to
-this many spans of rows and pulls span c+1's rows from the peers on a side stream while span c's GEMMs run
+(Triton kernels with torch or DeepGEMM grouped GEMMs). ``chunks``: the gpu backend cuts its receive buffer into this
+many chunks of rows, pulls chunk c+1's rows and combines chunk c-1's on a side stream while chunk c's GEMMs run
 (``moe_lab.moe.fused.gpu``); 1 runs exchange and compute one after the other. The reference backend ignores it.
 """
 
