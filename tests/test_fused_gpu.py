@@ -1,10 +1,9 @@
 """dispatcher=fused, gpu backend on CUDA: matches the reference backend at Qwen3-30B-A3B and Qwen3-235B-A22B expert
 shapes (128 experts, top-8), balanced, skewed (idle experts) and concentrated routing (every token to experts 0-7), for
-both GEMM choices, with the exchange and compute in one piece (chunks=1) and pipelined over chunks of rows on two
-streams (the dispatcher's default chunks); syncs with the host once per forward (the receive-buffer sizes) and never
-in backward, pipelined or not; a decoder block (default chunks) compiles fullgraph under full and selective AC and
-matches eager; EP=2 over symmetric memory on two GPUs matches the reference backend at chunks 1 and the default,
-its residuals holding the rows each rank receives (none on rank 1 under concentrated routing: one aligned block).
+both GEMM choices; syncs with the host once per forward (the receive-buffer sizes) and never in backward; a decoder
+block compiles fullgraph under full and selective AC and matches eager; EP=2 over symmetric memory on two GPUs
+matches the reference backend, its residuals holding the rows each rank receives (none on rank 1 under concentrated
+routing: one aligned block).
 
 Tolerance (bf16): the gpu backend's outputs and gradients are compared with the reference backend run in fp32 on
 the same bf16-rounded inputs; the relative error ||gpu - ref|| / ||ref|| must stay below 1e-2 (bf16 keeps 8
@@ -28,7 +27,6 @@ pytestmark = pytest.mark.gpu
 SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
 E, K = 128, 8
 TOL = 1e-2
-CHUNKS = (1, FusedDispatcher().chunks)
 
 
 def make_problem(hidden, inter, tokens, routing, seed=0, device="cuda"):
@@ -49,9 +47,9 @@ def make_problem(hidden, inter, tokens, routing, seed=0, device="cuda"):
     return x.to(**to), ids.to(device), weights.to(**to), gate_up_proj.to(**to), down_proj.to(**to), grad_out.to(**to)
 
 
-def run_op(backend, x, ids, weights, gate_up_proj, down_proj, grad_out, group_name="", dtype=None, chunks=1):
+def run_op(backend, x, ids, weights, gate_up_proj, down_proj, grad_out, group_name="", dtype=None):
     inputs = [t.to(dtype or t.dtype).clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-    y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group_name, backend, chunks)[0]
+    y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group_name, backend)[0]
     grads = torch.autograd.grad(y, inputs, grad_out.to(y.dtype))
     return [t.float() for t in (y, *grads)]
 
@@ -75,12 +73,11 @@ def test_gpu_matches_reference(shape, routing):
     idle = torch.ones(E, dtype=torch.bool, device="cuda")
     idle[problem[1].unique()] = False
     for backend in backends():
-        for chunks in CHUNKS:
-            got = run_op(backend, *problem, chunks=chunks)
-            errors = rel_errors(got, ref)
-            assert max(errors) < TOL, f"{backend} chunks={chunks}: relative errors y, dx, dweights, dgate_up, ddown = {errors}"
-            if idle.any():
-                assert got[3][idle].abs().max() == 0 and got[4][idle].abs().max() == 0, (backend, chunks)
+        got = run_op(backend, *problem)
+        errors = rel_errors(got, ref)
+        assert max(errors) < TOL, f"{backend}: relative errors y, dx, dweights, dgate_up, ddown = {errors}"
+        if idle.any():
+            assert got[3][idle].abs().max() == 0 and got[4][idle].abs().max() == 0, backend
 
 
 def host_syncs(fn) -> int:
@@ -98,24 +95,20 @@ def host_syncs(fn) -> int:
 
 def test_gpu_backend_syncs_once_per_forward():
     """The forward reads the receive-buffer sizes back (one copy to the host); backward knows them from the
-    residuals' shapes; the pipeline's spans follow from those sizes and its streams synchronize through events."""
+    residuals' shapes."""
     x, ids, weights, gate_up_proj, down_proj, grad_out = make_problem(*SHAPES["30b"], 1024, "skewed")
     for backend in backends():
-        for chunks in CHUNKS:
-            run_op(backend, x, ids, weights, gate_up_proj, down_proj, grad_out, chunks=chunks)  # first call: kernel compilation
-            inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-            outputs = []
-            forward = host_syncs(
-                lambda: outputs.append(torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend, chunks)[0])
-            )
-            backward = host_syncs(lambda: torch.autograd.grad(outputs[0], inputs, grad_out))
-            assert (forward, backward) == (1, 0), (backend, chunks)
+        run_op(backend, x, ids, weights, gate_up_proj, down_proj, grad_out)  # first call: kernel compilation
+        inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
+        outputs = []
+        forward = host_syncs(lambda: outputs.append(torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0]))
+        backward = host_syncs(lambda: torch.autograd.grad(outputs[0], inputs, grad_out))
+        assert (forward, backward) == (1, 0), backend
 
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_block_compiles_fullgraph_on_gpu(ac):
-    """With the dispatcher's default chunks (the pipelined schedule), the compiled block's gradients are as close to an
-    fp32 eager model (reference backend) as eager bf16's are:
+    """The compiled block's gradients are as close to an fp32 eager model (reference backend) as eager bf16's are:
     a learned router flips a few near-tied top-k choices under any bf16 rounding change (compile fuses the norms in
     fp32), so compiled and eager bf16 are each compared with fp32 rather than with each other."""
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
@@ -178,11 +171,10 @@ def _ep2_worker(rank, port, queue):
                 name = dist.group.WORLD.group_name
                 ref = run_op("reference", *problem, group_name=name, dtype=torch.float32)
                 for backend in backends():
-                    for chunks in CHUNKS:
-                        for _ in range(2):  # the second call reuses the symmetric buffers
-                            got = run_op(backend, *problem, group_name=name, chunks=chunks)
-                        out[f"{shape}/{routing}/{backend}/chunks={chunks}"] = rel_errors(got, ref)
-                    residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend, CHUNKS[-1])[1:4]
+                    for _ in range(2):  # the second call reuses the symmetric buffers
+                        got = run_op(backend, *problem, group_name=name)
+                    out[f"{shape}/{routing}/{backend}"] = rel_errors(got, ref)
+                    residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[1:4]
                     expected = received_rows([i.cpu() for i in all_ids], rank, 2, ALIGN[backend], E)[1]
                     rows[f"{shape}/{routing}/{backend}"] = ({t.shape[0] for t in residuals}, expected)
         queue.put((rank, {"errors": out, "rows": rows}))
