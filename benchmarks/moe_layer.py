@@ -102,7 +102,6 @@ def main():
     parser.add_argument("--tokens", default="4096,8192,16384", help="tokens per GPU")
     parser.add_argument("--routing", default="balanced,skewed")
     parser.add_argument("--gemm", default="auto", choices=["auto", "deep_gemm", "torch"])
-    parser.add_argument("--chunks", type=int, default=FusedDispatcher().chunks, help="the fused dispatcher's dispatcher.chunks")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", required=True)
@@ -115,7 +114,7 @@ def main():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         group, rank = dist.group.WORLD, dist.get_rank()
-    dispatchers = {"torch": TorchDispatcher().set_ep_group(group), "fused": FusedDispatcher(backend="gpu", gemm=args.gemm, chunks=args.chunks).set_ep_group(group)}
+    dispatchers = {"torch": TorchDispatcher().set_ep_group(group), "fused": FusedDispatcher(backend="gpu", gemm=args.gemm).set_ep_group(group)}
 
     points, breakdowns = [], []
     for model in args.models.split(","):
@@ -124,7 +123,7 @@ def main():
         for routing in args.routing.split(","):
             for tokens in map(int, args.tokens.split(",")):
                 x, ids, weights, grad = inputs(tokens, hidden, routing, rank)
-                point = {"model": model, "hidden": hidden, "intermediate": inter, "tokens_per_gpu": tokens, "routing": routing, "ep": ep, "chunks": args.chunks}
+                point = {"model": model, "hidden": hidden, "intermediate": inter, "tokens_per_gpu": tokens, "routing": routing, "ep": ep}
                 for name, (experts, dispatcher) in layers.items():
                     fn = lambda: step(experts, dispatcher, x, ids, weights, grad)  # noqa: E731
                     try:

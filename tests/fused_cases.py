@@ -55,14 +55,14 @@ class RowCounter(TorchDispatchMode):
         return out
 
 
-def buffer_rows(backend: str, x, ids, weights, gate_up_proj, down_proj, grad_out, num_experts: int, group, chunks: int = 1) -> int:
+def buffer_rows(backend: str, x, ids, weights, gate_up_proj, down_proj, grad_out, num_experts: int, group) -> int:
     """The most rows any tensor made by one forward and backward of the op's ``backend`` holds."""
     from moe_lab.moe.fused.ops import ALIGN, _impl
 
     impl = _impl(backend)
     with RowCounter() as counter:
-        _, *residuals = impl.forward(x, ids, weights, gate_up_proj, down_proj, num_experts, group, ALIGN[backend], backend, chunks)
-        impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, ALIGN[backend], backend, chunks)
+        _, *residuals = impl.forward(x, ids, weights, gate_up_proj, down_proj, num_experts, group, ALIGN[backend], backend)
+        impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, backend)
     return counter.max_rows
 
 

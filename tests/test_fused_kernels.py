@@ -1,11 +1,10 @@
 """The fused gpu backend's Triton kernels, run on CPU by Triton's interpreter (TRITON_INTERPRET=1, in a child
 process so no other test sees interpreted kernels): at EP=1 the whole gpu backend, grouped GEMMs included, equals the
-reference backend forward and backward, with skewed routing and an expert that gets no token, its receive buffer
-pulled and computed in 2 spans. At EP=2 (one span) and 4 (three spans: the overlap schedule, streams degrading to
-program order on CPU) on gloo ranks it runs its peer paths over a CPU stand-in for symmetric memory
-(``FileSymmetricMemory``) and equals the reference backend under balanced, skewed, all-to-the-same-experts and
-half-idle routing, its buffers and residuals following the rows each rank receives, its symmetric workspace the
-largest receive buffer of the group rounded up the 1.25x ladder, grown once and reused."""
+reference backend forward and backward, with skewed routing and an expert that gets no token. At EP=2 and 4 (gloo
+ranks) it runs its peer paths over a CPU stand-in for symmetric memory (``FileSymmetricMemory``) and equals the
+reference backend under balanced, skewed, all-to-the-same-experts and half-idle routing, its buffers and residuals
+following the rows each rank receives, its symmetric workspace the largest receive buffer of the group rounded up the
+1.25x ladder, grown once and reused."""
 
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ def compare_backends() -> list[float]:
     results = {}
     for backend in ("reference", "gpu"):
         inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend, 2)[0]
+        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0]
         results[backend] = [y, *torch.autograd.grad(y, inputs, grad_out)]
     assert results["gpu"][3][7].abs().max() == 0 and results["gpu"][4][7].abs().max() == 0
     return [(g - r).abs().max().item() / r.abs().max().item() for g, r in zip(results["gpu"], results["reference"])]
@@ -98,7 +97,7 @@ EP_ROUTINGS = ("balanced", "same_experts", "zipf", "half_idle")
 EP_TOKENS = 16  # per rank: every interpreted program costs milliseconds
 
 
-def compare_ep_rank(ep: int, chunks: int, directory: str) -> list[dict]:
+def compare_ep_rank(ep: int, directory: str) -> list[dict]:
     """Per routing, on this rank: the gpu backend's forward and backward (called directly, as the op does) against
     the reference backend's op, and the sizes of what it made."""
     import moe_lab.moe.fused.gpu as gpu
@@ -121,16 +120,12 @@ def compare_ep_rank(ep: int, chunks: int, directory: str) -> list[dict]:
         all_ids = [routing(kind, r, EP_TOKENS, E, K) for r in range(ep)]
         ids = all_ids[rank]
         inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group.group_name, "reference", 1)[0]
+        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group.group_name, "reference")[0]
         expected = [y, *torch.autograd.grad(y, inputs, grad_out)]
         allocated = len(memory.shapes)
         with RowCounter() as counter:
-            y, x_routed, gate_up, row_weight, pos, offs = gpu.forward(
-                x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu", chunks
-            )
-            grads = gpu.backward(
-                grad_out, x_routed, gate_up, row_weight, pos, offs, ids, gate_up_proj, down_proj, group, ALIGN["gpu"], "gpu", chunks
-            )
+            y, x_routed, gate_up, row_weight, pos, offs = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
+            grads = gpu.backward(grad_out, x_routed, gate_up, row_weight, pos, offs, ids, gate_up_proj, down_proj, group, "gpu")
         errors = [(g - r).abs().max().item() / (r.abs().max().item() + 1e-6) for g, r in zip([y, *grads], expected)]
         received, rows = received_rows(all_ids, rank, ep, ALIGN["gpu"], E)
         largest = max(largest, *(received_rows(all_ids, r, ep, ALIGN["gpu"], E)[1] for r in range(ep)))
@@ -143,15 +138,15 @@ def compare_ep_rank(ep: int, chunks: int, directory: str) -> list[dict]:
     return results
 
 
-def compare_ep(ep: int, chunks: int, directory: str) -> list:
+def compare_ep(ep: int, directory: str) -> list:
     from tests.distributed import run_world
 
-    return run_world(ep, compare_ep_rank, ep, chunks, directory)
+    return run_world(ep, compare_ep_rank, ep, directory)
 
 
-@pytest.mark.parametrize("ep, chunks", [(2, 1), (4, 3)])
-def test_gpu_backend_peer_paths_interpreted_match_reference(ep, chunks, tmp_path):
-    code = f"from tests.test_fused_kernels import compare_ep; print(repr(compare_ep({ep}, {chunks}, {str(tmp_path)!r})))"
+@pytest.mark.parametrize("ep", [2, 4])
+def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
+    code = f"from tests.test_fused_kernels import compare_ep; print(repr(compare_ep({ep}, {str(tmp_path)!r})))"
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     per_rank = eval(done.stdout.strip().splitlines()[-1])

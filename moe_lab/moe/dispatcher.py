@@ -175,19 +175,14 @@ class FusedDispatcher(TokenDispatcher):
     ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
     ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
     ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
-    receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``). ``chunks``: the gpu
-    backend pulls and combines its receive buffer's rows in this many chunks, each chunk's GEMMs running while the next
-    chunk's rows arrive and the previous chunk's are combined, and combines input gradients while the weight
-    gradients run (1: no overlap; see ``moe_lab.moe.fused.gpu``).
+    receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``).
     """
 
     # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.
     saved_ops = frozenset({torch.ops.moe_lab.fused_moe.default})
 
-    def __init__(
-        self, backend: Literal["auto", "reference", "gpu"] = "auto", gemm: Literal["auto", "deep_gemm", "torch"] = "auto", chunks: int = 4
-    ):
-        self.backend, self.gemm, self.chunks = backend, gemm, chunks
+    def __init__(self, backend: Literal["auto", "reference", "gpu"] = "auto", gemm: Literal["auto", "deep_gemm", "torch"] = "auto"):
+        self.backend, self.gemm = backend, gemm
         super().__init__()
 
     def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> FusedDispatcher:
@@ -198,8 +193,6 @@ class FusedDispatcher(TokenDispatcher):
         return self
 
     def validate(self, cfg) -> None:
-        if not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ConfigError("dispatcher.chunks", f"a positive integer (1: no overlap), got {self.chunks!r}")
         cuda = runs_on_cuda(cfg.trainer)
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
@@ -229,6 +222,5 @@ class FusedDispatcher(TokenDispatcher):
             self.ep_size * gate_up_proj.shape[0],  # the global expert count
             self.group_name,
             backend,
-            self.chunks,
         )
         return y

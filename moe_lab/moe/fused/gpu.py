@@ -1,21 +1,11 @@
 """The ``gpu`` backend: Triton dispatch / SwiGLU / combine kernels around grouped GEMMs, with one host sync per
 forward (the receive-buffer sizes, ``moe_lab.moe.fused.layout``) and none in backward.
 
-Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each
-slot tells its owner where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's
-buffer); the owner pulls each routed row into its expert-contiguous, GEMM-aligned receive buffer (``pull_rows``);
-gate/up GEMM; SwiGLU with the routing weight folded in; down GEMM, straight into the buffer peers combine from; each
-token sums its K rows from wherever they were computed (``combine``). Backward mirrors it: dy is pulled like x, dx
-and the routing-weight gradients are gathered like y.
-
-The exchange overlaps the compute (``chunks`` > 1): every receive buffer is cut into ``chunks`` chunks of rows
-(``layout.chunk_bounds``); a side stream pulls chunk after chunk while the main stream runs each chunk's GEMMs and
-SwiGLU as soon as its rows have landed (an event per chunk), and combines chunk c (each token adds the rows it has in
-chunk c of any rank, into fp32 partial sums) once every rank has computed it, while chunk c+1 computes; at EP>1 the
-GEMMs leave ``EXCHANGE_SMS`` SMs to the side stream. In backward dy is pulled the same way, and the dx and
-routing-weight combines run on the side stream while the two weight-gradient GEMMs run on the main one. Barriers run
-on the main stream before the side stream starts and on the side stream after it has, never on both at once, so they
-pair up across ranks in program order; every rank makes the same ones, whatever chunks its rows fall in.
+Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each slot tells its owner
+where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's buffer); the owner pulls
+each routed row into its expert-contiguous, GEMM-aligned receive buffer (``gather_rows``); gate/up GEMM; SwiGLU with
+the routing weight folded in; down GEMM; each token sums its K rows from wherever they were computed (``combine``).
+Backward mirrors it: dy is pulled like x, dx and the routing-weight gradients are gathered like y.
 
 Every receive-side buffer (the routed rows, gate/up, the activations, the GEMM outputs, what is saved for backward)
 holds exactly this rank's received rows plus per-expert alignment. At EP > 1 the buffers that peers read or write
@@ -27,7 +17,6 @@ weight gradients always use ``torch._grouped_mm`` (DeepGEMM's k-grouped kernel t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -35,78 +24,43 @@ import torch.distributed as dist
 import triton
 
 from moe_lab.moe.fused import kernels
-from moe_lab.moe.fused.layout import chunk_spans, routing_layout, slot_chunks, workspace_rows
+from moe_lab.moe.fused.layout import routing_layout, workspace_rows
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
 IDLE_PROGRAMS_PER_EXPERT = 16
-# SMs the grouped GEMMs leave free while a pull or combine over NVLink runs beside them on the side stream (DeepEP's
-# default for its intranode kernels; not tuned here). At EP=1 the pulls are local copies at HBM speed: they take the
-# gaps between kernels, and the GEMMs keep every SM.
-EXCHANGE_SMS = 20
 
 
 # --- grouped GEMMs -------------------------------------------------------------------------------------------------
 
 
 class _Gemms:
-    """The grouped GEMMs over a receive buffer, or over one span of its rows (``span``)."""
-
-    def __init__(self, backend: str, offs: torch.Tensor, row_src: torch.Tensor, m_indices: torch.Tensor | None = None):
-        self.offs, self.backend = offs, backend
+    def __init__(self, backend: str, offs: torch.Tensor, row_src: torch.Tensor):
+        self.offs = offs
         self.deep = backend == "gpu_deep_gemm"
         if self.deep:
             import deep_gemm
 
             self.dg = deep_gemm
-            if m_indices is None:
-                rows = torch.arange(row_src.numel(), device=offs.device, dtype=torch.int32)
-                expert = torch.searchsorted(offs, rows, right=True).to(torch.int32)
-                m_indices = torch.where(row_src >= 0, expert, -1).to(torch.int32)
-            self.m_indices = m_indices
+            rows = torch.arange(row_src.numel(), device=offs.device, dtype=torch.int32)
+            expert = torch.searchsorted(offs, rows, right=True).to(torch.int32)
+            self.m_indices = torch.where(row_src >= 0, expert, -1).to(torch.int32)
 
-    def span(self, start: int, end: int) -> _Gemms:
-        """The GEMMs over rows [start, end) alone: each expert's segment end taken relative to ``start`` and clipped
-        to the span (experts before it end at 0, those after it at its length: empty groups), DeepGEMM's per-row
-        expert indices sliced. ``start`` is a multiple of the alignment, so no aligned block straddles two spans."""
-        offs = (self.offs - start).clamp_(0, end - start)
-        return _Gemms(self.backend, offs, None, self.m_indices[start:end] if self.deep else None)
-
-    def nt(self, a, w, out=None):
-        """a [C, K] @ w[e].T for w [L, N, K]: the forward projections, weights as stored; into ``out`` if given."""
+    def nt(self, a, w):
+        """a [C, K] @ w[e].T for w [L, N, K]: the forward projections, weights as stored."""
         if self.deep:
-            out = a.new_empty(a.shape[0], w.shape[1]) if out is None else out
+            out = a.new_empty(a.shape[0], w.shape[1])
             self.dg.m_grouped_bf16_gemm_nt_contiguous(a, w, out, self.m_indices)
             return out
-        return _into(torch._grouped_mm(a, w.transpose(-2, -1), offs=self.offs), out)
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=self.offs)
 
-    def nn(self, a, w, out=None):
-        """a [C, N] @ w[e] for w [L, N, K]: the input gradients; into ``out`` if given."""
+    def nn(self, a, w):
+        """a [C, N] @ w[e] for w [L, N, K]: the input gradients."""
         if self.deep:
-            out = a.new_empty(a.shape[0], w.shape[2]) if out is None else out
+            out = a.new_empty(a.shape[0], w.shape[2])
             self.dg.m_grouped_bf16_gemm_nn_contiguous(a, w, out, self.m_indices)
             return out
-        return _into(torch._grouped_mm(a, w, offs=self.offs), out)
-
-    @contextlib.contextmanager
-    def leaving_sms(self, sms: int):
-        """The GEMMs launched inside run on all SMs but ``sms``. ``torch._grouped_mm``'s CUTLASS kernels and
-        DeepGEMM's are persistent, one block per SM that holds its registers: without this a kernel on another stream
-        gets an SM only when a GEMM has finished."""
-        if sms == 0:
-            yield
-            return
-        carveout = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(sms)
-        if self.deep:
-            num_sms = self.dg.get_num_sms()
-            self.dg.set_num_sms(num_sms - sms)
-        try:
-            yield
-        finally:
-            torch._C._set_sm_carveout_experimental(carveout)
-            if self.deep:
-                self.dg.set_num_sms(num_sms)
+        return torch._grouped_mm(a, w, offs=self.offs)
 
     def wgrad(self, grad, inp):
         """sum over each expert's rows of grad^T inp -> [L, N, K] (k-grouped)."""
@@ -117,61 +71,6 @@ class _Gemms:
             out, self.offs, SLAB=slab, PER_PROGRAM=per_program, BLOCK=ROW_BLOCK
         )
         return out
-
-
-def _into(result, out):
-    """``torch._grouped_mm`` has no ``out=``: a span's result is copied into its rows of the whole buffer."""
-    if out is None:
-        return result
-    return out.copy_(result)
-
-
-class _Streams:
-    """The main (current) stream and a side stream for the exchange, per device. With ``overlap`` off (chunks=1), and
-    on CPU (the Triton interpreter's tests) where there are no streams, the same calls run in program order on the
-    main stream, which is one of the orders the events allow.
-
-    Every tensor the side stream touches is allocated on the main stream before the side stream starts, and the main
-    stream waits for the side stream (``join``, or the event of the last span) before the op returns, so nothing the
-    side stream uses can be freed and reused under it (no ``record_stream``)."""
-
-    _side: dict = {}  # device -> torch.cuda.Stream
-
-    def __init__(self, device: torch.device, overlap: bool, peer: bool):
-        self.overlap, self.peer = overlap, peer
-        self.cuda = overlap and device.type == "cuda"
-        if self.cuda:
-            self.main = torch.cuda.current_stream(device)
-            if device not in self._side:
-                self._side[device] = torch.cuda.Stream(device)
-            self.side_stream = self._side[device]
-
-    @contextlib.contextmanager
-    def side(self):
-        """Kernels launched inside run on the side stream, after everything launched on the main stream so far."""
-        if not self.cuda:
-            yield
-            return
-        self.side_stream.wait_stream(self.main)
-        with torch.cuda.stream(self.side_stream):
-            yield
-
-    def mark(self):
-        """An event at this point of the current stream (None without streams)."""
-        return torch.cuda.current_stream().record_event() if self.cuda else None
-
-    def wait(self, event) -> None:
-        """The main stream runs what comes next after ``event``."""
-        if event is not None:
-            self.main.wait_event(event)
-
-    def join(self) -> None:
-        if self.cuda:
-            self.main.wait_stream(self.side_stream)
-
-    def exchange_sms(self) -> int:
-        """SMs the GEMMs leave to a side-stream kernel that reads peers' memory beside them."""
-        return EXCHANGE_SMS if self.overlap and self.peer else 0
 
 
 # --- exchange ------------------------------------------------------------------------------------------------------
@@ -280,45 +179,33 @@ class _Exchange:
             return row_src.clone(), row_weight.clone()
         return row_src, row_weight
 
-    def publish_rows(self, name, src):
-        """Dispatch, first half: this rank's rows ``src`` [T, D], readable by every peer once this returns (on the
-        current stream) -> (local, peer pointers)."""
+    def gather_rows(self, name, src, row_src, offs):
+        """Dispatch: the receive buffer [rows, D], pulled row by row from the sources' ``src`` [T, D]."""
         local, ptrs = self.publish(name, src)
         if self.peer:
-            self.barrier()  # every peer has published
-        return local, ptrs
-
-    def pull_rows(self, out, local, ptrs, row_src, offs):
-        """Dispatch, second half, for a span of the receive buffer: out [n, D] = the source rows of ``row_src`` [n]
-        (``offs``: the span's expert segment ends, for which rows are live)."""
-        grid = (row_src.shape[0], triton.cdiv(out.shape[1], ROW_BLOCK))
+            self.barrier()
+        out = src.new_empty(row_src.shape[0], src.shape[1])
+        grid = (row_src.shape[0], triton.cdiv(src.shape[1], ROW_BLOCK))
         kernels.gather_rows_kernel[grid](
-            out, local, ptrs, row_src, offs, offs.numel(), local.shape[0], out.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
+            out, local, ptrs, row_src, offs, offs.numel(), src.shape[0], src.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
         )
+        return out
 
-    def combine_buffer(self, name, rows, row_shape, dtype):
-        """Where the rows to combine are written: at EP>1 the first ``rows`` of the workspace buffer ``name``, which
-        peers read; at EP=1 a new tensor. -> (local [rows, *row_shape], peer pointers)."""
+    def combine(self, name, buf, pos, dest, out_dtype):
+        """Gather-sum by slot group: out[i] = sum_j buf_{dest[i, j]}[pos[i, j]] for pos [N, J]; ``buf`` [rows, D] is
+        receive-side, published to peers through the workspace buffer ``name``."""
         if self.peer:
-            return self.workspace(name, rows, row_shape, dtype)
-        local = torch.empty(rows, *row_shape, dtype=dtype, device=self.device)
-        return local, local
-
-    def combine(self, out, buf, ptrs, pos, dest, chunked=None):
-        """Gather-sum by slot group: out[i] = sum_j buf_{dest[i, j]}[pos[i, j]] for pos [N, J]; ``buf`` [rows, D] from
-        ``combine_buffer``, complete on this rank's current stream. ``chunked`` = (acc, slot_chunk, chunk, chunks):
-        add only the slots whose row is in chunk ``chunk`` of its owner's buffer onto ``acc`` ([N, D] fp32), writing
-        ``out`` at the last chunk; every rank calls it for every chunk in order, each once that chunk's rows are
-        complete on its stream (so every rank makes the same barriers, whatever chunks it has rows in)."""
-        acc, slot_chunk, chunk, chunks = chunked if chunked is not None else (out, pos, 0, 1)
-        if self.peer:
-            self.barrier()  # every peer's rows (of this chunk) are complete
+            local, ptrs = self.workspace(name, buf.shape[0], buf.shape[1:], buf.dtype)
+            local.copy_(buf)
+            self.barrier()
+        else:
+            local = ptrs = buf
+        out = torch.empty(pos.shape[0], buf.shape[1], dtype=out_dtype, device=buf.device)
         grid = (pos.shape[0], triton.cdiv(buf.shape[1], ROW_BLOCK))
         kernels.combine_kernel[grid](
-            out, acc, buf, ptrs, pos, dest, slot_chunk, chunk, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer,
-            CHUNKED=chunked is not None, FIRST=chunk == 0, LAST=chunk == chunks - 1, BLOCK=ROW_BLOCK,
+            out, local, ptrs, pos, dest, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
         )
-        if self.peer and chunk == chunks - 1:
+        if self.peer:
             self.barrier()  # peers are done reading this rank's buffer before anyone reuses it
         return out
 
@@ -330,97 +217,46 @@ def _swiglu_block(inter: int) -> int:
     return min(ROW_BLOCK, triton.next_power_of_2(inter))
 
 
-def _pull_spans(ex, streams, name, src, out, row_src, gemms, spans):
-    """Publish ``src`` and pull each span's rows of the receive buffer ``out`` on the side stream, span after span.
-    -> per span, (its GEMMs, the event its rows have landed at)."""
-    local, ptrs = ex.publish_rows(name, src)  # on the main stream: the barrier orders the pulls after every peer's publish
-    span_gemms = [gemms.span(start, end) for _, start, end in spans]
-    landed = []
-    with streams.side():
-        for (_, start, end), g in zip(spans, span_gemms):
-            ex.pull_rows(out[start:end], local, ptrs, row_src[start:end], g.offs)
-            landed.append(streams.mark())
-    return list(zip(span_gemms, landed))
-
-
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, chunks):
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
     num_tokens, top_k = topk_ids.shape
     inter = down_proj.shape[2]
     layout = routing_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
-    rows = layout.rows
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
     ex = _Exchange(group, x.device)
-    streams = _Streams(x.device, chunks > 1, ex.peer)
     ex.reserve(layout.max_rows, x.shape[1], x.dtype)
-    row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), rows, num_tokens)
+    row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), layout.rows, num_tokens)
     gemms = _Gemms(backend, layout.offs, row_src)
-    spans = chunk_spans(rows, chunks, align)
-    x_routed = x.new_empty(rows, x.shape[1])
-    # With one span the GEMM's own output is the residual: torch._grouped_mm has no out=, a span's is copied in.
-    gate_up = x.new_empty(rows, gate_up_proj.shape[1]) if len(spans) > 1 else None
-    act = x.new_empty(rows, inter)
-    out, out_ptrs = ex.combine_buffer("out", rows, (x.shape[1],), x.dtype)
-    y = x.new_empty(x.shape)
-    if chunks > 1:  # chunk c is combined on the side stream once every rank has computed it
-        chunked = [torch.empty(x.shape, dtype=torch.float32, device=x.device), slot_chunks(layout, dest, chunks, align)]
+    x_routed = ex.gather_rows("x", x.contiguous(), row_src, layout.offs)
+    gate_up = gemms.nt(x_routed, gate_up_proj)
+    act = x.new_empty(layout.rows, inter)
     block = _swiglu_block(inter)
-    # Span c's GEMMs run on the main stream while span c+1's rows are pulled and chunk c-1 is combined on the side one.
-    pulled = dict(zip((c for c, _, _ in spans), _pull_spans(ex, streams, "x", x.contiguous(), x_routed, row_src, gemms, spans)))
-    starts = dict((c, (start, end)) for c, start, end in spans)
-    for c in range(chunks):
-        if c in pulled:
-            (g, landed), (start, end) = pulled[c], starts[c]
-            streams.wait(landed)
-            with g.leaving_sms(streams.exchange_sms()):
-                span_gate_up = g.nt(x_routed[start:end], gate_up_proj, out=None if gate_up is None else gate_up[start:end])
-                kernels.swiglu_forward_kernel[(end - start, triton.cdiv(inter, block))](
-                    act[start:end], span_gate_up, row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(),
-                    inter, BLOCK=block,
-                )
-                g.nt(act[start:end], down_proj, out=out[start:end])
-        if chunks > 1:
-            with streams.side():
-                ex.combine(y, out, out_ptrs, layout.pos, dest, (*chunked, c, chunks))
-    if chunks == 1:
-        ex.combine(y, out, out_ptrs, layout.pos, dest)
-    streams.join()
-    gate_up = span_gate_up if gate_up is None else gate_up
+    kernels.swiglu_forward_kernel[(layout.rows, triton.cdiv(inter, block))](
+        act, gate_up, row_weight, row_src, layout.offs, layout.offs.numel(), inter, BLOCK=block
+    )
+    out = gemms.nt(act, down_proj)
+    y = ex.combine("out", out, layout.pos, dest, x.dtype)
     return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, align, backend, chunks):
+def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
     num_tokens, top_k = pos.shape
     rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
     ex = _Exchange(group, dy.device)
-    streams = _Streams(dy.device, chunks > 1, ex.peer)
     row_src, _ = ex.route(pos, dest, None, rows, num_tokens)
     gemms = _Gemms(backend, offs, row_src)
-    dy_routed = dy.new_empty(rows, dy.shape[1])
+    dy_routed = ex.gather_rows("dy", dy, row_src, offs)
+    d_act_weighted = gemms.nn(dy_routed, down_proj)
     d_gate_up = torch.empty_like(gate_up)
-    act_weighted = dy.new_empty(rows, inter)
-    dx_routed, dx_ptrs = ex.combine_buffer("out", rows, (dy.shape[1],), dy.dtype)
-    d_row_weight, d_weight_ptrs = ex.combine_buffer("d_row_weight", rows, (1,), torch.float32)
-    dx = dy.new_empty(dy.shape)
-    d_weights = torch.empty(pos.numel(), 1, dtype=torch.float32, device=dy.device)
-    block = _swiglu_block(inter)
-    spans = chunk_spans(rows, chunks, align)
-    pulled = _pull_spans(ex, streams, "dy", dy, dy_routed, row_src, gemms, spans)
-    for c, ((_, start, end), (g, landed)) in enumerate(zip(spans, pulled)):
-        streams.wait(landed)
-        with g.leaving_sms(streams.exchange_sms() if c + 1 < len(spans) else 0):
-            d_act_weighted = g.nn(dy_routed[start:end], down_proj)
-            kernels.swiglu_backward_kernel[(end - start,)](
-                d_gate_up[start:end], act_weighted[start:end], d_row_weight[start:end], gate_up[start:end], d_act_weighted,
-                row_weight[start:end], row_src[start:end], g.offs, g.offs.numel(), INTER=inter, BLOCK=block,
-            )
-            g.nn(d_gate_up[start:end], gate_up_proj, out=dx_routed[start:end])
-    # The combines (dx, routing-weight gradients) run on the side stream while the weight gradients run on this one.
-    with streams.side():
-        ex.combine(dx, dx_routed, dx_ptrs, pos, dest)
-        ex.combine(d_weights, d_row_weight, d_weight_ptrs, pos.view(-1, 1), dest.view(-1, 1))
-    with gemms.leaving_sms(streams.exchange_sms()):
-        d_down_proj = gemms.wgrad(dy_routed, act_weighted)
-        d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
-    streams.join()
+    act_weighted = torch.empty_like(d_act_weighted)
+    d_row_weight = torch.empty_like(row_weight)
+    kernels.swiglu_backward_kernel[(rows,)](
+        d_gate_up, act_weighted, d_row_weight, gate_up, d_act_weighted, row_weight, row_src, offs, offs.numel(),
+        INTER=inter, BLOCK=_swiglu_block(inter),
+    )
+    d_down_proj = gemms.wgrad(dy_routed, act_weighted)
+    dx_routed = gemms.nn(d_gate_up, gate_up_proj)
+    d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
+    dx = ex.combine("out", dx_routed, pos, dest, dy.dtype)
+    d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), dest.view(-1, 1), torch.float32)
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj

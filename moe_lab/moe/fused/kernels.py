@@ -66,37 +66,22 @@ def gather_rows_kernel(
 
 @triton.jit
 def combine_kernel(
-    out_ptr, acc_ptr, buf_ptr, buf_peers, pos_ptr, dest_ptr, chunk_ptr, chunk, width,
-    TOP_K: tl.constexpr, PEER: tl.constexpr, CHUNKED: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-    BLOCK: tl.constexpr,
+    out_ptr, buf_ptr, buf_peers, pos_ptr, dest_ptr, width, TOP_K: tl.constexpr, PEER: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """Combine as a gather-sum by token: out[t] = sum_k buf_{dest[t, k]}[pos[t, k]], accumulated in fp32.
-
-    CHUNKED: this call adds only the slots whose row lies in chunk ``chunk`` of its owner's buffer (``chunk_ptr``: each
-    slot's chunk), onto the fp32 partial sums ``acc`` (zeros if FIRST); the LAST call writes ``out`` instead."""
+    """Combine as a gather-sum by token: out[t] = sum_k buf_{dest[t, k]}[pos[t, k]], accumulated in fp32."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    row = token.to(tl.int64) * width + cols
-    if FIRST:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-    else:
-        acc = tl.load(acc_ptr + row, mask=mask, other=0.0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         slot = token.to(tl.int64) * TOP_K + k
         pos = tl.load(pos_ptr + slot)
-        take = mask
-        if CHUNKED:
-            take = take & (tl.load(chunk_ptr + slot) == chunk)
         if PEER:
             base = _peer_base(buf_ptr, buf_peers, tl.load(dest_ptr + slot), PEER)
         else:
             base = buf_ptr
-        acc += tl.load(base + pos * width + cols, mask=take, other=0.0).to(tl.float32)
-    if LAST:
-        tl.store(out_ptr + row, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(acc_ptr + row, acc, mask=mask)
+        acc += tl.load(base + pos * width + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -25,7 +25,6 @@ class Layout:
     offs: torch.Tensor  # [L] int32: end row of each local expert's (padded) segment, the grouped GEMM's offsets
     rows: int  # rows of this rank's receive buffer
     max_rows: int  # the largest receive buffer over the EP group (what a buffer peers write into must hold)
-    all_rows: torch.Tensor  # [EP] int64 on the device: every rank's receive-buffer rows
 
 
 def gather_counts(topk_ids: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -56,45 +55,13 @@ def layout_from_counts(topk_ids: torch.Tensor, all_counts: torch.Tensor, rank: i
     rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[sorted_ids]
     pos = torch.empty_like(flat)
     pos[order] = seg_start[sorted_ids] + src_offset[sorted_ids] + rank_in_expert
-    all_rows = seg_end[:, -1].clamp(min=align)
-    rows = all_rows.tolist()  # the host sync
-    return Layout(pos.view(topk_ids.shape), seg_end[rank].to(torch.int32), rows[rank], max(rows), all_rows)
+    rows = [max(r, align) for r in seg_end[:, -1].tolist()]  # the host sync
+    return Layout(pos.view(topk_ids.shape), seg_end[rank].to(torch.int32), rows[rank], max(rows))
 
 
 def routing_layout(topk_ids: torch.Tensor, num_experts: int, align: int, group: dist.ProcessGroup | None) -> Layout:
     rank = 0 if group is None else dist.get_rank(group)
     return layout_from_counts(topk_ids, gather_counts(topk_ids, num_experts, group), rank, align)
-
-
-def chunk_bounds(rows: int, chunks: int, align: int) -> list[int]:
-    """The receive buffer's rows [0, rows) cut into ``chunks`` consecutive chunks of nearly equal length, each
-    starting at a multiple of ``align`` (``rows`` is one: every expert segment is padded to it) -> the ``chunks + 1``
-    bounds; a buffer of fewer blocks than chunks has empty chunks. The units the gpu backend pipelines: chunk c's rows
-    are pulled while chunk c-1's GEMMs run, and combined while chunk c+1's run.
-
-    Chunks cut by rows, not by expert: a chunk may end inside an expert's segment (a grouped GEMM over a chunk takes
-    each expert's offsets clipped to it, ``gpu._Gemms.span``), so the chunks stay even under any skew, and they follow
-    from the buffer's size alone, which both forward (after the layout's host sync) and backward (the residuals'
-    shapes) know on the host: no second sync, nothing more copied to the host.
-    """
-    blocks = rows // align
-    return [min(blocks, -(-blocks * c // chunks)) * align for c in range(chunks + 1)]
-
-
-def chunk_spans(rows: int, chunks: int, align: int) -> list[tuple[int, int]]:
-    """(chunk index, start, end) of each non-empty chunk (``chunk_bounds``)."""
-    bounds = chunk_bounds(rows, chunks, align)
-    return [(c, start, end) for c, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
-
-
-def slot_chunks(layout: Layout, dest: torch.Tensor, chunks: int, align: int) -> torch.Tensor:
-    """-> [T, K] int32: the chunk of its owner's receive buffer each slot's row lands in, computed on the device from
-    every rank's buffer size (``chunk_bounds`` of each owner): what a chunked combine needs to know which rows are
-    ready, with no further host sync."""
-    blocks = (layout.all_rows // align).unsqueeze(1)  # [EP, 1]
-    c = torch.arange(1, chunks + 1, device=blocks.device)
-    upper = torch.minimum(blocks, -(-blocks * c // chunks)) * align  # [EP, chunks]: each chunk's end
-    return (layout.pos.unsqueeze(-1) >= upper[dest.long()]).sum(-1).to(torch.int32)
 
 
 def workspace_rows(rows: int) -> int:

@@ -9,9 +9,7 @@ Those residuals have as many rows as this rank receives (each local expert's row
 size, as the torch dispatcher's all-to-all does (``moe_lab.moe.collectives``), and the op reads it back to the host
 once per forward.
 ``backend`` names the implementation: ``reference`` (plain PyTorch, any device) or ``gpu`` / ``gpu_deep_gemm``
-(Triton kernels with torch or DeepGEMM grouped GEMMs). ``chunks``: the gpu backend cuts its receive buffer into this
-many chunks of rows, pulls chunk c+1's rows and combines chunk c-1's on a side stream while chunk c's GEMMs run
-(``moe_lab.moe.fused.gpu``); 1 runs exchange and compute one after the other. The reference backend ignores it.
+(Triton kernels with torch or DeepGEMM grouped GEMMs).
 """
 
 from __future__ import annotations
@@ -45,17 +43,16 @@ def fused_moe(
     num_experts: int,
     group_name: str,
     backend: str,
-    chunks: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> y [T, H], x_routed [R, H], gate_up [R, 2I], row_weight [R] fp32, pos [T, K] int64, offs [L] int32, with R
     the rows this rank receives (padded per expert)."""
     return _impl(backend).forward(
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, _group(group_name), ALIGN[backend], backend, chunks
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, _group(group_name), ALIGN[backend], backend
     )
 
 
 @fused_moe.register_fake
-def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend, chunks):
+def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend):
     # No lower bound: torch 2.11's Inductor fails on a size bound (min=...) that reaches the backward graph as an input.
     rows = torch.library.get_ctx().new_dynamic_size()
     return (
@@ -81,17 +78,15 @@ def fused_moe_backward(
     down_proj: Tensor,
     group_name: str,
     backend: str,
-    chunks: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj."""
     return _impl(backend).backward(
-        dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name), ALIGN[backend],
-        backend, chunks,
+        dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name), backend
     )
 
 
 @fused_moe_backward.register_fake
-def _(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend, chunks):
+def _(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend):
     return (
         dy.new_empty(dy.shape),
         dy.new_empty(pos.shape, dtype=torch.float32),
@@ -101,18 +96,18 @@ def _(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend, chunks = inputs
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend = inputs
     _, x_routed, gate_up, row_weight, pos, offs = output
     ctx.save_for_backward(x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj)
-    ctx.group_name, ctx.backend, ctx.chunks, ctx.weights_dtype = group_name, backend, chunks, topk_weights.dtype
+    ctx.group_name, ctx.backend, ctx.weights_dtype = group_name, backend, topk_weights.dtype
     ctx.set_materialize_grads(False)  # the residual outputs get no gradient: don't allocate zeros for them
 
 
 def _backward(ctx, dy, *unused_residual_grads):
     dx, d_weights, d_gate_up_proj, d_down_proj = fused_moe_backward(
-        dy.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.backend, ctx.chunks
+        dy.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.backend
     )
-    return dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, None, None, None, None
+    return dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, None, None, None
 
 
 fused_moe.register_autograd(_backward, setup_context=_setup_context)

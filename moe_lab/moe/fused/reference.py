@@ -3,8 +3,7 @@
 Exchanges are all-to-alls with exact splits (each slot travels to its owner only; the split sizes go through the
 host), and the experts run as a loop of per-expert matmuls: slow and obviously right, the oracle the ``gpu`` backend
 is tested against. Its buffers are this rank's slots (T x K rows) on the sending side and the rows it receives on
-the other, as the ``gpu`` backend's. It computes expert by expert, so the ``gpu`` backend's pipeline depth
-(``chunks``) does not apply to it.
+the other, as the ``gpu`` backend's.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def _segments(offs):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, chunks):
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
     num_tokens, top_k = topk_ids.shape
     layout = routing_layout(topk_ids, num_experts, align, group)
     pos = layout.pos.reshape(-1)
@@ -81,7 +80,7 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, align, backend, chunks):
+def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
     num_tokens, top_k = pos.shape
     flat_pos = pos.reshape(-1)
     dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]
