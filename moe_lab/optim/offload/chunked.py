@@ -3,6 +3,7 @@ per chunk that both offload modes are."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -23,6 +24,21 @@ def chunked(params: Iterable[torch.Tensor], max_numel: int) -> list[list[torch.T
         chunks[-1].append(p)
         size += n
     return [c for c in chunks if c]
+
+
+def attach_post_accumulate_grad_hooks(params: list[nn.Parameter], on_grad: Callable[[nn.Parameter], None]) -> None:
+    """Call ``on_grad(p)`` (a bound method of an optimizer) each time a gradient has been accumulated into ``p.grad``
+    (under FSDP2: into the sharded gradient, after its reduce-scatter). Through a weak reference: autograd keeps
+    hooks where Python's garbage collector cannot see them, so a bound method would keep its optimizer (and its
+    host state) alive as long as the parameters; an optimizer that is gone does nothing."""
+    owner = weakref.WeakMethod(on_grad)
+
+    def hook(p: nn.Parameter) -> None:
+        if (method := owner()) is not None:
+            method(p)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
 
 
 class ChunkedOptimizer(torch.optim.Optimizer):

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked, load_keeping_group
+from moe_lab.optim.offload.chunked import ChunkedOptimizer, attach_post_accumulate_grad_hooks, chunked, load_keeping_group
 from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, synchronize
 from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer
 from moe_lab.parallel.sharding import local_shard
@@ -121,16 +121,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
 
     def attach(self) -> None:
         """Start stepping in backward: one post-accumulate-grad hook per parameter."""
-        # Through a weak reference: autograd keeps hooks where Python's garbage collector cannot see them, so a bound
-        # method would keep this optimizer (and its host state) alive as long as the parameters.
-        owner = weakref.WeakMethod(self._on_grad)
-
-        def on_grad(p: nn.Parameter) -> None:
-            if (hook := owner()) is not None:  # an optimizer that is gone steps nothing
-                hook(p)
-
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(on_grad)
+        attach_post_accumulate_grad_hooks(self.params, self._on_grad)
 
     def master_weights(self) -> list[torch.Tensor]:
         """fp32 master of each parameter (views of host memory), in parameter order."""
