@@ -351,6 +351,92 @@ def test_scheduled_offload_optimizers_match_plain_adamw(mode):
     assert all(not torch.equal(w, i) for w, i in zip(weights, initial))
 
 
+# ---- offload=optimizer: the chunks step in the last micro-batch's backward ----
+
+
+def _micro_batch_loss(model: nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+    return _loss(model, 10 * step + micro_batch) / 2  # two micro-batches: the mean over the step's batch
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device):
+    """Two micro-batches per step, more chunks than device slots: the earlier micro-batch's backward steps nothing;
+    from the second step on (the first creates the state, after backward) the last one's backward leaves, before
+    ``step()`` is called, the weights plain AdamW leaves on the step's whole batch. On CUDA the chunks step on a
+    stream of their own, their state copied in and out on two more."""
+    model, reference = _small_model().to(device), _small_model().to(device)
+    offload = OptimizerOffload(chunk_mib=CHUNK_MIB, max_inflight=2)
+    optimizer = offload.build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    assert len(optimizer.chunks) > len(optimizer.slots) == 2
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    for step in range(4):
+        sum(_micro_batch_loss(reference, step, j) for j in range(2)).backward()
+        plain.step()
+        plain.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        for micro_batch in range(2):
+            offload.before_micro_batch(optimizer, final=micro_batch == 1)
+            _micro_batch_loss(model, step, micro_batch).backward()
+            sync()
+            if micro_batch == 0 or step == 0:
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), (step, micro_batch)
+        if step > 0:
+            assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+    if device == "cuda":
+        assert all(slot.is_cuda for slot in optimizer.slots)
+        assert all(chunk.host.is_pinned() for chunk in optimizer.chunks)
+
+
+class _Gated(nn.Module):
+    """Four layers; ``b`` joins the forward from step 1 on, ``c`` from step 2 on, and the step's second micro-batch
+    skips ``b``: chunks whose state grows after their first step, and gradients the last backward does not reach."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = nn.Linear(4, 4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, step: int, micro_batch: int) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        if step >= 1 and micro_batch == 0:
+            x = torch.tanh(self.b(x))
+        if step >= 2:
+            x = torch.tanh(self.c(x))
+        return self.d(x)
+
+
+def test_optimizer_offload_with_state_that_grows_and_gradients_backward_misses_matches_plain_adamw():
+    model, reference = _Gated(), _Gated()
+    offload = OptimizerOffload(chunk_mib=40 * 4 / 2**20, max_inflight=1)  # two chunks, each with a late parameter
+    optimizer = offload.build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    assert len(optimizer.chunks) == 2
+
+    def loss(net, step, micro_batch):
+        generator = torch.Generator().manual_seed(10 * step + micro_batch)
+        inputs, targets = torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)
+        return F.mse_loss(net(inputs, step, micro_batch), targets) / 2
+
+    for step in range(5):
+        sum(loss(reference, step, j) for j in range(2)).backward()
+        plain.step()
+        plain.zero_grad()
+        for micro_batch in range(2):
+            offload.before_micro_batch(optimizer, final=micro_batch == 1)
+            loss(model, step, micro_batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+    state = optimizer.state_dict()["state"]
+    for i, p in enumerate(reference.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[i][key], plain.state[p][key], atol=1e-6, rtol=0)
+
+
 # ---- the host step, block by block ----
 
 
@@ -412,6 +498,7 @@ def test_full_offload_with_many_blocks_per_chunk_matches_plain_adamw():
     [
         (["offload=full", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"], "optimizer._target_"),
         (["offload=full", "trainer.grad_clip=1.0"], "trainer.grad_clip"),
+        (["offload=optimizer", "trainer.grad_clip=1.0"], "trainer.grad_clip"),
         (["offload=full", "offload.timeout_s=0"], "offload.timeout_s"),
         (["offload=full", "offload.max_inflight=0"], "offload.max_inflight"),
         (["offload=full", "offload.threads=0"], "offload.threads"),
