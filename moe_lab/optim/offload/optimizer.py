@@ -2,10 +2,10 @@
 the device one chunk at a time, during the backward of each optimizer step's last micro-batch.
 
 Per chunk of parameters (consecutive in reverse registration order, roughly the order backward finishes them), in
-that order, through ``max_inflight`` device slots used round-robin:
-1. its state is copied host -> device into a slot on one side stream, ahead of its gradients: the first
-   ``max_inflight`` chunks as the step's first micro-batch starts, each later one as soon as the chunk that held its
-   slot before has stepped (the copy waits, on the GPU, for that chunk's state to have left the slot);
+that order, through a ring of device memory the size of ``max_inflight`` of the largest chunks' state:
+1. its state is copied host -> device into the ring on one side stream, ahead of its gradients: as many chunks as
+   the ring holds as the step's first micro-batch starts, each later one as soon as the chunks whose place in the
+   ring it takes have stepped (the copy waits, on the GPU, for their state to have left);
 2. when all its gradients are final (a post-accumulate-grad hook; under FSDP2 after its reduce-scatter), it steps
    on a stream of its own, after its state has arrived and its gradients were made, while backward goes on;
 3. its new state goes device -> host on another side stream, which may run on into the next step's forward: the
@@ -15,14 +15,15 @@ The CPU never waits for a copy: every order above is a CUDA event. ``step()`` st
 which the next forward's reads of the weights need.
 
 A chunk's first step (its state does not exist before it) and the step of a chunk whose state grew (a parameter
-that had no gradient before) run in ``step()``, after backward, with the state created on the device and sent home
-then. Gradient clipping is impossible (a global norm exists only once backward ends, after the chunks stepped):
-``OptimizerOffload.validate`` refuses it.
+that had no gradient before) run outside the ring, with the state created on the device and sent home at once: the
+first after backward, in ``step()``. Gradient clipping is impossible (a global norm exists only once backward ends,
+after the chunks stepped): ``OptimizerOffload.validate`` refuses it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -88,17 +89,29 @@ class StateChunk:
         return self.layout is not None and current == [(s.shard, s.key, s.dtype, s.shape) for s in self.layout]
 
     def point_state_at(self, flat: torch.Tensor) -> None:
-        """Make the optimizer's per-element state the views of ``flat`` (a slot on the device, or ``host``)."""
+        """Make the optimizer's per-element state the views of ``flat`` (its place in the ring, or ``host``)."""
         for s in self.layout:
             self.optimizer.state[self.shards[s.shard]][s.key] = s.view(flat)
+
+
+@dataclass
+class Region:
+    """Bytes ``[start, end)`` of the ring holding a chunk's state this step; ``left``: the event after which its
+    new state has left them (None until the chunk has stepped)."""
+
+    start: int
+    end: int
+    left: torch.cuda.Event | None = None
+    stepped: bool = False
+    waits: list = field(default_factory=list)  # ``left`` of the regions it replaced
 
 
 class StreamedStateOptimizer(ChunkedOptimizer):
     """Weights and gradients stay on the device, in the ``none`` precision scheme (fp32 parameters, bf16 compute
     through autocast / FSDP2's mixed-precision policy); the optimizer is the configured one, unchanged, stepped
-    chunk by chunk in backward (see the module's docstring). At most ``max_inflight`` chunks' state is on the
-    device at once, in slots the size of the largest chunk's state. A state tensor with no elements per parameter
-    (AdamW's step count) stays where the optimizer put it. Its ``param_groups`` are the chunk optimizers' groups.
+    chunk by chunk in backward (see the module's docstring). The state on the device at once fits a ring of
+    ``max_inflight`` times the largest chunk's state. A state tensor with no elements per parameter (AdamW's step
+    count) stays where the optimizer put it. Its ``param_groups`` are the chunk optimizers' groups.
 
     ``gradients_final`` (set by ``OptimizerOffload.before_micro_batch``): False in the backward of a micro-batch
     before a step's last, whose gradients only accumulate.
@@ -111,13 +124,15 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         self.chunk_of = {p: c for c in self.chunks for p in c.params}
         self.device = device
         self.pinned = device.type == "cuda"
-        self.slots: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(max(1, max_inflight))]
-        self.slot_free: list[torch.cuda.Event | None] = [None] * len(self.slots)  # after its last state left it
+        self.max_inflight = max(1, max_inflight)
+        self.ring = torch.empty(0, dtype=torch.uint8, device=device)
+        self.regions: deque[Region] = deque()  # placed in the ring, oldest first, this step's and the last one's
+        self.cursor = 0  # where the next region starts, unless it has to wrap around
         self.h2d, self.d2h, self.steps = SideStream(device), SideStream(device), SideStream(device)
         self.gradients_final = True
         self.started = False  # this step's pipeline (below) has begun
         self.order: list[StateChunk] = []  # the chunks that step in backward this step, in stepping order
-        self.loaded: dict[int, torch.cuda.Event | None] = {}  # position in ``order`` -> its state is in its slot
+        self.loaded: dict[int, tuple[Region, torch.cuda.Event | None]] = {}  # position in ``order`` -> its state's place and arrival
         self.next_load = self.next_step = 0  # positions in ``order``
         attach_post_accumulate_grad_hooks(self.params, self._on_grad)
 
@@ -128,12 +143,13 @@ class StreamedStateOptimizer(ChunkedOptimizer):
             return
         self.started = True
         self.order = [c for c in self.chunks if c.layout is not None]
-        needed = max((c.nbytes for c in self.order), default=0)
-        for i, slot in enumerate(self.slots):
-            if slot.numel() < needed:
-                self.slots[i] = torch.empty(needed, dtype=torch.uint8, device=self.device)
-                for stream in (self.h2d, self.steps, self.d2h):
-                    stream.keep_for(self.slots[i])  # not reused when replaced until each stream is done with it
+        needed = self.max_inflight * max((c.nbytes for c in self.order), default=0)
+        if self.ring.numel() < needed:
+            self.ring = torch.empty(needed, dtype=torch.uint8, device=self.device)
+            for stream in (self.h2d, self.steps, self.d2h):
+                stream.keep_for(self.ring)  # not reused once replaced until each stream is done with it
+            self.regions.clear()
+            self.cursor = 0
         self.loaded.clear()
         self.next_load = self.next_step = 0
         self._load_ahead()
@@ -148,37 +164,58 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         while self.next_step < len(self.order) and len(self.order[self.next_step].received) == len(self.order[self.next_step].params):
             self._step_next()  # in order: a chunk complete before its predecessors waits for them
 
+    def _place(self, nbytes: int) -> Region | None:
+        """A region of the ring for ``nbytes`` after the last one (or from the start, where it does not fit before
+        the end) once every chunk whose state is there has stepped, else None; its ``waits`` are the ``left``
+        events of the regions it replaces, which the copy into it must wait for."""
+        start = self.cursor if self.cursor + nbytes <= self.ring.numel() else 0
+        region = Region(start, start + nbytes)
+        covered = [r for r in self.regions if r.start < region.end and region.start < r.end]
+        if any(not r.stepped for r in covered):
+            return None
+        for r in covered:
+            self.regions.remove(r)
+        region.waits = [r.left for r in covered]
+        self.regions.append(region)
+        self.cursor = region.end
+        return region
+
     def _load_ahead(self) -> None:
-        """Copy state host -> device for every position whose slot its predecessor has released."""
-        while self.next_load < len(self.order) and self.next_load < self.next_step + len(self.slots):
-            position, chunk = self.next_load, self.order[self.next_load]
-            slot = position % len(self.slots)
-            for event in (self.slot_free[slot], chunk.sent_home):
-                self.h2d.wait(event)  # the slot is empty, and the host copy is the last step's state
+        """Copy state host -> device for each next position, in order, while the ring has room for it."""
+        while self.next_load < len(self.order):
+            chunk = self.order[self.next_load]
+            region = self._place(chunk.nbytes)
+            if region is None:
+                return
+            for event in (*region.waits, chunk.sent_home):
+                self.h2d.wait(event)  # that part of the ring is free, and the host copy is the last step's state
             if chunk.nbytes:
-                self.h2d.copy(self.slots[slot][: chunk.nbytes], chunk.host, after_current=False)
-            self.loaded[position] = self.h2d.record()
+                self.h2d.copy(self.ring[region.start : region.end], chunk.host, after_current=False)
+            self.loaded[self.next_load] = (region, self.h2d.record())
             self.next_load += 1
 
     def _step_next(self) -> None:
-        """Step the chunk at ``next_step`` in its slot, send its new state home, and load the next one."""
+        """Step the chunk at ``next_step`` in its place in the ring, send its new state home, load the next ones."""
+        if self.next_step == self.next_load:
+            self._load_ahead()  # every chunk placed before it has stepped: it has room
         position, chunk = self.next_step, self.order[self.next_step]
-        slot = self.slots[position % len(self.slots)][: chunk.nbytes]
+        region, arrived = self.loaded.pop(position)
+        flat = self.ring[region.start : region.end]
         self.steps.after_current()  # the gradients are made
-        self.steps.wait(self.loaded.pop(position))
+        self.steps.wait(arrived)
         with self.steps.use():
-            chunk.point_state_at(slot)
+            chunk.point_state_at(flat)
             self._step_chunk(chunk)
         self.next_step += 1
         self.d2h.wait_stream_of(self.steps)
         if chunk.matches_layout():
             if chunk.nbytes:
-                self.d2h.copy(chunk.host, slot, after_current=False)
-            chunk.sent_home = self.slot_free[position % len(self.slots)] = self.d2h.record()
+                self.d2h.copy(chunk.host, flat, after_current=False)
+            chunk.sent_home = self.d2h.record()
             chunk.point_state_at(chunk.host)
         else:  # the step created state for a parameter that had none: lay it out anew, next step streams it
             self._send_home(chunk)
-            self.slot_free[position % len(self.slots)] = chunk.sent_home
+        region.left, region.stepped = chunk.sent_home, True
         self._load_ahead()
 
     def _step_chunk(self, chunk: StateChunk) -> None:
@@ -198,7 +235,7 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         for s, value in zip(chunk.layout, flat):
             self.d2h.copy(s.view(chunk.host), value)
         chunk.sent_home = self.d2h.record()
-        synchronize(chunk.sent_home)  # bounds the device memory of state created outside the slots
+        synchronize(chunk.sent_home)  # bounds the device memory of state created outside the ring
         chunk.point_state_at(chunk.host)
 
     def _step_chunks(self) -> None:
