@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.host import check_host_memory
-from moe_lab.optim.offload.host_step import HOST_STEPS, HostSignSGD, host_optimizer
+from moe_lab.optim.offload.host_step import HOST_STEP_SWITCH_INTERVAL_S, HOST_STEPS, HostSignSGD, host_optimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
@@ -487,6 +488,34 @@ def test_full_offload_with_many_blocks_per_chunk_matches_plain_adamw():
         optimizer.step()
         optimizer.zero_grad()
     assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+
+
+class _SwitchIntervalSeen(HostSignSGD):
+    seen: list[float] = []
+
+    def step(self, closure=None, **kwargs):
+        self.seen.append(sys.getswitchinterval())
+        return super().step(closure, **kwargs)
+
+
+def test_host_step_hands_the_gil_over_promptly_and_reports_its_work():
+    """The worker steps with Python's switch interval shortened (so that each return of the host step to Python
+    gets the GIL soon beside a training thread running Python) and restores it; ``step_metrics()`` reports the
+    host step's time, rate and ``step()``'s wait for it, once per step."""
+    default = sys.getswitchinterval()
+    model, loss = _two_chunk_model()
+    optimizer = InBackwardOptimizer(
+        list(model.parameters()), functools.partial(_SwitchIntervalSeen, lr=0.1), torch.float32,
+        chunk_numel=64, max_inflight=2, timeout_s=5, num_threads=1,
+    )
+    optimizer.attach()
+    loss.backward()
+    optimizer.step()
+    assert _SwitchIntervalSeen.seen and max(_SwitchIntervalSeen.seen) <= HOST_STEP_SWITCH_INTERVAL_S < default
+    assert sys.getswitchinterval() == default
+    metrics = optimizer.step_metrics()
+    assert metrics["host_step_s"] > 0 and metrics["host_step_gparams_per_s"] > 0 and metrics["host_wait_s"] >= 0
+    assert optimizer.step_metrics()["host_step_s"] == 0  # nothing stepped since
 
 
 # ---- rules ----

@@ -16,7 +16,9 @@ kernel's vector width, so it vectorises the same elements as over the whole mast
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from typing import Callable
 
 import torch
@@ -27,6 +29,25 @@ from moe_lab.optim.optimizers import SignSGD
 # stay in the cores' L2 caches (2 MiB each on current Xeons), or else in L3, from one pass over the block to the next,
 # while each pass is long enough (about a millisecond) that its start-up and Python's share stay small.
 BLOCK_NUMEL_PER_THREAD = 2**18
+
+
+# How soon Python hands its GIL to a thread that waits for it (its default is 5 ms). The host step comes back to
+# Python after each of its ops (three per block of about a millisecond) and needs the GIL to go on; beside a thread
+# that runs Python (in backward the compiled blocks' wrappers and the hooks, in forward the model's code) each of
+# those returns may wait the whole interval: in ``benchmarks/host_optimizer.py`` on a 2-core VM, beside a thread that
+# spins in Python, the blocked AdamW step fell from 0.18 to 0.04 G params/s at the default interval.
+HOST_STEP_SWITCH_INTERVAL_S = 1e-4
+
+
+@contextlib.contextmanager
+def prompt_gil_handover(seconds: float = HOST_STEP_SWITCH_INTERVAL_S):
+    """While the host step runs, Python's switch interval at most ``seconds`` (process-wide; restored after)."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def cache_block_numel(num_threads: int) -> int:
