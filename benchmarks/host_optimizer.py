@@ -26,13 +26,13 @@ For each thread count (1, half, all but one, all of this process's CPUs) it time
   narrowing): against ``adamw_fused`` the cost of blocking (a parallel region per block), against
   ``full_chunk_adamw`` that of the two conversions;
 - ``full_chunk_adamw_beside_busy_thread``: ``full_chunk_adamw`` while another thread of the process keeps a CPU busy
-  the way the training thread does during backward (small torch ops, Python in between), with Python's switch
-  interval as offload=full's worker sets it while it steps (``host_step.prompt_gil_handover``);
-  ``..._default_switch``: the same at Python's default switch interval (5 ms), as before issue 18's second part.
-  In a training step the host step shares the rank's CPUs and the GIL with that thread: with as many host threads
-  as CPUs, each of the step's parallel regions waits for the thread that lost its CPU to the training thread, so
-  compare this row at ``all`` threads with ``all - 1`` (offload=full's default leaves one CPU to the training
-  thread); and each return of the step to Python waits for the GIL.
+  the way the training thread does during backward (small torch ops, Python in between). In a training step the
+  host step shares the rank's CPUs with that thread: with as many host threads as CPUs, each of the step's
+  parallel regions waits for the thread that lost its CPU to the training thread, so compare this row at ``all``
+  threads with ``all - 1`` (offload=full's default leaves one CPU to the training thread);
+- ``full_chunk_adamw_beside_python_thread``: the same beside a thread that runs pure Python, holding the GIL, which
+  the host step needs after each of its ops; at the switch interval offload=full's worker sets while it steps
+  (``host_step.prompt_gil_handover``), and ``..._default_switch`` at Python's default (5 ms).
 Each figure is the best of ``--repeats`` timed runs after one warm-up (STREAM's convention, which also keeps
 other processes' load on a shared machine out of the figures as far as it can).
 """
@@ -120,7 +120,11 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_
 
 
 class BusyThread:
-    """Context manager: a thread that keeps one CPU busy as a training thread does while backward runs."""
+    """Context manager: a thread that keeps one CPU busy as a training thread does while backward runs (small torch
+    ops, Python in between), or with ``python_only`` in Python alone, holding the GIL but for Python's switches."""
+
+    def __init__(self, python_only: bool = False):
+        self.python_only = python_only
 
     def __enter__(self):
         self.stop = threading.Event()
@@ -128,7 +132,8 @@ class BusyThread:
         def loop():
             x = torch.zeros(16)
             while not self.stop.is_set():
-                x.add_(1.0)
+                if not self.python_only:
+                    x.add_(1.0)
                 sum(range(100))
 
         self.thread = threading.Thread(target=loop, daemon=True)
@@ -174,9 +179,11 @@ def main() -> None:
             **{f"full_chunk_adamw_block{b}": (lambda b=b: full_chunk(n, ADAMW, b * t), 32) for b in sweep},
             "full_chunk_adamw_whole": (lambda: full_chunk(n, ADAMW, n), 32),
         }
-        beside_busy = {  # name: (make, bytes per parameter, switch interval while it runs)
-            "full_chunk_adamw_beside_busy_thread": (lambda: full_chunk(n, ADAMW, cache_block_numel(t)), 32, prompt_gil_handover),
-            "full_chunk_adamw_beside_busy_thread_default_switch": (lambda: full_chunk(n, ADAMW, cache_block_numel(t)), 32, contextlib.nullcontext),
+        chunk = lambda: full_chunk(n, ADAMW, cache_block_numel(t))  # noqa: E731
+        beside = {  # name: (make, bytes per parameter, the other thread, switch interval while it runs)
+            "full_chunk_adamw_beside_busy_thread": (chunk, 32, BusyThread, prompt_gil_handover),
+            "full_chunk_adamw_beside_python_thread": (chunk, 32, functools.partial(BusyThread, python_only=True), prompt_gil_handover),
+            "full_chunk_adamw_beside_python_thread_default_switch": (chunk, 32, functools.partial(BusyThread, python_only=True), contextlib.nullcontext),
         }
         a, b, c = torch.randn(n), torch.randn(n), torch.zeros(n)
         bandwidth = {
@@ -188,8 +195,9 @@ def main() -> None:
         ceiling = max(bandwidth["scale_inplace"], bandwidth["add_inplace"])
         for name, rate in bandwidth.items():
             rows.append({"threads": t, "case": name, "bytes_per_s": rate, "fraction_of_ceiling": rate / ceiling})
-        for name, (make, bytes_per_param, *switch) in (cases | beside_busy).items():
-            with BusyThread() if name in beside_busy else contextlib.nullcontext(), (switch or [contextlib.nullcontext])[0]():
+        for name, (make, bytes_per_param, *beside_what) in (cases | beside).items():
+            other, switch = beside_what or (contextlib.nullcontext, contextlib.nullcontext)
+            with other(), switch():
                 seconds = timed(make(), args.repeats)
             rate = bytes_per_param * n / seconds
             rows.append(
@@ -203,7 +211,7 @@ def main() -> None:
                     "fraction_of_ceiling": rate / ceiling,
                 }
             )
-        for r in rows[-len(cases) - len(beside_busy) - len(bandwidth) :]:
+        for r in rows[-len(cases) - len(beside) - len(bandwidth) :]:
             params = f"{r['params_per_s'] / 1e9:6.2f} Gparam/s" if "params_per_s" in r else " " * 15
             print(f"threads {t:3d}  {r['case']:36s} {params}  {r['bytes_per_s'] / 1e9:7.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of ceiling")
 
