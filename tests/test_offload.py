@@ -243,13 +243,22 @@ def test_offload_optimizers_are_torch_optimizers_over_their_chunks_groups(mode):
     assert all(g is c for g, c in zip(optimizer.param_groups, chunk_groups))  # the same dicts, not copies
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "full"])
+PIECES_MIB = 16 * 4 / 2**20  # 16 fp32 elements: offload=optimizer steps the 64-element weights in four pieces
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "optimizer_pieces", "full"])
 def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode):
     """``state_dict()`` holds, for each parameter, the AdamW state plain torch AdamW holds after the same steps,
-    shaped like the parameter (and offload=full's fp32 master, the weights); an optimizer of another chunking loads
-    it and steps on exactly as the original, its groups still the ones an LR scheduler drives."""
+    shaped like the parameter (and offload=full's fp32 master, the weights), also where offload=optimizer steps a
+    parameter in pieces; an optimizer of another chunking loads it and steps on exactly as the original, its groups
+    still the ones an LR scheduler drives."""
     model, reference = _small_model(), _small_model()
-    optimizer = _build(mode, model)
+    if mode == "optimizer_pieces":
+        optimizer = OptimizerOffload(chunk_mib=PIECES_MIB).build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+        assert any(not piece.whole for chunk in optimizer.chunks for piece in chunk.pieces)
+        mode = "optimizer"
+    else:
+        optimizer = _build(mode, model)
     plain = torch.optim.AdamW(reference.parameters(), lr=LR)
     for step in range(3):
         for m, o in ((model, optimizer), (reference, plain)):
@@ -359,14 +368,16 @@ def _micro_batch_loss(model: nn.Module, step: int, micro_batch: int) -> torch.Te
     return _loss(model, 10 * step + micro_batch) / 2  # two micro-batches: the mean over the step's batch
 
 
+@pytest.mark.parametrize("chunk_mib", [CHUNK_MIB, PIECES_MIB], ids=["whole", "pieces"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device):
+def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device, chunk_mib):
     """Two micro-batches per step, the chunks' state larger than the device ring it passes through: the earlier
     micro-batch's backward steps nothing; from the second step on (the first creates the state, after backward) the
     last one's backward leaves, before ``step()`` is called, the weights plain AdamW leaves on the step's whole
-    batch. On CUDA the chunks step on a stream of their own, their state copied in and out on two more."""
+    batch, whether its chunks hold whole parameters or pieces of them. On CUDA the chunks step on a stream of their
+    own, their state copied in and out on two more."""
     model, reference = _small_model().to(device), _small_model().to(device)
-    offload = OptimizerOffload(chunk_mib=CHUNK_MIB, max_inflight=2)
+    offload = OptimizerOffload(chunk_mib=chunk_mib, max_inflight=2)
     optimizer = offload.build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
     plain = torch.optim.AdamW(reference.parameters(), lr=LR)
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None

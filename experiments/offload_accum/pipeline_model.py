@@ -2,9 +2,10 @@
 traffic the last micro-batch's backward and the step's earlier micro-batches can hide, per device ring size.
 
     python experiments/offload_accum/pipeline_model.py                  # the 4-layer 30B proxy, this study's point
-    python experiments/offload_accum/pipeline_model.py --pcie-gbps 50 --backward-s 0.09
+    python experiments/offload_accum/pipeline_model.py --whole --max-inflight 1,2,3,4,5,6
 
-The chunks are the optimizer's own (``chunked`` over the proxy's parameters in reverse order, ``--chunk-mib``), each
+The chunks are the optimizer's own (``chunked_pieces`` over the proxy's parameters in reverse order, ``--chunk-mib``:
+AdamW's, which splits larger parameters into pieces of a chunk; ``--whole`` for an optimizer that does not), each
 with AdamW's 8 bytes of state per parameter. Time 0 is the start of the last micro-batch's backward, which makes
 each chunk's gradients final in order, spread in proportion to parameters over ``--backward-s``; before it the
 state may stream in for ``--before-s`` (the step's earlier micro-batches: the forward only at one micro-batch).
@@ -22,7 +23,7 @@ import argparse
 import torch
 
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
-from moe_lab.optim.offload.chunked import chunked
+from moe_lab.optim.offload.optimizer import chunked_pieces
 
 STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
 
@@ -62,11 +63,13 @@ def main() -> None:
     parser.add_argument("--hbm-gbps", type=float, default=4000.0)
     parser.add_argument("--micro-batch-s", type=float, default=0.182, help="none's s/step per micro-batch (1.455 s / 8)")
     parser.add_argument("--backward-s", type=float, default=0.12, help="a micro-batch's backward (the rest of it is its forward)")
-    parser.add_argument("--max-inflight", default="1,2,3,4,5,6")
+    parser.add_argument("--max-inflight", default="2,4,8,12,16,20,24")
+    parser.add_argument("--whole", action="store_true", help="chunks of whole parameters (an optimizer that is not element-wise)")
     args = parser.parse_args()
     with torch.device("meta"):
         model = Qwen3MoeConfig.preset("qwen3_30b", num_layers=args.layers).build()
-    chunks = [sum(p.numel() for p in c) for c in chunked(reversed(list(model.parameters())), int(args.chunk_mib * 2**20) // 4)]
+    pieces = chunked_pieces(list(reversed(list(model.parameters()))), int(args.chunk_mib * 2**20) // 4, split=not args.whole)
+    chunks = [sum(piece.end - piece.start for piece in c) for c in pieces]
     largest = max(chunks) * STATE_BYTES
     pcie, hbm = args.pcie_gbps * 1e9, args.hbm_gbps * 1e9
     state = sum(chunks) * STATE_BYTES

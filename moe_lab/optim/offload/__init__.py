@@ -78,12 +78,13 @@ class OptimizerOffload:
     on the device in the ``none`` precision scheme. Any optimizer works; no gradient clipping (a global norm does
     not exist until backward ends, and by then the chunks have stepped).
 
-    chunk_mib: parameter bytes (fp32) per chunk; max_inflight: device slots for chunks' state, each the size of the
-    largest chunk's state (the device memory the mode adds: AdamW's 8 bytes per parameter of that chunk), the
-    chunks whose state may be on the device at once.
+    chunk_mib: parameter bytes (fp32) per chunk (an element-wise optimizer, such as AdamW or SignSGD, steps a larger
+    parameter in pieces of a chunk); max_inflight: the device memory the state passes through, a ring of
+    ``max_inflight`` times the largest chunk's state (AdamW: 8 bytes per parameter of that chunk), the memory the
+    mode adds on the device.
     """
 
-    def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 3):
+    def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 20):
         self.chunk_mib, self.max_inflight = chunk_mib, max_inflight
 
     def validate(self, cfg: DictConfig) -> None:

@@ -49,11 +49,12 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     ``torch.optim.lr_scheduler`` writes into one is the LR its chunk steps with. The gradients are the model
     parameters' (``params``): ``zero_grad`` clears those.
 
-    ``state_dict()`` is torch's format in terms of the model's parameters, whatever the chunks hold: ``state`` maps
-    the position of a parameter in ``params`` (the model's parameters in order, as for a torch optimizer built over
-    ``model.parameters()``) to that parameter's state, each per-element tensor shaped like the parameter (a DTensor
+    ``state_dict()`` is torch's format in terms of the model's parameters, whatever the chunks hold (whole
+    parameters, or pieces of one): ``state`` maps the position of a parameter in ``params`` (the model's parameters
+    in order, as for a torch optimizer built over ``model.parameters()``) to that parameter's state, each per-element tensor shaped like the parameter (a DTensor
     where the parameter is one, see ``moe_lab.parallel.sharding.shaped_like``) and left where the optimizer keeps it
-    (host memory); ``param_groups`` are the chunks' groups, ``params`` naming positions in ``params``.
+    (host memory) unless its pieces had to be joined; ``param_groups`` are the chunks' groups, ``params`` naming
+    positions in ``params`` (a split parameter in the group of each chunk holding a piece of it).
     ``load_state_dict`` takes that format, with the groups of this optimizer's own ``state_dict()`` (hyperparameters
     may differ) and state tensors on any device, so a checkpoint written at another chunking or mesh loads.
     """
@@ -88,15 +89,20 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         self._settle()
         position = {p: i for i, p in enumerate(self.params)}
-        state, groups = {}, []
+        pieces: dict[int, list[dict]] = {}  # position -> the state of its pieces, in chunk order (one, unless split)
+        groups = []
         for chunk, optimizer in zip(self._chunks(), self.chunk_optimizers):
             (group,) = optimizer.param_groups
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [position[p] for p in chunk.params]})
             for p, entry in zip(chunk.params, self._param_states(chunk)):
-                state[position[p]] = {
-                    key: shaped_like(p, value) if torch.is_tensor(value) and value.dim() > 0 else value
-                    for key, value in entry.items()
-                }
+                pieces.setdefault(position[p], []).append(entry)
+        state = {}
+        for i, entries in sorted(pieces.items()):
+            p = self.params[i]
+            state[i] = {
+                key: shaped_like(p, value) if torch.is_tensor(value) and value.dim() > 0 else value
+                for key, value in _joined(entries, local_shard(p).shape).items()
+            }
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -122,12 +128,26 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         """Wait for state still in flight (copies on a side stream, a worker's step) before it is read or replaced."""
 
     def _param_states(self, chunk) -> list[dict]:
-        """Each parameter's state in ``chunk``: per-element tensors shaped like its local shard, other values as is."""
+        """The state of each of ``chunk.params``: per-element tensors shaped like its local shard, or, where the
+        chunk holds a piece of it (a run of its flattened elements; the pieces in chunk order cover it), flat and
+        the size of that piece; other values as is (the same in every piece)."""
         raise NotImplementedError
 
     def _load_chunk(self, chunk, hyperparameters: dict, entries: list[dict]) -> None:
-        """Install each parameter's state (per-element tensors shaped like its local shard, on any device)."""
+        """Install the state of each of ``chunk.params`` (per-element tensors shaped like its whole local shard, on
+        any device; the chunk takes its piece)."""
         raise NotImplementedError
+
+
+def _joined(entries: list[dict], shape: torch.Size) -> dict:
+    """One parameter's state from that of its pieces: per-element tensors concatenated and shaped like its local
+    shard, other values from the first piece."""
+    if len(entries) == 1:
+        return entries[0]
+    return {
+        key: torch.cat([e[key].reshape(-1) for e in entries]).view(shape) if torch.is_tensor(value) and value.dim() > 0 else value
+        for key, value in entries[0].items()
+    }
 
 
 def load_keeping_group(optimizer: torch.optim.Optimizer, state: dict[int, dict], hyperparameters: dict) -> None:

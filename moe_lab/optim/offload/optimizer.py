@@ -1,8 +1,9 @@
 """offload=optimizer: the optimizer's per-element state (AdamW's moments) lives in pinned host memory and visits
 the device one chunk at a time, during the backward of each optimizer step's last micro-batch.
 
-Per chunk of parameters (consecutive in reverse registration order, roughly the order backward finishes them), in
-that order, through a ring of device memory the size of ``max_inflight`` of the largest chunks' state:
+Per chunk of parameters (consecutive in reverse registration order, roughly the order backward finishes them; an
+element-wise optimizer's larger parameters cut into pieces of a chunk, so that chunks stay small), in that order,
+through a ring of device memory the size of ``max_inflight`` of the largest chunks' state:
 1. its state is copied host -> device into the ring on one side stream, ahead of its gradients: as many chunks as
    the ring holds as the step's first micro-batch starts, each later one as soon as the chunks whose place in the
    ring it takes have stepped (the copy waits, on the GPU, for their state to have left);
@@ -22,16 +23,23 @@ after the chunks stepped): ``OptimizerOffload.validate`` refuses it.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from moe_lab.optim.offload.chunked import ChunkedOptimizer, attach_post_accumulate_grad_hooks, chunked, load_keeping_group
+from moe_lab.optim.offload.chunked import ChunkedOptimizer, attach_post_accumulate_grad_hooks, load_keeping_group
 from moe_lab.optim.offload.host import SideStream, host_empty, synchronize
+from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel.sharding import local_shard
+
+# Optimizers whose update of an element depends on that element's parameter, gradient and state alone: stepping a
+# parameter in pieces, each with its own state, is stepping it whole. A larger parameter is split into pieces of at
+# most a chunk, so that chunks, and the device ring their state passes through, stay small.
+ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, SignSGD)
 
 # Byte alignment of each state tensor in a chunk's flat layout: CUDA's vectorised optimizer kernels want at least 16.
 ALIGN = 256
@@ -52,14 +60,53 @@ class StateSlot:
         return flat[self.offset : self.offset + numel * self.dtype.itemsize].view(self.dtype).view(self.shape)
 
 
-class StateChunk:
-    """Consecutive parameters and an optimizer of their own whose per-element state is kept in one flat host buffer
-    between steps."""
+class Piece(NamedTuple):
+    """Elements ``[start, end)`` of a parameter's local shard, flattened; ``whole``: all of it, kept in its shape."""
 
-    def __init__(self, params: list[nn.Parameter], make_optimizer: Callable):
-        self.params = params
+    param: nn.Parameter
+    start: int
+    end: int
+    whole: bool
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of ``t``, a tensor shaped like the parameter's local shard (a view: never a copy)."""
+        return t if self.whole else t.view(-1)[self.start : self.end]
+
+
+def is_elementwise(make_optimizer: Callable) -> bool:
+    cls = make_optimizer.func if isinstance(make_optimizer, functools.partial) else make_optimizer
+    return isinstance(cls, type) and issubclass(cls, ELEMENTWISE)
+
+
+def chunked_pieces(params: list[nn.Parameter], max_numel: int, split: bool) -> list[list[Piece]]:
+    """Consecutive runs of at most ``max_numel`` local elements; with ``split`` a larger parameter is cut into pieces
+    of at most ``max_numel`` (a multiple of 64 elements where it is larger, for vectorised kernels), each the start
+    of a run, else it gets a run of its own."""
+    size = max_numel // 64 * 64 if split and max_numel >= 64 else max_numel
+    chunks: list[list[Piece]] = [[]]
+    filled = 0
+    for p in params:
+        n = local_shard(p).numel()
+        cuts = range(0, n, size) if split and n > size else [0]
+        for start in cuts:
+            end = min(n, start + size) if len(cuts) > 1 else n
+            if chunks[-1] and filled + end - start > max_numel:
+                chunks.append([])
+                filled = 0
+            chunks[-1].append(Piece(p, start, end, whole=len(cuts) == 1))
+            filled += end - start
+    return [c for c in chunks if c]
+
+
+class StateChunk:
+    """Consecutive parameters (or pieces of one) and an optimizer of their own whose per-element state is kept in
+    one flat host buffer between steps."""
+
+    def __init__(self, pieces: list[Piece], make_optimizer: Callable):
+        self.pieces = pieces
+        self.params = [piece.param for piece in pieces]
         # Plain tensors sharing storage with the local shards: the optimizer steps those, never a DTensor.
-        self.shards = [nn.Parameter(local_shard(p).detach()) for p in params]
+        self.shards = [nn.Parameter(piece.of(local_shard(piece.param).detach())) for piece in pieces]
         self.optimizer = make_optimizer(self.shards)
         self.layout: list[StateSlot] | None = None  # None until the state has been home once
         self.host: torch.Tensor | None = None  # flat bytes, laid out as ``layout``
@@ -119,9 +166,13 @@ class StreamedStateOptimizer(ChunkedOptimizer):
 
     def __init__(self, params: list[nn.Parameter], make_optimizer: Callable, device: torch.device, chunk_numel: int, max_inflight: int):
         params = [p for p in params if p.requires_grad]
-        self.chunks = [StateChunk(c, make_optimizer) for c in chunked(reversed(params), chunk_numel)]
+        pieces = chunked_pieces(list(reversed(params)), chunk_numel, split=is_elementwise(make_optimizer))
+        self.chunks = [StateChunk(c, make_optimizer) for c in pieces]
         super().__init__(params, [c.optimizer for c in self.chunks])
-        self.chunk_of = {p: c for c in self.chunks for p in c.params}
+        self.chunks_of: dict[nn.Parameter, list[StateChunk]] = {}
+        for c in self.chunks:
+            for p in c.params:
+                self.chunks_of.setdefault(p, []).append(c)
         self.device = device
         self.pinned = device.type == "cuda"
         self.max_inflight = max(1, max_inflight)
@@ -143,7 +194,8 @@ class StreamedStateOptimizer(ChunkedOptimizer):
             return
         self.started = True
         self.order = [c for c in self.chunks if c.layout is not None]
-        needed = self.max_inflight * max((c.nbytes for c in self.order), default=0)
+        # never more than all of it: an optimizer that is not element-wise keeps whole, maybe large, parameters
+        needed = min(self.max_inflight * max((c.nbytes for c in self.order), default=0), sum(c.nbytes for c in self.order))
         if self.ring.numel() < needed:
             self.ring = torch.empty(needed, dtype=torch.uint8, device=self.device)
             for stream in (self.h2d, self.steps, self.d2h):
@@ -159,8 +211,8 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         if not self.gradients_final:
             return  # an earlier micro-batch of the step: the gradient keeps accumulating
         self.begin_step()
-        chunk = self.chunk_of[p]
-        chunk.received.add(p)
+        for chunk in self.chunks_of[p]:
+            chunk.received.add(p)
         while self.next_step < len(self.order) and len(self.order[self.next_step].received) == len(self.order[self.next_step].params):
             self._step_next()  # in order: a chunk complete before its predecessors waits for them
 
@@ -219,9 +271,9 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         self._load_ahead()
 
     def _step_chunk(self, chunk: StateChunk) -> None:
-        for p, shard in zip(chunk.params, chunk.shards):
-            shard.data = local_shard(p)  # FSDP2 may have re-created the local shard since the last step
-            shard.grad = None if p.grad is None else local_shard(p.grad)
+        for piece, shard in zip(chunk.pieces, chunk.shards):
+            shard.data = piece.of(local_shard(piece.param))  # FSDP2 may have re-created the local shard since the last step
+            shard.grad = None if piece.param.grad is None else piece.of(local_shard(piece.param.grad))
             if shard.grad is not None:
                 self.steps.keep_for(shard.grad)  # freed by zero_grad on another stream, maybe before this step ran
         chunk.optimizer.step()
@@ -266,8 +318,12 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         return [dict(chunk.optimizer.state.get(shard, {})) for shard in chunk.shards]
 
     def _load_chunk(self, chunk: StateChunk, hyperparameters: dict, entries: list[dict]) -> None:
-        for p, shard in zip(chunk.params, chunk.shards):
-            shard.data = local_shard(p)
+        for piece, shard in zip(chunk.pieces, chunk.shards):
+            shard.data = piece.of(local_shard(piece.param))
+        entries = [
+            {key: piece.of(v) if torch.is_tensor(v) and v.dim() > 0 else v for key, v in entry.items()}
+            for piece, entry in zip(chunk.pieces, entries)
+        ]
         # torch puts the state on the device; it goes home at once, as after a first step.
         load_keeping_group(chunk.optimizer, {i: e for i, e in enumerate(entries) if e}, hyperparameters)
         if chunk.per_element_state():
