@@ -32,7 +32,7 @@ from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.host import check_host_memory
-from moe_lab.optim.offload.host_step import HOST_STEP_SWITCH_INTERVAL_S, HOST_STEPS, HostSignSGD, host_optimizer
+from moe_lab.optim.offload.host_step import HOST_STEP_SWITCH_INTERVAL_S, HOST_STEPS, HostSignSGD, host_optimizer, prompt_gil_handover
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
@@ -527,6 +527,13 @@ def test_host_step_hands_the_gil_over_promptly_and_reports_its_work():
     metrics = optimizer.step_metrics()
     assert metrics["host_step_s"] > 0 and metrics["host_step_gparams_per_s"] > 0 and metrics["host_wait_s"] >= 0
     assert optimizer.step_metrics()["host_step_s"] == 0  # nothing stepped since
+    first, second = prompt_gil_handover(), prompt_gil_handover()  # two optimizers' workers, overlapping
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == HOST_STEP_SWITCH_INTERVAL_S  # the other still steps
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == default
 
 
 # ---- rules ----

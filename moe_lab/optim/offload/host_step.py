@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from typing import Callable
 
 import torch
@@ -39,15 +40,26 @@ BLOCK_NUMEL_PER_THREAD = 2**18
 HOST_STEP_SWITCH_INTERVAL_S = 1e-4
 
 
+_handover = {"holders": 0, "previous": None}
+_handover_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def prompt_gil_handover(seconds: float = HOST_STEP_SWITCH_INTERVAL_S):
-    """While the host step runs, Python's switch interval at most ``seconds`` (process-wide; restored after)."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous, seconds))
+    """While a host step runs, Python's switch interval at most ``seconds`` (process-wide: restored when the last
+    host step running, of any optimizer, ends)."""
+    with _handover_lock:
+        if _handover["holders"] == 0:
+            _handover["previous"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_handover["previous"], seconds))
+        _handover["holders"] += 1
     try:
         yield
     finally:
-        sys.setswitchinterval(previous)
+        with _handover_lock:
+            _handover["holders"] -= 1
+            if _handover["holders"] == 0:
+                sys.setswitchinterval(_handover["previous"])
 
 
 def cache_block_numel(num_threads: int) -> int:
