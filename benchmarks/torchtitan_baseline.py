@@ -1,9 +1,12 @@
 """The external baseline of issue 6: torchtitan 0.2.2 (the release for torch 2.11) on moe_lab's Qwen3-MoE proxy.
 
-Same proxy as moe_lab's runs: torchtitan's own Qwen3-30B-A3B with ``--layers`` layers (a flavour added at run time by
+Same proxy as moe_lab's runs: torchtitan's own Qwen3-30B-A3B (``--flavour 235B-A22B``: Qwen3-235B-A22B) with
+``--layers`` layers (a flavour added at run time by
 benchmarks/torchtitan_proxy.py), one packed sample of ``seq`` tokens per GPU, forced balanced routing
-(``debug.moe_force_load_balance``), compile on, FSDP2 over all GPUs with EP over all GPUs (EP2 on two), AC full or
-selective (torchtitan's per-op SAC, ``selective_ac_option=op``). Each point is one torchtitan job, launched with
+(``debug.moe_force_load_balance``), compile on, FSDP2 over all GPUs with EP over all GPUs (EP2 on two), in each of
+torchtitan's activation-checkpointing settings (``AC_SETTINGS``: none, full, op-level selective and its default
+layer-level selective, every 2nd block; its ``memory_budget`` mode, a compiler partitioner knob with a budget to
+tune, is left out). Each point is one torchtitan job, launched with
 torchrun; rank 0's per-step log lines are parsed into one JSON file shaped like moe_lab's benchmark results. On one GPU
 torchtitan applies no FSDP (dp_shard 1): it trains fp32 parameters under bf16 autocast; on two, FSDP2 keeps fp32
 master weights and computes in bf16. Both are torchtitan's defaults, left as they are.
@@ -29,9 +32,10 @@ and compile come before its 12 steps; ``--timeout`` cuts a job at 270 s)::
       python3 benchmarks/torchtitan_baseline.py --seq-lens 16384 --out $OUT/torchtitan_h200_seq16384.json")
 
 then the same with ``--seq-lens 8192`` (``bash experiments/torchtitan_baseline/run.sh one_gpu|two_gpu|seq8192`` runs
-the study's points into its records/). The full default grid (seq 16384 and 8192 x
-1 GPU and 2 GPUs x AC full and selective, 12 steps each) is 8 jobs; ``--points`` narrows it, ``--dry-run`` builds the
-assets and prints the torchrun commands. Each finished point is written at once, so a call cut short keeps them.
+the study's points into its records/, a part per call). The full default grid (seq 16384 and 8192 x 1 GPU and 2 GPUs
+x the four AC settings, 12 steps each) is 16 jobs; ``--points`` narrows it, ``--dry-run`` builds the assets and
+prints the torchrun commands. Each finished point is written at once, so a call cut short keeps them, and a job past
+``--timeout`` is recorded as ``timeout`` while the next one starts.
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ BENCHMARKS = Path(__file__).resolve().parent
 MOE_LAB_MODEL = {"30B-A3B": "qwen3_30b", "235B-A22B": "qwen3_235b"}
 # torchtitan's MetricsProcessor.log console line, colours off:
 # "step:  5  loss:  9.12345  grad_norm:  1.2345  memory: 56.80GiB(40.11%)  tps: 49,300  tflops: 487.58  mfu: 49.30%"
+# --points' AC names -> torchtitan's (activation_checkpoint.mode, selective_ac_option); records keep the name as "ac"
+AC_SETTINGS = {
+    "none": ("none", None),
+    "full": ("full", None),
+    "op-selective": ("selective", "op"),  # per op: saves matmuls (every other one) and attention, recomputes the rest
+    "layer-selective": ("selective", "2"),  # torchtitan's default: full AC on every 2nd transformer block
+}
 STEP_LINE = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
     r"memory:\s*(?P<memory_gib>[\d.]+)GiB\([\d.]+%\)\s+tps:\s*(?P<tps>[\d,]+)\s+"
@@ -98,12 +109,16 @@ def torchtitan_args(*, flavour: str, gpus: int, seq_len: int, ac: str, steps: in
         "--training.local_batch_size", "1", "--training.seq_len", str(seq_len), "--training.steps", str(steps),
         "--lr_scheduler.warmup_steps", "2",
         "--parallelism.data_parallel_shard_degree", str(gpus), "--parallelism.expert_parallel_degree", str(gpus),
-        "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", "op",
-        "--debug.moe_force_load_balance",
+        *ac_args(ac), "--debug.moe_force_load_balance",
         "--metrics.log_freq", "1", "--metrics.disable_color_printing",
         "--job.dump_folder", str(dump),
     ]  # fmt: skip
     return args + (["--compile.enable"] if compile else [])
+
+
+def ac_args(setting: str) -> list[str]:
+    mode, option = AC_SETTINGS[setting]
+    return ["--activation_checkpoint.mode", mode] + (["--activation_checkpoint.selective_ac_option", option] if option else [])
 
 
 def launch_command(gpus: int, args: list[str]) -> list[str]:
@@ -188,7 +203,8 @@ def main() -> None:
     parser.add_argument("--flavour", default="30B-A3B", help="torchtitan qwen3 MoE flavour the proxy is cut from")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-lens", default="16384,8192")
-    parser.add_argument("--points", default="1:full,1:selective,2:full,2:selective", help="GPUS:AC pairs")
+    parser.add_argument("--points", default=",".join(f"{g}:{ac}" for g in (1, 2) for ac in AC_SETTINGS),
+                        help=f"GPUS:AC pairs, AC one of {', '.join(AC_SETTINGS)}")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--timing-from", type=int, default=5, help="first step in the median (compile, warm-up before)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
@@ -203,6 +219,8 @@ def main() -> None:
     vocab_size = qwen3_args[args.flavour].vocab_size
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     points = [(int(g), ac) for g, ac in (p.split(":") for p in args.points.split(","))]
+    if unknown := {ac for _, ac in points} - set(AC_SETTINGS):
+        parser.error(f"--points: unknown AC setting(s) {sorted(unknown)}; one of {', '.join(AC_SETTINGS)}")
     assets = build_tokenizer(args.work_dir / "tokenizer", vocab_size)
     # enough tokens that no job re-loops the data (bos/eos are off: one word is one token)
     max_tokens = max(seq_lens) * max(g for g, _ in points) * (args.steps + 1)
@@ -230,7 +248,9 @@ def main() -> None:
             name = f"seq{seq_len}_gpus{gpus}_{ac}"
             titan = torchtitan_args(flavour=flavour, gpus=gpus, seq_len=seq_len, ac=ac, steps=args.steps, compile=args.compile, assets=assets, data=data, dump=args.work_dir / "runs" / name)  # fmt: skip
             command = launch_command(gpus, titan)
-            point = {"gpus": gpus, "ep": gpus, "dp_shard": gpus, "seq_len": seq_len, "ac": ac, "command": shlex.join(command)}
+            mode, option = AC_SETTINGS[ac]
+            point = {"gpus": gpus, "ep": gpus, "dp_shard": gpus, "seq_len": seq_len, "ac": ac, "ac_mode": mode,
+                     "selective_ac_option": option, "command": shlex.join(command)}  # fmt: skip
             print(point["command"], flush=True)
             if args.dry_run:
                 continue

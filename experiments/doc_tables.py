@@ -1,4 +1,4 @@
-"""The generated tables of docs/performance.md and the studies' READMEs, made from the committed records.
+"""The generated tables of README.md, docs/performance.md and the studies' READMEs, made from the committed records.
 
     python experiments/doc_tables.py           # rewrite every generated table
     python experiments/doc_tables.py --check   # exit 1 if a table differs from what its records give
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -24,7 +26,9 @@ from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.results import load
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "docs" / "performance.md", *sorted(ROOT.glob("experiments/README.md")), *sorted(ROOT.glob("experiments/*/README.md"))]
+CONF = ROOT / "moe_lab" / "conf"  # a group's options: its yaml files
+DOCS = [ROOT / "README.md", ROOT / "docs" / "performance.md", *sorted(ROOT.glob("experiments/README.md")),
+        *sorted(ROOT.glob("experiments/*/README.md"))]  # fmt: skip
 BLOCK = re.compile(r"(<!-- table: (?P<kind>[\w-]+)(?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
@@ -57,34 +61,146 @@ def raw(path: str) -> dict:
     return json.loads((ROOT / path).read_text())
 
 
+def _torchtitan_ac_settings() -> tuple[str, ...]:
+    spec = importlib.util.spec_from_file_location("torchtitan_baseline", ROOT / "benchmarks" / "torchtitan_baseline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.AC_SETTINGS)
+
+
+TORCHTITAN_AC_SETTINGS = _torchtitan_ac_settings()  # every AC setting torchtitan offers that the baseline can run
+
+
+def titan_setting(point: dict) -> str:
+    """A torchtitan point's AC setting as benchmarks/torchtitan_baseline.py names it (none, full, op-selective,
+    layer-selective); files written before it ran all four call op-level selective AC "selective"."""
+    if point["ac"] != "selective":
+        return point["ac"]
+    if "--activation_checkpoint.selective_ac_option op" not in point["command"]:
+        raise ValueError(f"a torchtitan point named 'selective' that is not op-level: {point['command']}")
+    return "op-selective"
+
+
+def torchtitan_points(path: str) -> dict[str, dict]:
+    """Every point of one raw torchtitan file (one GPU count and seq each), by AC setting."""
+    return {titan_setting(p): p for p in raw(path)["points"]}
+
+
 def torchtitan(path: str) -> dict[str, dict]:
-    """torchtitan's successful points of one raw file (one GPU count and seq each) by AC mode."""
-    return {p["ac"]: p for p in raw(path)["points"] if p["status"] == "ok"}
+    """The successful points of one raw torchtitan file, by AC setting."""
+    return {ac: p for ac, p in torchtitan_points(path).items() if p["status"] == "ok"}
+
+
+def fastest(points: dict[str, dict]) -> tuple[str, dict | None]:
+    """The (name, point) with the most tokens/s/GPU; ("(none ok)", None) without any."""
+    return max(points.items(), key=lambda item: item[1]["tokens_per_s_per_gpu"], default=("(none ok)", None))
+
+
+def value(point, key: str):
+    """A field of a point (a record row or a raw file's point), None without a point."""
+    return None if point is None else point[key]
+
+
+def ratio(ours: dict | None, theirs: dict | None) -> str:
+    return f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x" if ours is not None and theirs is not None else ""
 
 
 def grid(path: str, baseline: str | None = None) -> str:
-    """A grid_30b sweep, one row per point; with a torchtitan file, each point's tokens/s/GPU over torchtitan's at
-    the same AC mode."""
-    titan = torchtitan(baseline) if baseline else {}
+    """A grid sweep, one row per point; with a torchtitan file, each point's tokens/s/GPU over torchtitan's fastest
+    setting in that file."""
+    titan_ac, titan_best = fastest(torchtitan(baseline)) if baseline else (None, None)
     rows = []
     for _, r in sweep(path).iterrows():
-        base = titan.get(r["ac"])
-        ratio = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if r["status"] == "ok" and base else ""
         rows.append([r["offload"], r["dispatcher"], r["ac"], r["status"], num(r.get("s_per_step"), ".3f"),
                      num(r.get("tokens_per_s_per_gpu")), pct(r.get("mfu")), pct(r.get("mfu_executed")),
-                     num(r.get("peak_gpu_mem_gib"), ".1f"), num(r.get("peak_host_rss_gib"), ".1f"), ratio])  # fmt: skip
+                     num(r.get("peak_gpu_mem_gib"), ".1f"), num(r.get("peak_host_rss_gib"), ".1f"),
+                     ratio(r if r["status"] == "ok" else None, titan_best)])  # fmt: skip
     header = ["offload", "dispatcher", "ac", "status", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB",
-              "peak host GiB"] + (["vs torchtitan (same ac)"] if baseline else [])  # fmt: skip
+              "peak host GiB"] + ([f"vs torchtitan's fastest ({titan_ac})"] if baseline else [])  # fmt: skip
     return markdown([row[: len(header)] for row in rows], header)
 
 
 def torchtitan_table(*paths: str) -> str:
     rows = []
     for path in paths:
-        for ac, p in torchtitan(path).items():
-            rows.append([p["gpus"], num(p["seq_len"]), ac, num(p["s_per_step"], ".3f"), num(p["tokens_per_s_per_gpu"]),
-                         pct(p["mfu"]), pct(p["mfu_executed"]), num(p["peak_gpu_mem_reserved_gib"], ".1f"), cite(path)])  # fmt: skip
-    header = ["GPUs", "seq", "ac", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB (reserved)", "raw"]
+        for ac, p in torchtitan_points(path).items():
+            ok = p["status"] == "ok"
+            rows.append([p["gpus"], num(p["seq_len"]), ac, p["status"], num(p["s_per_step"], ".3f") if ok else "",
+                         num(p.get("tokens_per_s_per_gpu")), pct(p.get("mfu")), pct(p.get("mfu_executed")),
+                         num(p.get("peak_gpu_mem_reserved_gib"), ".1f"), cite(path)])  # fmt: skip
+    header = ["GPUs", "seq", "ac", "status", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB (reserved)", "raw"]
+    return markdown(rows, header)
+
+
+# A proxy's name from either side: moe_lab's model option or torchtitan's flavour, with the layers kept.
+PROXY_NAMES = {"qwen3_30b": "Qwen3-30B-A3B", "qwen3_235b": "Qwen3-235B-A22B", "30B-A3B": "Qwen3-30B-A3B", "235B-A22B": "Qwen3-235B-A22B"}
+
+
+def sweep_setup(path: str) -> tuple[str, int, int]:
+    """(proxy, GPUs, seq) every point of a moe_lab sweep shares, from its records' configs."""
+    setups = set()
+    for run_dir in sweep(path)["run_dir"]:
+        cfg = json.loads((Path(run_dir) / "result.json").read_text())["config"]
+        setups.add((f"{PROXY_NAMES[cfg['model']['name']]}, {cfg['model']['num_layers']} layers",
+                    cfg["trainer"]["nproc_per_node"], cfg["data"]["seq_len"]))  # fmt: skip
+    if len(setups) != 1:
+        raise ValueError(f"{path}: points of more than one proxy / GPU count / seq: {sorted(setups)}")
+    return setups.pop()
+
+
+def titan_setup(path: str) -> tuple[str, int, int]:
+    data = raw(path)
+    base = data["proxy"]["torchtitan_flavour"].removesuffix(f"-{data['proxy']['layers']}L")
+    setups = {(f"{PROXY_NAMES[base]}, {data['proxy']['layers']} layers", p["gpus"], p["seq_len"]) for p in data["points"]}
+    if len(setups) != 1:
+        raise ValueError(f"{path}: points of more than one GPU count / seq: {sorted(setups)}")
+    return setups.pop()
+
+
+def titan_covered(points: dict[str, dict]) -> str:
+    """The AC settings a torchtitan file ran (a failed one with its status), and those of torchtitan's it did not."""
+    ran = ", ".join(ac if p["status"] == "ok" else f"{ac} ({p['status']})" for ac, p in points.items())
+    missing = [ac for ac in TORCHTITAN_AC_SETTINGS if ac not in points]
+    return ran + (f"; not run: {', '.join(missing)}" if missing else "")
+
+
+def grid_covered(points: pd.DataFrame) -> str:
+    """What a moe_lab sweep ran, axis by axis (its points are every combination of these), its failed points, and
+    the dispatchers and AC modes moe_lab has that it did not run."""
+    axes = {axis: list(dict.fromkeys(points[axis])) for axis in ("dispatcher", "ac", "offload")}
+    if len(points.drop_duplicates(list(axes))) != len(points) or len(points) != math.prod(map(len, axes.values())):
+        raise ValueError(f"not a grid of {', '.join(axes)}: {points[list(axes)].values.tolist()}")
+    text = "; ".join(f"{axis} {', '.join(values)}" for axis, values in axes.items())
+    text += "".join(f"; {r['dispatcher']} + {r['ac']}, offload {r['offload']}: {r['status']}" for _, r in points[points["status"] != "ok"].iterrows())
+    missing = [f"{axis} {option.stem}" for axis in ("dispatcher", "ac") for option in sorted((CONF / axis).glob("*.yaml"))
+               if option.stem not in axes[axis]]  # fmt: skip
+    return text + (f"; not run: {', '.join(missing)}" if missing else "")
+
+
+def best_vs_best(*paths: str) -> str:
+    """moe_lab's fastest point against torchtitan's fastest setting on the same proxy, GPUs and seq: pairs of (a
+    moe_lab sweep, a torchtitan file), a row each, with both memories, the ratio and which settings each side ran
+    (a setting neither ran is not in the comparison)."""
+    if len(paths) % 2:
+        raise ValueError("best-vs-best takes pairs: a moe_lab sweep, then the torchtitan file of the same setup")
+    rows = []
+    for ours_path, titan_path in zip(paths[::2], paths[1::2]):
+        setup = sweep_setup(ours_path)
+        if titan_setup(titan_path) != setup:
+            raise ValueError(f"best-vs-best: {ours_path} is {setup}, {titan_path} is {titan_setup(titan_path)}")
+        points = sweep(ours_path)
+        name = lambda r: f"{r['dispatcher']} + {r['ac']} AC" + (f", offload {r['offload']}" if r["offload"] != "none" else "")  # noqa: E731
+        ours = {name(r): r for _, r in points.iterrows()}
+        ours_ac, ours_best = fastest({n: r for n, r in ours.items() if r["status"] == "ok"})
+        titan_ac, titan_best = fastest(torchtitan(titan_path))
+        proxy, gpus, seq = setup
+        rows.append([proxy, gpus, num(seq), ours_ac, num(value(ours_best, "tokens_per_s_per_gpu")), pct(value(ours_best, "mfu")),
+                     num(value(ours_best, "peak_gpu_mem_gib"), ".1f"), titan_ac, num(value(titan_best, "tokens_per_s_per_gpu")),
+                     pct(value(titan_best, "mfu")), num(value(titan_best, "peak_gpu_mem_reserved_gib"), ".1f"),
+                     ratio(ours_best, titan_best), grid_covered(points),
+                     titan_covered(torchtitan_points(titan_path))])  # fmt: skip
+    header = ["proxy", "GPUs", "seq", "moe_lab fastest", "tokens/s/GPU", "MFU", "peak GPU GiB", "torchtitan fastest",
+              "tokens/s/GPU", "MFU", "peak GPU GiB (reserved)", "fastest / fastest", "moe_lab ran", "torchtitan ran"]  # fmt: skip
     return markdown(rows, header)
 
 
@@ -100,7 +216,7 @@ def changes(before: str, now: str, titan_before: str, titan_now: str) -> str:
         ratio = "" if pd.isna(a) or pd.isna(b) else f"{b / a:.2f}x"
         rows.append([gpus, "moe_lab", r["dispatcher"], r["ac"], num(a) or r["status_before"], num(b) or r["status_now"], ratio])
     titan_old, titan_new = torchtitan(titan_before), torchtitan(titan_now)
-    for ac in titan_new:
+    for ac in [ac for ac in titan_new if ac in titan_old]:
         a, b = titan_old[ac]["tokens_per_s_per_gpu"], titan_new[ac]["tokens_per_s_per_gpu"]
         rows.append([gpus, "torchtitan", "", ac, num(a), num(b), f"{b / a:.2f}x"])
     header = ["GPUs", "framework", "dispatcher", "ac", f"tokens/s/GPU {Path(before).name}", f"tokens/s/GPU {Path(now).name}", "later / earlier"]
@@ -187,9 +303,82 @@ def points(*paths: str) -> str:
     return markdown(rows, ["raw", "status", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB"])
 
 
+def plan(*paths: str) -> str:
+    """Every ok point of the sweeps planned (``moe_lab.plan``) on the hardware it ran on, beside what it measured."""
+    from moe_lab.plan.records import plan_record
+
+    rows = []
+    for path in paths:
+        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+            record = json.loads(result.read_text())
+            if record["status"] != "ok":
+                continue
+            m, p = record["metrics"], plan_record(record)["metrics"]
+            choices = record["choices"]
+            err = lambda key: f"{100 * (p[key] / m[key] - 1):+.0f} %"  # noqa: E731
+            rows.append([cite(str(result.parent.relative_to(ROOT / path.split("/records/")[0]))), record["world_size"],
+                         choices["offload"], choices["dispatcher"], choices["ac"], record["config"]["trainer"].get("grad_accum", 1),
+                         num(m["s_per_step"], ".3f"), num(p["s_per_step"], ".3f"), err("s_per_step"),
+                         num(m["peak_gpu_mem_gib"], ".1f"), num(p["peak_gpu_mem_gib"], ".1f"), err("peak_gpu_mem_gib"),
+                         num(m["peak_host_rss_gib"], ".1f"), num(p["peak_host_rss_gib"], ".1f")])  # fmt: skip
+    header = ["point", "GPUs", "offload", "dispatcher", "ac", "micro-batches", "s/step measured", "planned", "error",
+              "peak GPU GiB measured", "planned", "error", "peak host GiB measured", "planned"]  # fmt: skip
+    return markdown(rows, header)
+
+
+def plan_breakdown(*paths: str) -> str:
+    """The profiled step's breakdown beside the plan's, in ms per category (measured / planned), for every ok point
+    of the sweeps that was profiled."""
+    from moe_lab.plan.records import plan_record
+
+    rows, used = [], set()
+    for path in paths:
+        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+            record = json.loads(result.read_text())
+            measured = (record.get("metrics") or {}).get("trace_breakdown") or {}
+            if record["status"] != "ok" or "seconds" not in measured:
+                continue
+            planned = plan_record(record)["metrics"]["trace_breakdown"]["seconds"]
+            parts = {c: (measured["seconds"].get(c, 0.0), planned.get(c, 0.0)) for c in CATEGORIES}
+            used |= {c for c, (m, p) in parts.items() if m > 5e-4 or p > 5e-4}
+            rows.append((record, parts))
+    categories = [c for c in CATEGORIES if c in used]
+    table = [[record["world_size"], record["choices"]["dispatcher"], record["choices"]["ac"],
+              *(f"{1e3 * m:.0f} / {1e3 * p:.0f}" for m, p in (parts[c] for c in categories))] for record, parts in rows]  # fmt: skip
+    return markdown(table, ["GPUs", "dispatcher", "ac", *categories])
+
+
+def plan_depth(path: str) -> str:
+    """The offload depth search's deepest proxy per mode beside the planner's (its commands planned on an H200)."""
+    from moe_lab.plan.records import plan_command
+
+    data = raw(path)
+    rows = []
+    for mode in ("none", "optimizer", "full"):
+        point = next(p for p in data["points"] if p["mode"] == mode and p["num_layers"] == 4)
+        extra = ["optimizer.fused=false"] if mode == "none" else []  # adamw.yaml set fused=true after that search
+        planned = plan_command(point["command"], data["environment"]["compare"]["gpu"], extra=extra)["plan"]["largest_fitting"][mode]
+        search = data["search"][mode]
+        rows.append([mode, search["largest_fitting_num_layers"], search["smallest_failing_num_layers"], planned["num_layers"]])
+    return markdown(rows, ["offload", "deepest measured", "fails at", "deepest planned"])
+
+
+def plan_reference(*paths: str) -> str:
+    """The published Qwen3-235B-A22B reference (32 B300) beside the plans of the matching moe_lab configurations."""
+    from moe_lab.plan.records import reference_235b
+
+    rows = [[r["reference"], r["dispatcher"], r["ac"], num(r["published_s"], ".2f"), num(r["planned_s"], ".2f"),
+             f"{100 * (r['planned_s'] / r['published_s'] - 1):+.0f} %", pct(r["planned_mfu"]), num(r["peak_gpu_mem_gib"], ".0f"),
+             "yes" if r["fits"] else "no", "yes" if r["compared"] else "no (shown)"] for r in reference_235b()]  # fmt: skip
+    header = ["reference row", "planned dispatcher", "ac", "published s/step", "planned s/step", "error", "planned MFU",
+              "planned peak GiB", "fits 268 GiB", "held to 20 %"]  # fmt: skip
+    return markdown(rows, header)
+
+
 KINDS = {
     "grid": grid,
     "torchtitan": torchtitan_table,
+    "best-vs-best": best_vs_best,
     "changes": changes,
     "breakdown": breakdown,
     "routing": routing,
@@ -197,6 +386,10 @@ KINDS = {
     "offload-depth": offload_depth,
     "host-optimizer": host_optimizer,
     "points": points,
+    "plan": plan,
+    "plan-depth": plan_depth,
+    "plan-breakdown": plan_breakdown,
+    "plan-reference": plan_reference,
 }
 
 

@@ -154,18 +154,19 @@ def train(
 
 
 def accumulate_gradients(
-    micro_batch_forward: Callable[[int], tuple[torch.Tensor, list]],
-    balance_loss: Callable[[list], torch.Tensor],
+    micro_batch_forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    balance_loss: Callable[[torch.Tensor], torch.Tensor | float],
     micro_batches: int,
     before_micro_batch: Callable[[bool], None],
-) -> tuple[torch.Tensor, torch.Tensor, list]:
+) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor]:
     """Forward and backward of one optimizer step's micro-batches. Each micro-batch's objective (its language-model
     loss plus the routing balance loss of its router statistics) is scaled by 1 / ``micro_batches``, so the
     gradients left for the step are those of the mean over the whole step's batch. ``before_micro_batch(final)``
     runs before each: it tells FSDP2 whether to reduce gradients and the offload optimizer whether this backward's
-    gradients are the step's. Returns the step's mean language-model and balance losses (detached) and the last
-    micro-batch's router statistics (what the expert bias and the expert-load log see)."""
-    total = balance_total = None
+    gradients are the step's. Returns the step's mean language-model and balance losses (detached) and its router
+    statistics summed over the micro-batches (detached; what the expert bias and the expert-load log see: the
+    step's whole batch, as one micro-batch of it all would give)."""
+    total = balance_total = step_stats = None
     for micro_batch in range(micro_batches):
         before_micro_batch(micro_batch == micro_batches - 1)
         loss, router_stats = micro_batch_forward(micro_batch)
@@ -175,7 +176,8 @@ def accumulate_gradients(
         balance = (balance.detach() if isinstance(balance, torch.Tensor) else balance) / micro_batches
         total = loss if total is None else total + loss
         balance_total = balance if balance_total is None else balance_total + balance
-    return total, balance_total, router_stats
+        step_stats = router_stats.detach() if step_stats is None else step_stats + router_stats.detach()
+    return total, balance_total, step_stats
 
 
 def build_checkpointer(cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, scheduler, device) -> Checkpointer:

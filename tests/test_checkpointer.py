@@ -1,5 +1,6 @@
 """Training checkpoints in process (issue 17): complete or absent on disk, pruning, background (async) saves that
-resume exactly at world 1 and at world 2 with EP 2, a checkpoint of another model refused naming the tensor, and
+resume exactly at world 1 and at world 2 with EP 2, the routers' expert biases (router_balance=bias) saved and
+restored (exact resume at world 1 and at world 2 / EP 2; a world-1 checkpoint's restored whole at world 2), a checkpoint of another model refused naming the tensor, and
 ``trainer.resume`` checked at compose time, ``auto`` refusing a checkpoint of another configuration. The jobs killed and signalled for real are tests/test_resume.py."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from moe_lab import config, job
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.checkpoint.checkpointer import CheckpointMismatch
 from moe_lab.config import ConfigError
-from moe_lab.trainer import train
+from moe_lab.moe.router import Router
+from moe_lab.optim.schedule import warmup_cosine
+from moe_lab.trainer import build_checkpointer, build_model, train
 from tests.distributed import run_world
 from tests.test_offload import compose_train
 
@@ -90,9 +93,53 @@ def test_background_save_resumes_exactly_and_keeps_the_newest(tmp_path):
     assert resumed["losses"] == reference["losses"] and resumed["resumed_from"].endswith("step_00000004")
 
 
+# Aux-loss-free balancing at a rate that moves the choice of experts within a step or two: a resumed run whose
+# routers forgot their biases routes (and so trains) differently.
+EXPERT_BIAS = ["model.router_balance=bias", "model.router_bias_update_rate=0.05"]
+
+
+def test_expert_bias_is_saved_and_resumes_exactly(tmp_path):
+    every = [*EXPERT_BIAS, "trainer.checkpoint.every=2"]
+    reference = train_in_process(every, tmp_path / "a")
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000004"
+    resumed = train_in_process([*every, f"trainer.resume={checkpoint}"], tmp_path / "b")
+    assert resumed["losses"] == reference["losses"]
+    bias = "buffer/model\\.layers\\.0\\.mlp\\.gate\\.expert_bias"
+    with pytest.raises(CheckpointMismatch, match=f"{bias} is a buffer this model lacks"):
+        train_in_process([f"trainer.resume={checkpoint}"], tmp_path / "c")  # router_balance=aux_loss
+    train_in_process(["trainer.steps=1", "trainer.checkpoint.every=1"], tmp_path / "d")
+    with pytest.raises(CheckpointMismatch, match=f"no {bias}"):
+        train_in_process([*every, f"trainer.resume={tmp_path / 'd' / 'checkpoints' / 'step_00000001'}"], tmp_path / "e")
+
+
+def restored_expert_biases(overrides: list[str], run_dir) -> list[list[float]]:
+    """Each router's expert_bias after restoring the checkpoint ``trainer.resume`` names, on this rank."""
+    cfg = compose_train(SMALL + EXPERT_BIAS + overrides)
+    options = config.validate(cfg)
+    model = build_model(cfg, options, torch.device("cpu"), torch.float32)
+    optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
+    scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
+    build_checkpointer(cfg, options, run_dir, model, optimizer, scheduler, torch.device("cpu")).restore()
+    return [m.expert_bias.tolist() for m in model.modules() if isinstance(m, Router)]
+
+
+def _restored_expert_biases_world2(checkpoint: str, run_dir: str) -> list[list[float]]:
+    return restored_expert_biases(["trainer.nproc_per_node=2", "parallel.ep=2", f"trainer.resume={checkpoint}"], run_dir)
+
+
+def test_expert_bias_written_at_world1_restores_whole_at_world2_ep2(tmp_path, monkeypatch):
+    """The biases are not sharded: a checkpoint of one rank gives both ranks of an EP 2 mesh the same, whole ones."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    train_in_process([*EXPERT_BIAS, "trainer.steps=3", "trainer.checkpoint.every=3"], tmp_path / "a")
+    checkpoint = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    saved = restored_expert_biases([f"trainer.resume={checkpoint}"], tmp_path / "b")
+    assert all(any(b != 0 for b in layer) for layer in saved)  # three updates moved every layer's biases
+    assert run_world(2, _restored_expert_biases_world2, checkpoint, str(tmp_path / "c")) == [saved, saved]
+
+
 def _background_save_world2(run_dir: str) -> list[float]:
     every = ["trainer.nproc_per_node=2", "parallel.ep=2", "offload=full", "trainer.checkpoint.every=3",
-             "trainer.checkpoint.async_save=true", "trainer.checkpoint.keep=null"]  # fmt: skip
+             "trainer.checkpoint.async_save=true", "trainer.checkpoint.keep=null", *EXPERT_BIAS]  # fmt: skip
     reference = train_in_process(every, f"{run_dir}/a")
     resumed = train_in_process([*every, f"trainer.resume={run_dir}/a/checkpoints/step_00000003"], f"{run_dir}/b")
     return [reference["losses"], resumed["losses"]]

@@ -114,6 +114,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
     from moe_lab.moe.router import Router
     from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
+    from moe_lab.parallel.compile import apply_compile
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 
     def build(dtype, backend, checkpointing=None):
@@ -137,8 +138,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     reference = grads(build(torch.float32, "reference"))
     eager = grads(build(torch.bfloat16, "gpu"))
     compiled_model = build(torch.bfloat16, "gpu", FullCheckpoint() if ac == "full" else SelectiveCheckpoint())
-    layer = compiled_model.model.layers[0]
-    layer.forward = torch.compile(layer.forward, fullgraph=True)
+    apply_compile(compiled_model)  # as training compiles: each block, fullgraph
     compiled = grads(compiled_model)
 
     def err(got, name):

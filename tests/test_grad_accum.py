@@ -283,7 +283,7 @@ def test_full_offload_takes_gradients_the_last_micro_batch_did_not_reach():
         return out.square().mean()
 
     def forward(micro_batch):
-        return micro_batch_loss(model, micro_batch), []
+        return micro_batch_loss(model, micro_batch), torch.zeros(0)  # no router: no routing statistics
 
     accumulate_gradients(forward, lambda stats: 0.0, 2, lambda final: offload.before_micro_batch(optimizer, final))
     optimizer.step()

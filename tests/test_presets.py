@@ -57,7 +57,7 @@ def compose_preset(tokens):
 
 def test_presets_found():
     assert {"benchmark", "grid_30b", "grid_30b/two_gpu", "grid_30b/seq8192", "routing_skew", "reference_30b", "reference_235b",
-            "real_routing", "real_routing/two_gpu"} <= set(PRESETS)
+            "real_routing", "real_routing/two_gpu", "grid_235b", "grid_235b/one_gpu"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -1,22 +1,27 @@
 """Routing statistics and router balancing (issue 19): every forward returns each layer's tokens per expert, summed
 probabilities and entropy, also from blocks compiled with fullgraph=True under both AC modes; the statistics a
 metrics row describes; the auxiliary loss trains every mesh shape alike; the expert bias evens the load by choice
-alone; and collecting the statistics adds no host sync (GPU)."""
+alone; with gradient accumulation the bias and the expert-load rows see the step's whole batch; and collecting the
+statistics adds no host sync (GPU)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
+from moe_lab import config
 from moe_lab.metrics.routing import ExpertLoad, describe
 from moe_lab.models.qwen3_moe import Documents, Qwen3MoeConfig
 from moe_lab.moe.dispatcher import FusedDispatcher
 from moe_lab.moe.router import AuxLoss, ExpertBias, Router, routing_stats, split_stats
 from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
+from moe_lab.trainer import train
 from tests.distributed import run_world
+from tests.test_offload import compose_train
 
 
 def test_routing_stats_count_every_routing():
@@ -135,6 +140,28 @@ def test_expert_bias_evens_the_load_by_choice_alone():
     probs = torch.softmax(x @ router.weight.T, dim=-1)
     torch.testing.assert_close(weights, probs.gather(1, ids))
     assert router.expert_bias[hottest] < 0 < router.expert_bias.max()
+
+
+def _expert_load_rows(run_dir, *overrides) -> list[dict]:
+    """The expert_load row of every step of a 3-step bias-balanced run (the bias rate high enough that each update
+    changes which experts the next step chooses)."""
+    cfg = compose_train(["trainer.steps=3", "trainer.warmup_steps=0", "data.seq_len=16", "trainer.precision=fp32",
+                         "model.router_balance=bias", "model.router_bias_update_rate=0.05", "trainer.expert_load_every=1",
+                         *overrides])  # fmt: skip
+    train(cfg, config.validate(cfg), run_dir, torch.device("cpu"), 0, 1)
+    return [json.loads(line)["expert_load"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_accumulated_micro_batches_move_the_bias_and_log_the_load_of_the_whole_step(tmp_path):
+    """Batch 1 x accumulation 2 logs the load of one micro-batch of batch 2 (tokens per expert over both
+    micro-batches), and moves the bias alike: the steps after the first route the same tokens to the same experts
+    (a bias moved by the last micro-batch alone routes them otherwise)."""
+    accumulated = _expert_load_rows(tmp_path / "accumulated", "trainer.grad_accum=2", "data.batch_size=1")
+    whole = _expert_load_rows(tmp_path / "whole", "trainer.grad_accum=1", "data.batch_size=2")
+    assert [row["tokens"] for row in accumulated] == [row["tokens"] for row in whole]
+    assert sum(whole[0]["tokens"][0]) == 2 * 16 * 2  # batch 2 x 16 tokens, each routed to top-2
+    for a, w in zip(accumulated, whole):
+        assert a["entropy"] == pytest.approx(w["entropy"], rel=1e-5)
 
 
 def test_aux_loss_value():

@@ -64,6 +64,22 @@ def test_parse_steps_reads_torchtitan_step_lines():
     assert baseline.summarize(steps, tokens_per_gpu_step=16384, timing_from=3, flops=None, peak=None)["mfu"] is None
 
 
+def test_every_torchtitan_ac_setting_maps_to_its_flags():
+    """none, full, op-level and layer-level (every 2nd block) selective: torchtitan 0.2.2's AC settings
+    (ActivationCheckpoint.mode and selective_ac_option), each point's flags as torchrun gets them."""
+    def flags(setting):
+        args = baseline.torchtitan_args(flavour="30B-A3B-4L", gpus=1, seq_len=16384, ac=setting, steps=12, compile=True,
+                                        assets=Path("a"), data=Path("d"), dump=Path("o"))  # fmt: skip
+        return {k: v for k, v in zip(args, args[1:]) if k.startswith("--activation_checkpoint.")}
+
+    assert flags("none") == {"--activation_checkpoint.mode": "none"}
+    assert flags("full") == {"--activation_checkpoint.mode": "full"}
+    assert flags("op-selective") == {"--activation_checkpoint.mode": "selective", "--activation_checkpoint.selective_ac_option": "op"}
+    assert flags("layer-selective") == {"--activation_checkpoint.mode": "selective", "--activation_checkpoint.selective_ac_option": "2"}
+    with pytest.raises(KeyError):
+        flags("selective")
+
+
 def test_failure_status_names_out_of_memory():
     assert baseline.failure_status("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") == ("oom", "OutOfMemoryError")
     assert baseline.failure_status("RuntimeError: NCCL error")[0] == "error"
@@ -92,12 +108,15 @@ def test_proxy_flavour_args_and_flops_match_torchtitan(tmp_path, monkeypatch):
     from torchtitan.config import ConfigManager
     from torchtitan.protocols.train_spec import get_train_spec
 
-    args = baseline.torchtitan_args(flavour="30B-A3B-4L", gpus=2, seq_len=16384, ac="selective", steps=12, compile=True, assets=tmp_path, data=tmp_path, dump=tmp_path)  # fmt: skip
+    args = baseline.torchtitan_args(flavour="30B-A3B-4L", gpus=2, seq_len=16384, ac="op-selective", steps=12, compile=True, assets=tmp_path, data=tmp_path, dump=tmp_path)  # fmt: skip
     config = ConfigManager().parse_args(args)
     assert (config.model.flavor, config.training.seq_len, config.training.local_batch_size) == ("30B-A3B-4L", 16384, 1)
     assert config.debug.moe_force_load_balance and config.compile.enable
     assert (config.parallelism.data_parallel_shard_degree, config.parallelism.expert_parallel_degree) == (2, 2)
     assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option) == ("selective", "op")
+    for setting, expected in {"none": ("none", "2"), "full": ("full", "2"), "layer-selective": ("selective", "2")}.items():
+        ac = ConfigManager().parse_args(baseline.torchtitan_args(flavour="30B-A3B-4L", gpus=1, seq_len=16384, ac=setting, steps=12, compile=True, assets=tmp_path, data=tmp_path, dump=tmp_path)).activation_checkpoint  # fmt: skip
+        assert (ac.mode, ac.selective_ac_option) == expected, setting  # "2": torchtitan's default, every 2nd block
 
     spec = get_train_spec(config.model.name)
     base, proxy = spec.model_args["30B-A3B"], spec.model_args["30B-A3B-4L"]

@@ -16,10 +16,20 @@ prepare() {
     --train-tokenizer 8192 --eval-fraction 0.1 --out "$DATA"
 }
 
+# A part fits one 10-minute device call with the wheel install before it: the sweep gets what is left of BUDGET
+# seconds after the prepare step; the timeout's SIGTERM records the point it cuts as `interrupted` at its next step
+# boundary and ends the sweep, and a sweep still running 45 s later (stuck before a step boundary) is killed.
+BUDGET=${BUDGET:-520}
+sweep() {  # sweep LABEL PRESET OVERRIDES...
+  dir=$(record "$1")
+  prepare || return
+  timeout -k 45 $((BUDGET - SECONDS - 45)) python3 -m moe_lab.train -m +experiment="$2" hydra.sweep.dir="$dir" "${@:3}"
+}
+
 case "${1:-}" in
 prepare) prepare; exit ;;
-one_gpu) prepare && dir=$(record 1gpu) && timeout 540 python3 -m moe_lab.train -m +experiment=real_routing hydra.sweep.dir="$dir" "${@:2}" ;;
-two_gpu) prepare && dir=$(record 2gpu) && timeout 540 python3 -m moe_lab.train -m +experiment=real_routing/two_gpu hydra.sweep.dir="$dir" "${@:2}" ;;
+one_gpu) sweep 1gpu real_routing "${@:2}" ;;
+two_gpu) sweep 2gpu real_routing/two_gpu "${@:2}" ;;
 *) echo "usage: $0 prepare|one_gpu|two_gpu" >&2; exit 2 ;;
 esac
 pack "$dir"

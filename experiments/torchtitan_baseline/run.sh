@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# torchtitan 0.2.2 on grid_30b's proxy (benchmarks/torchtitan_baseline.py), AC full and selective, one part per call:
-#   bash experiments/torchtitan_baseline/run.sh one_gpu|two_gpu|seq8192   (1 GPU, 2 GPUs, 2 GPUs at seq 8192)
+# torchtitan 0.2.2 on grid_30b's and grid_235b's proxies (benchmarks/torchtitan_baseline.py) in each of its AC
+# settings (none, full, op-selective, layer-selective every 2nd block), one part per 10-minute device call:
+#   bash experiments/torchtitan_baseline/run.sh one_gpu|two_gpu|seq8192   30B, 4 layers: 1 GPU, 2 GPUs, 2 GPUs at seq 8192
+#   bash experiments/torchtitan_baseline/run.sh one_gpu_235b|two_gpu_235b 235B, 2 layers: 1 GPU, 2 GPUs
 # torchtitan and its wheels must be importable (bash benchmarks/fetch_wheels.sh, docs/performance.md "Reproduce").
-# Records: records/<machine>_1gpu|2gpu|2gpu_seq8192/<UTC start>.json (see ../common.sh).
+# Each job gets its own timeout (a job past it is recorded as `timeout` and the next one starts); the part's own
+# timeout, above the jobs' sum, only guards the asset building. Records: records/<machine>_<part's label>/<UTC
+# start>.json (see ../common.sh).
 source "$(dirname "$0")/../common.sh"
+settings() { local gpus=$1 ac points=(); for ac in none full op-selective layer-selective; do points+=("$gpus:$ac"); done; (IFS=,; echo "${points[*]}"); }
+baseline() {  # baseline LABEL SEQ GPUS JOB_TIMEOUT [ARGS...]
+  out=$(record "$1").json
+  timeout $((4 * $4 + 40)) python3 benchmarks/torchtitan_baseline.py --seq-lens "$2" --points "$(settings "$3")" \
+    --timeout "$4" --out "$out" "${@:5}"
+}
 case "${1:-}" in
-one_gpu) out=$(record 1gpu).json && timeout 250 python3 benchmarks/torchtitan_baseline.py --seq-lens 16384 \
-           --points 1:full,1:selective --timeout 120 --out "$out" ;;
-two_gpu) out=$(record 2gpu).json && timeout 170 python3 benchmarks/torchtitan_baseline.py --seq-lens 16384 \
-           --points 2:full,2:selective --timeout 80 --out "$out" ;;
-seq8192) out=$(record 2gpu_seq8192).json && timeout 150 python3 benchmarks/torchtitan_baseline.py --seq-lens 8192 \
-           --points 2:full,2:selective --timeout 70 --out "$out" ;;
-*) echo "usage: $0 one_gpu|two_gpu|seq8192" >&2; exit 2 ;;
+one_gpu) baseline 1gpu 16384 1 115 ;;
+two_gpu) baseline 2gpu 16384 2 90 ;;
+seq8192) baseline 2gpu_seq8192 8192 2 80 ;;
+one_gpu_235b) baseline 1gpu_235b 16384 1 115 --flavour 235B-A22B --layers 2 ;;
+two_gpu_235b) baseline 2gpu_235b 16384 2 110 --flavour 235B-A22B --layers 2 ;;
+*) echo "usage: $0 one_gpu|two_gpu|seq8192|one_gpu_235b|two_gpu_235b" >&2; exit 2 ;;
 esac
 pack "$out"

@@ -4,6 +4,8 @@ and any mesh shape reads them back (DCP reshards by each tensor's place in the w
 A checkpoint's DCP keys:
 
     model/<name>              each parameter, as this rank's piece of the whole parameter (``GlobalLayout``)
+    buffer/<name>             each persistent buffer (the routers' ``expert_bias`` under router_balance=bias): the
+                              same on every rank (not sharded), written once and read whole by every rank
     optimizer/<name>/<key>    each parameter's optimizer state tensors: per-element ones laid out like the
                               parameter, scalars (AdamW's step count) as they are; offload=full adds each fp32 master
     optimizer_value/<name>/<key>  state that is not a tensor, pickled
@@ -91,6 +93,7 @@ class Checkpointer:
         # Optimizer state is indexed by position in model.parameters(), as a torch optimizer built over them has it.
         self.names = [name for name, _ in model.named_parameters()]
         self.params = dict(model.named_parameters())
+        self.buffers = persistent_buffers(model)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Background saves talk over a group of their own: the training loop's collectives never interleave with them.
@@ -128,12 +131,21 @@ class Checkpointer:
         for name in self.names:
             self._check_shape(path, saved, f"model/{name}", name)
             target[f"model/{name}"] = self.layout.view(name, local_shard(self.params[name]).detach())
+        for name, buffer in self.buffers.items():
+            key = f"buffer/{name}"
+            if key not in saved:
+                raise CheckpointMismatch(f"checkpoint {path}: no {key} (written with another model.router_balance?)")
+            if tuple(saved[key].size) != tuple(buffer.shape):
+                raise CheckpointMismatch(f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this model's is {tuple(buffer.shape)}")
+            target[key] = buffer  # loaded in place
         for key, meta in saved.items():
             kind, name, state_key = _split(key)
             if kind in OBJECTS:
                 if kind not in PER_RANK or same_world and name == f"rank{self.rank}":
                     target[key] = torch.empty(meta.size, dtype=torch.uint8)
                 continue
+            if kind == "buffer" and name not in self.buffers:
+                raise CheckpointMismatch(f"checkpoint {path}: {key} is a buffer this model lacks (another model.router_balance?)")
             if kind != "optimizer":
                 continue
             if name not in position:
@@ -224,6 +236,7 @@ class Checkpointer:
             return t.to("cpu", copy=True) if copy else t
 
         state: dict = {f"model/{name}": self.layout.view(name, piece(p)) for name, p in self.params.items()}
+        state |= {f"buffer/{name}": piece(b) for name, b in self.buffers.items()}
         optimizer = self.optimizer.state_dict()
         for position, entries in optimizer["state"].items():
             name = self.names[position]
@@ -275,6 +288,16 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``model.state_dict()`` holds (training state that is no parameter), by name."""
+    return {
+        f"{module_name}.{name}" if module_name else name: buffer
+        for module_name, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    }
 
 
 # Objects that are not tensors (the scheduler's state, hyperparameters, random generator states) go in pickled, as

@@ -1,0 +1,103 @@
+"""``python -m moe_lab.plan``: predict a training configuration's memory and step time per GPU without a GPU.
+
+Takes what ``python -m moe_lab.train`` takes (groups, presets, keys) plus the ``hardware`` group (h200, h100, b200,
+b300, or ``hardware=<profile.yaml>`` written by ``python -m moe_lab.plan.calibrate``) and the mesh it runs on
+(``hardware.nodes``, ``hardware.gpus_per_node``), validates it as train does (a layout that cannot run fails naming
+its key), prints the plan and writes it as a result record (``result.json``, ``kind: plan``) that
+``moe_lab.results.load`` and the notebook read like a run's:
+
+    python -m moe_lab.plan model=qwen3_30b model.num_layers=4 +experiment=grid_30b dispatcher=fused ac=selective
+    python -m moe_lab.plan +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8
+    python -m moe_lab.plan -m +experiment=grid_30b ac=full,selective dispatcher=torch,fused   # one record per point
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from moe_lab.config import ConfigError
+from moe_lab.plan import config as plan_config
+from moe_lab.plan.planner import build_hardware, plan
+from moe_lab.results.record import RESULT, git_state, point_config, write_json_atomic
+
+log = logging.getLogger("moe_lab.plan")
+plan_config.register()
+
+
+def run(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool) -> dict:
+    """One point: its record, ok or invalid (a config train would refuse, with the key it names)."""
+    record = {**meta, "kind": "plan", "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": point_config(cfg)}
+    try:
+        hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+        record["world_size"] = hw.gpus
+        record["environment"] = {"device": "plan", "gpu": hw.name, "world_size": hw.gpus, "nodes": hw.nodes, **git_state()}
+        result = plan(cfg, hw)
+    except ConfigError as e:
+        record |= {"status": "invalid", "error": {"type": "ConfigError", "key": e.key, "message": str(e)}}
+        write_json_atomic(run_dir / RESULT, record)
+        if not multirun:
+            sys.exit(f"invalid config: {e}")
+        log.error("invalid config, point recorded: %s", e)
+        return record
+    record |= {"status": "ok", "error": None, **result}
+    write_json_atomic(run_dir / RESULT, record)
+    log.info("\n%s", summary(record))
+    return record
+
+
+def summary(record: dict) -> str:
+    m, p = record["metrics"], record["plan"]
+    mesh, memory = p["mesh"], p["memory"]
+    lines = [
+        f"plan: {mesh['world']} x {p['hardware']['name']} ({mesh['nodes']} node(s) x {mesh['gpus_per_node']}), "
+        f"dp_shard {mesh['dp_shard']}, ep {mesh['ep']}{' (across nodes)' if mesh['ep_across_nodes'] else ''}, "
+        f"{p['params_per_gpu'] / 1e9:.2f} B parameters per GPU",
+        f"step: {m['s_per_step']:.3f} s, {m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * m['mfu']:.1f} % "
+        f"(executed {100 * m['mfu_executed']:.1f} %); communication exposed {100 * p['exposed_communication_fraction']:.0f} %",
+        "  " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in m["trace_breakdown"]["seconds"].items() if v),
+        f"memory: peak {memory['peak_gib']:.1f} GiB allocated at {memory['peak_phase']} ({'fits' if p['fits'] else 'does not fit: ' + p['fits_why']})",
+        "  " + ", ".join(f"{k} {v:.1f}" for k, v in memory["by_category_gib"].items())
+        + "".join(f", {k} {v:.1f} (outside the allocator)" for k, v in memory["outside_allocator_gib"].items() if v)
+        + f", allocator slack {memory['allocator_slack_gib']:.1f} GiB",
+        f"host: {m['peak_host_rss_gib']:.1f} GiB per rank" + "".join(f", {k} {v:.1f}" for k, v in memory["host_gib"].items()),
+        "largest that fits: " + "; ".join(
+            f"offload={mode}: num_layers {fit['num_layers']}, seq_len {fit['seq_len']}" for mode, fit in p["largest_fitting"].items()
+        ),
+    ]
+    return "\n".join(lines)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
+def main(cfg: DictConfig) -> dict:
+    hc = HydraConfig.get()
+    meta = {
+        "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
+        "overrides": list(hc.overrides.task),
+        "sweep": hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None,
+    }
+    return run(cfg, Path(hc.runtime.output_dir), meta, multirun=hc.mode == RunMode.MULTIRUN)
+
+
+def profile_path_overrides(argv: list[str]) -> list[str]:
+    """``hardware=<a .yaml file>`` is short for ``hardware=file hardware.path=<it>``."""
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "hardware" and (value.endswith((".yaml", ".yml")) or "/" in value):
+            out += ["hardware=file", f"hardware.path={Path(value).resolve()}"]
+        else:
+            out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.argv = profile_path_overrides(sys.argv)
+    main()

@@ -1,0 +1,126 @@
+"""The ``hardware`` group of ``python -m moe_lab.plan``: what a GPU, its links and its host can do, and the mesh of
+nodes x GPUs per node the plan runs on.
+
+A profile holds public peak figures (vendor datasheets) and, for each, the fraction of it the kernels this project
+runs reach. The fractions' defaults were fitted on this project's H200 records (experiments/plan/README.md says
+which record gives which); ``python -m moe_lab.plan.calibrate`` measures them on the GPU it runs on and writes a
+profile with its own. A profile for another GPU (h100, b200, b300) sets its peaks and keeps the H200 fractions: that
+the kernels reach the same share of each peak there is the planner's main assumption off the H200.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from moe_lab.config.errors import ConfigError
+
+GIB = 2**30
+HARDWARE_OF_GPU = {"H200": "h200", "H100": "h100", "B200": "b200", "B300": "b300"}  # the option of a GPU by its name
+
+
+@dataclass
+class Hardware:
+    """One GPU model and its machine. Peaks are per GPU and per direction; ``*_efficiency`` the achieved share."""
+
+    name: str
+    nodes: int = 1
+    gpus_per_node: Optional[int] = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
+    # Datasheet peaks.
+    peak_bf16_tflops: float = 989.0  # dense bf16 tensor-core FLOP/s (no sparsity), also MFU's denominator
+    hbm_gib: float = 139.8  # device memory torch reports as total
+    hbm_tbps: float = 4.8  # device memory bandwidth
+    nvlink_gbps: float = 450.0  # GPU-to-GPU inside a node, per direction
+    internode_gbps: float = 50.0  # GPU-to-GPU across nodes (the GPU's NIC), per direction
+    pcie_gbps: float = 64.0  # host <-> device, per direction
+    host_memory_gib: float = 252.0  # per node, as the OS reports it
+    host_memory_gbps: float = 318.0  # per node
+    # Achieved shares of those peaks (the H200 fit, experiments/plan/README.md).
+    dense_gemm_efficiency: float = 0.77  # bf16 matmuls of the model's shapes, forward and backward
+    grouped_gemm_efficiency: float = 0.64  # expert grouped GEMMs (DeepGEMM / torch._grouped_mm), forward and backward
+    attention_efficiency: float = 0.55  # causal flash attention, executed FLOPs, forward and backward
+    hbm_efficiency: float = 0.73  # streaming kernels (AdamW, casts, norms)
+    nvlink_efficiency: float = 0.70  # all-to-all and FSDP collectives inside a node
+    internode_efficiency: float = 0.80  # FSDP collectives across nodes
+    pcie_efficiency: float = 0.83  # pinned host <-> device copies
+    host_adamw_efficiency: float = 0.35  # offload=full's blocked host AdamW (32 bytes per parameter) of host bandwidth
+    # What torch's allocator cannot use.
+    context_gib: float = 1.0  # CUDA context, cuBLAS / NCCL workspaces, other processes
+    host_memory_in_use_gib: float = 4.0  # the OS and other processes on each node
+    step_overhead_ms: float = 18.0  # per optimizer step: launch gaps the compute stream idles in (one GPU, compiled)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "gpus_per_node" and value is None:
+                continue
+            if f.name in ("nodes", "gpus_per_node"):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ConfigError(f"hardware.{f.name}", f"must be an integer >= 1, got {value!r}")
+            elif f.type == "float" and not (isinstance(value, (int, float)) and value >= 0):
+                raise ConfigError(f"hardware.{f.name}", f"must be a number >= 0, got {value!r}")
+            if f.name.endswith("_efficiency") and not 0 < value <= 1:
+                raise ConfigError(f"hardware.{f.name}", f"must be in (0, 1], got {value!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def on_mesh(self, gpus_per_node: int) -> Hardware:
+        """This profile with ``gpus_per_node`` where it left it to the job (None)."""
+        if self.gpus_per_node is not None:
+            return self
+        placed = copy.copy(self)
+        placed.gpus_per_node = gpus_per_node
+        return placed
+
+    # Achieved rates, in bytes/s and FLOP/s.
+    def flops(self, kind: str) -> float:
+        return self.peak_bf16_tflops * 1e12 * getattr(self, f"{kind}_efficiency")
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.hbm_tbps * 1e12 * self.hbm_efficiency
+
+    def link_bytes_per_s(self, across_nodes: bool) -> float:
+        if across_nodes:
+            return self.internode_gbps * 1e9 * self.internode_efficiency
+        return self.nvlink_gbps * 1e9 * self.nvlink_efficiency
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        return self.pcie_gbps * 1e9 * self.pcie_efficiency
+
+    def host_adamw_params_per_s(self, ranks_on_node: int) -> float:
+        """offload=full's host step rate of one rank, the node's memory bandwidth shared by its ranks."""
+        return self.host_memory_gbps * 1e9 * self.host_adamw_efficiency / 32 / ranks_on_node
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class HardwareFile(Hardware):
+    """``hardware=file hardware.path=<profile.yaml>``: a profile written by ``python -m moe_lab.plan.calibrate``
+    (keys of ``Hardware``: one GPU and its host); the mesh (``hardware.nodes``, ``hardware.gpus_per_node``) is the
+    command's."""
+
+    def __init__(self, path: str, nodes: int = 1, gpus_per_node: Optional[int] = None):
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError("hardware.path", f"no hardware profile at {path!r}")
+        values = yaml.safe_load(file.read_text()) or {}
+        values.pop("_target_", None)
+        known = {f.name for f in dataclasses.fields(Hardware)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError("hardware.path", f"{path}: unknown key {unknown[0]!r}; a profile holds {', '.join(sorted(known))}")
+        self.path = path
+        super().__init__(**(values | {"nodes": nodes, "gpus_per_node": gpus_per_node}))
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, **super().to_dict()}

@@ -1,0 +1,342 @@
+"""Peak device memory of one rank, by category, and host memory per offload mode.
+
+The peak is what ``torch.cuda.max_memory_allocated`` reports (the figure every record holds): the largest sum over
+the moments of a step where memory peaks. Those are walked as the step runs them:
+- the loss: model state, every layer's saved activations, the logits and their gradient;
+- the backward of its last layer and of its first (gradients grow and saved activations shrink by a layer each
+  layer, so the peak of backward is at one end): the gradients made so far, the saved activations of the layers
+  not yet run backward, and the layer's own working set (what full AC recomputes, and backward's temporaries);
+- the optimizer step: model state and the step's temporaries (foreach AdamW's square roots; offload=optimizer's
+  window of moments on the device).
+Memory outside the caching allocator (the fused dispatcher's symmetric workspace at EP>1, the CUDA context) does
+not count towards that peak but does towards what fits.
+
+Activations follow the code: ac=full keeps each block's input; ac=selective keeps the outputs of the ops
+``moe_lab.parallel.checkpointing.GENERIC_SAVED_OPS`` and the router's and dispatcher's ``saved_ops`` name (the planner
+reads those declarations, so a dispatcher that saves more or less is planned as it is); ac=none keeps those and the
+elementwise outputs backward reads too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lab.plan.shapes import Mesh, Shapes
+
+GIB = 2**30
+_aten = torch.ops.aten
+
+ADAMW_STATE_BYTES = 8  # exp_avg, exp_avg_sq in fp32
+# The fitted factor on one layer's backward temporaries (experts' activation gradients and weight gradients), from
+# the one-GPU records (experiments/plan/README.md).
+BACKWARD_WORKSPACE = 1.0
+
+
+@dataclass
+class Step:
+    """What a step of one rank is made of, for memory and time alike."""
+
+    shapes: Shapes
+    mesh: Mesh
+    seq_len: int
+    batch_size: int
+    grad_accum: int
+    dispatcher: str  # "torch" | "fused"
+    ac: str  # "none" | "selective" | "full"
+    offload: str  # "none" | "optimizer" | "full"
+    optimizer: str  # "adamw" | "signsgd"
+    foreach: bool  # AdamW without fused=true: torch's foreach path
+    compile: bool
+    saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
+    fused_align: int = 8  # rows per expert segment of the fused op (8 torch._grouped_mm, 128 DeepGEMM)
+    fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
+    chunk_mib: float = 256.0  # offload chunking
+    max_inflight: int = 3
+    grad_sync: str = "step"
+    keep_unsharded: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one rank."""
+        return self.seq_len * self.batch_size
+
+    @property
+    def cfg(self):
+        return self.shapes.cfg
+
+    @property
+    def fsdp(self) -> bool:
+        return self.mesh.world > 1
+
+    @property
+    def residual_bytes(self) -> int:
+        """The residual stream's dtype: fp32 on one rank (autocast keeps the fp32 embedding's output), bf16 under
+        FSDP2's mixed precision (bf16 parameters)."""
+        return 2 if self.fsdp else 4
+
+
+def routed_rows(step: Step) -> float:
+    """Rows this rank's experts receive per layer: under balanced routing every rank receives as many (token, k) slots
+    as it routes."""
+    return step.tokens * step.cfg.num_experts_per_tok
+
+
+def fused_receive_rows(step: Step, worst_case: bool | None = None) -> float:
+    """Rows of the fused op's receive buffer and saved residuals (``moe_lab.moe.fused.layout``): the rows received,
+    each local expert's segment padded to the GEMM's alignment (half a block on average, one at least). Before
+    commit 0c0883f (``worst_case``) it was sized for every token of every EP peer sending min(K, L) rows here."""
+    worst_case = step.fused_worst_case if worst_case is None else worst_case
+    c, mesh, align = step.cfg, step.mesh, step.fused_align
+    local_experts = c.num_experts // mesh.ep
+    if worst_case:  # each local expert's segment rounded up to the alignment
+        rows = mesh.ep * step.tokens * min(c.num_experts_per_tok, local_experts)
+        return rows + local_experts * (align - 1)
+    per_expert = routed_rows(step) / local_experts
+    padded = -(-per_expert // align) * align if per_expert == int(per_expert) else per_expert + align / 2
+    return local_experts * max(padded, align)
+
+
+def op_outputs(step: Step) -> dict:
+    """Bytes per layer of each op's outputs in one decoder block's forward, by op (a list where the op runs more
+    than once), for the ops whose outputs backward reads: what ac=selective may keep."""
+    c, t = step.cfg, step.tokens
+    q, kv, k = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_experts_per_tok
+    rows = routed_rows(step)
+    outputs = {
+        _aten.mm.default: [2 * t * q, 2 * t * kv, 2 * t * kv, 2 * t * c.hidden_size, 2 * t * c.num_experts],
+        _aten._scaled_dot_product_flash_attention.default: [2 * t * q + 4 * t * c.num_heads],
+        _aten.topk.default: [t * k * (4 + 8)],
+    }
+    if step.dispatcher == "fused":
+        fused_rows = fused_receive_rows(step)
+        inter = c.moe_intermediate_size
+        outputs[torch.ops.moe_lab.fused_moe.default] = [2 * t * c.hidden_size + fused_rows * (2 * c.hidden_size + 4 * inter + 4) + 8 * t * k]
+    else:
+        outputs[_aten.sort.stable] = [16 * t * k]
+        outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
+        if step.mesh.ep > 1:
+            outputs[torch.ops.moe_lab.all_to_all_rows.default] = [rows * 2 * c.hidden_size, t * k * 2 * c.hidden_size]
+    return outputs
+
+
+def elementwise_outputs(step: Step) -> float:
+    """Bytes per layer of the outputs backward reads that ac=selective recomputes (norms, RoPE, SwiGLU, the routed
+    rows' gather): what ac=none keeps beyond them."""
+    c, t = step.cfg, step.tokens
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attention = 2 * t * (2 * c.hidden_size + q + kv) + step.residual_bytes * t * c.hidden_size
+    if step.dispatcher == "fused":
+        return attention
+    return attention + routed_rows(step) * 2 * (c.hidden_size + c.moe_intermediate_size)
+
+
+def saved_per_layer(step: Step) -> float:
+    """Bytes one decoder block keeps from its forward to its backward."""
+    block_input = step.residual_bytes * step.tokens * step.cfg.hidden_size
+    if step.ac == "full":
+        return block_input
+    saved = sum(sum(sizes) for op, sizes in op_outputs(step).items() if op in step.saved_ops)
+    if step.ac == "selective":
+        return block_input + saved
+    every = sum(sum(sizes) for sizes in op_outputs(step).values())
+    return block_input + every + elementwise_outputs(step)
+
+
+def fused_saved_per_layer(step: Step) -> float:
+    """Of ``saved_per_layer``, what the fused op keeps: its receive-side residuals (rows received) and its output."""
+    op = torch.ops.moe_lab.fused_moe.default
+    if step.dispatcher != "fused" or step.ac == "full" or (step.ac == "selective" and op not in step.saved_ops):
+        return 0.0
+    return sum(op_outputs(step)[op])
+
+
+def backward_workspace(step: Step) -> float:
+    """One block's backward, beyond what it saved: under ac=full its recomputed forward, and the temporaries of its
+    backward (the experts' activation gradients, their weight gradients in bf16 before the fp32 cast)."""
+    c = step.cfg
+    rows = fused_receive_rows(step) if step.dispatcher == "fused" else routed_rows(step)
+    temporaries = rows * 2 * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
+    if not step.fsdp:  # gradients of the bf16 casts, before they are widened into fp32 .grad
+        temporaries += 2 * step.shapes.layer_params_unsharded(step.mesh)
+    recompute = 0.0
+    if step.ac == "full":
+        full_step = dataclasses.replace(step, ac="none")
+        recompute = saved_per_layer(full_step)
+    return BACKWARD_WORKSPACE * (temporaries + recompute)
+
+
+def loss_workspace(step: Step) -> float:
+    """The logits [T, V] in bf16 and their gradient; uncompiled, the fp32 upcast and log-softmax too."""
+    logits = step.tokens * step.cfg.vocab_size
+    return logits * (2 + 2 if step.compile else 2 + 4 + 4 + 4)
+
+
+@dataclass
+class Memory:
+    """Device bytes at the peak, by category (``peak`` sums the allocator's; ``outside_allocator`` comes on top
+    for what fits), and host bytes."""
+
+    categories: dict[str, float]
+    outside_allocator: dict[str, float]
+    host: dict[str, float]
+    phase: str  # where the peak is: loss | backward layer N | optimizer step
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return sum(self.categories.values())
+
+    @property
+    def device_total(self) -> float:
+        return self.peak + sum(self.outside_allocator.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    def gib(self) -> dict:
+        return {
+            "peak_gib": self.peak / GIB,
+            "peak_phase": self.phase,
+            "device_total_gib": self.device_total / GIB,
+            "by_category_gib": {k: v / GIB for k, v in self.categories.items()},
+            "outside_allocator_gib": {k: v / GIB for k, v in self.outside_allocator.items()},
+            "host_gib": {k: v / GIB for k, v in self.host.items()},
+            "host_total_gib": self.host_total / GIB,
+        }
+
+
+def chunks(step: Step, reverse: bool = False) -> list[float]:
+    """Parameter counts of the offload modes' chunks (``moe_lab.optim.offload.chunked.chunked``) over this rank's
+    shards in registration order (offload=full: reversed)."""
+    s, mesh = step.shapes, step.mesh
+    c = s.cfg
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = [c.hidden_size, c.hidden_size * q, c.hidden_size * kv, c.hidden_size * kv, q * c.hidden_size, c.head_dim, c.head_dim,
+             c.hidden_size, c.num_experts * c.hidden_size, s.expert_layer_params * 2 / 3, s.expert_layer_params / 3]  # fmt: skip
+    params = [s.embedding_params] + layer * c.num_layers + [c.hidden_size, s.embedding_params]
+    params = [p / mesh.world for p in (reversed(params) if reverse else params)]
+    limit = step.chunk_mib * 2**20 / 4
+    out, size = [0.0], 0.0
+    for p in params:
+        if out[-1] and size + p > limit:
+            out.append(0.0)
+            size = 0.0
+        out[-1] += p
+        size += p
+    return out
+
+
+def pinned(nbytes: float) -> float:
+    """torch's pinned host allocator rounds every block up to a power of two."""
+    return 0.0 if nbytes <= 0 else float(2 ** int(nbytes - 1).bit_length())
+
+
+def state_bytes(step: Step) -> int:
+    return ADAMW_STATE_BYTES if step.optimizer == "adamw" else 0
+
+
+def plan_memory(step: Step) -> Memory:
+    s, mesh, c = step.shapes, step.mesh, step.cfg
+    n = s.local_params(mesh)
+    layers = c.num_layers
+    layer_local = (s.dense_layer_params + s.expert_layer_params) / mesh.world
+    head_local = s.embedding_params / mesh.world
+    fsdp = step.fsdp
+
+    # Model state on the device, per parameter of this rank.
+    if step.offload == "full":
+        weights, grad_bytes, state = {"bf16 params": 2 * n}, 2, 0.0
+    else:
+        weights, grad_bytes = {"fp32 params (masters)": 4 * n}, 4
+        state = state_bytes(step) * n if step.offload == "none" else 0.0
+    grad_of = (lambda p: 0.0) if step.offload == "full" else (lambda p: grad_bytes * p)
+    # offload=full: gradients leave for the host as they are made, a chunk or so in flight.
+    in_flight = 2 * max(chunks(step, reverse=True)) if step.offload == "full" else 0.0
+    # Gradients at the loss, after layer ``l``'s backward (its own included: they exist while its workspace does)
+    # and at the optimizer step. With gradient accumulation the peak is in the last micro-batch, when the earlier
+    # ones have left theirs: .grad itself on one rank (offload=full: in bf16, until the final backward's hooks take
+    # them), FSDP2's fp32 unsharded accumulators of the whole EP-local model with grad_sync=step.
+    layer_grads = lambda l: grad_of(head_local + (layers - l) * layer_local)  # noqa: E731
+    grads = {"loss": in_flight, "step": grad_of(n) + in_flight, **{l: layer_grads(l) + in_flight for l in {0, layers - 1}}}
+    if step.grad_accum > 1:
+        if fsdp and step.grad_sync == "step":
+            held = 4 * (s.outside_params + layers * s.layer_params_unsharded(mesh))
+            grads = {k: v + (held if k != "step" else 0.0) for k, v in grads.items()}
+        elif step.offload == "full":
+            grads = {k: (2 * n if k != "step" else v) for k, v in grads.items()}
+        else:
+            grads = dict.fromkeys(grads, grad_bytes * n)
+
+    # FSDP2: the gathered bf16 block (and the next, prefetched), the LM head kept gathered from forward into
+    # backward; in backward also the block's unsharded gradients (bf16, then fp32 for the reduce-scatter).
+    block = s.layer_params_unsharded(mesh)
+    gathered_fwd = (2 * 2 * block + 2 * s.embedding_params) if fsdp else 0.0
+    gathered_bwd = (2 * 2 * block + 6 * block + 2 * s.embedding_params) if fsdp else 0.0
+    if fsdp and step.keep_unsharded:
+        gathered_fwd = gathered_bwd = 2 * (s.outside_params + layers * block) + 6 * block
+    # One rank: autocast's bf16 copies of the LM head (saved for its backward) and of the current block.
+    casts = 0.0 if fsdp or step.offload == "full" else 2 * (s.embedding_params + block)
+
+    fused = fused_saved_per_layer(step)
+    saved = saved_per_layer(step) - fused
+    workspace = backward_workspace(step)
+    base = {**weights, "optimizer state": state}
+
+    phases = {}
+    # The loss of the last micro-batch: every layer's activations, the logits and their gradient.
+    phases["loss"] = {
+        **base, "grads": grads["loss"], "activations": layers * saved, "fused dispatcher buffers": layers * fused,
+        "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_fwd,
+    }  # fmt: skip
+    # Gradients grow and saved activations shrink by a layer's worth each layer: the peak of the backward is at its
+    # first layer or its last.
+    for layer in sorted({layers - 1, 0}, reverse=True):
+        phases[f"backward layer {layer}"] = {
+            **base, "grads": grads[layer], "activations": (layer + 1) * saved + workspace,
+            "fused dispatcher buffers": (layer + 1) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
+        }  # fmt: skip
+    after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
+    if step.offload == "optimizer":  # moments of (max_inflight + 1) consecutive chunks on the device at once
+        sizes = chunks(step)
+        window = step.max_inflight + 1
+        after["optimizer state"] = state_bytes(step) * max(sum(sizes[i : i + window]) for i in range(len(sizes)))
+    elif step.offload == "none" and step.optimizer == "adamw" and step.foreach:
+        after["optimizer step temporaries"] = 4 * n  # foreach AdamW's sqrt(exp_avg_sq) of every parameter at once
+    phases["optimizer step"] = after
+
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    phase = max(totals, key=totals.get)
+    categories = {k: v for k, v in phases[phase].items() if v}
+
+    outside = {}
+    if step.dispatcher == "fused" and mesh.ep > 1:  # symmetric workspace: 4 receive-side buffers, the 1.25x ladder
+        rows = fused_receive_rows(step) * 1.25
+        outside["fused symmetric workspace"] = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size
+    host = plan_host(step)
+    return Memory(categories, outside, host, phase, {k: v / GIB for k, v in totals.items()})
+
+
+def plan_host(step: Step) -> dict[str, float]:
+    """Host memory of one rank by what holds it (``moe_lab.optim.offload``)."""
+    n = step.shapes.local_params(step.mesh)
+    if step.offload == "optimizer":
+        # Each parameter's state tensor is its own pinned block, rounded up to a power of two.
+        s, c = step.shapes, step.cfg
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        layer = [c.hidden_size * q, c.hidden_size * kv, c.hidden_size * kv, q * c.hidden_size, c.num_experts * c.hidden_size,
+                 s.expert_layer_params * 2 / 3, s.expert_layer_params / 3]  # fmt: skip
+        tensors = [s.embedding_params] * 2 + layer * c.num_layers
+        per_key = sum(pinned(4 * p / step.mesh.world) for p in tensors)
+        return {"pinned moments": per_key * state_bytes(step) / 4}
+    if step.offload == "full":
+        largest = max(chunks(step, reverse=True))
+        return {
+            "fp32 masters": 4 * n,
+            "moments": state_bytes(step) * n,
+            "pinned transfer buffers": step.max_inflight * pinned(2 * largest),
+        }
+    return {}

@@ -1,0 +1,115 @@
+"""Plans of measured points: a run's record (``result.json``) or a benchmark program's point (its command line),
+planned on the hardware it ran on, beside what it measured."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from moe_lab.plan.config import compose
+from moe_lab.plan.hardware import HARDWARE_OF_GPU
+from moe_lab.plan.planner import plan
+
+
+def _hardware(gpu: str | None, world: int) -> list[str]:
+    name = next((v for k, v in HARDWARE_OF_GPU.items() if gpu and k in gpu), "h200")
+    return [f"hardware={name}", f"hardware.gpus_per_node={world}"]
+
+
+def record_overrides(record: dict) -> list[str]:
+    """The overrides that give a record's configuration today: its own (group choices, preset), then every value of
+    its resolved config that today's config still has (a key added since keeps its default)."""
+    env = record.get("environment") or {}
+    return [o for o in record.get("overrides") or []] + _hardware(env.get("gpu"), int(record.get("world_size") or 1))
+
+
+# The commit from which the fused dispatcher's buffers follow the rows received (before it: the worst case).
+FUSED_RECEIVED_ROWS = "0c0883f"
+
+
+def made_before(record: dict, commit: str, repo: Path = Path(__file__).resolve().parents[2]) -> bool:
+    """Whether the code a record names (``environment.git_commit``) lacks ``commit``; a record naming no commit
+    git knows here is taken to be older."""
+    made = (record.get("environment") or {}).get("git_commit")
+    if not made:
+        return True
+    done = subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", commit, made], capture_output=True)
+    return done.returncode != 0
+
+
+def plan_record(record: dict, extra: list[str] = (), search: bool = False) -> dict:
+    cfg = compose(record_overrides(record) + list(extra))
+    measured = OmegaConf.create(record["config"])
+    for section in ("model", "data", "trainer", "parallel", "dispatcher", "ac", "offload", "optimizer"):
+        if section in measured:
+            keep = {k: v for k, v in OmegaConf.to_container(measured[section]).items() if k in cfg[section] and k != "_target_"}
+            cfg[section] = OmegaConf.merge(cfg[section], keep)
+    return plan(cfg, fused_worst_case=made_before(record, FUSED_RECEIVED_ROWS), search=search)
+
+
+def plan_command(command: str, gpu: str, world: int = 1, extra: list[str] = ()) -> dict:
+    """A benchmark program's point, given as its ``python -m moe_lab.train ...`` command line."""
+    overrides = [a for a in shlex.split(command) if "=" in a and not a.startswith("hydra.")]
+    return plan(compose(overrides + _hardware(gpu, world) + list(extra)))
+
+
+def read(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def newest_sittings(records_dir: str | Path) -> list[Path]:
+    """The newest sitting (the latest ``<UTC start>`` directory) of each machine folder of a study's records."""
+    out = []
+    for machine in sorted(p for p in Path(records_dir).iterdir() if p.is_dir()):
+        sittings = sorted(p for p in machine.iterdir() if p.is_dir())
+        if sittings:
+            out.append(sittings[-1])
+    return out
+
+
+# shared/DESIGN.md, "Facts to build on": prime-rl's docs/performance.md, Qwen3-235B-A22B SFT on 32 B300, FSDP 32 x
+# EP 8, seq 16384, one packed sample per GPU, forced round-robin routing.
+PUBLISHED_235B = {"torchtitan": 5.04, "torch dispatch": 4.39, "fused full AC": 4.10, "fused selective AC": 3.93}
+REFERENCE_235B = ["+experiment=reference_235b", "hardware=b300", "hardware.nodes=4", "hardware.gpus_per_node=8"]
+# torchtitan is no moe_lab option: its plan is moe_lab's torch dispatcher's, times torchtitan's step over moe_lab's
+# measured at the same AC (selective) on the same two H200s in the same sitting.
+TORCHTITAN_RATIO_RECORDS = ("experiments/torchtitan_baseline/records/h200_2gpu/2026-11-30_09-43.json",
+                            "experiments/grid_30b/records/h200_2gpu/2026-11-30_09-27/1/result.json")  # fmt: skip
+
+
+def torchtitan_ratio(repo: Path = Path(__file__).resolve().parents[2]) -> float:
+    titan_file, ours_file = (repo / p for p in TORCHTITAN_RATIO_RECORDS)
+    titan = next(p for p in read(titan_file)["points"] if p["ac"] == "selective" and p["status"] == "ok")
+    return titan["s_per_step"] / read(ours_file)["metrics"]["s_per_step"]
+
+
+def reference_235b() -> list[dict]:
+    """The published reference's rows beside the plans of the moe_lab configurations they correspond to
+    (``compared``: the row the check holds to 20 %; the torch dispatcher with ac=full is shown, not compared: the
+    reference names no AC mode for its torch-dispatch row)."""
+
+    def planned(dispatcher: str, ac: str) -> dict:
+        return plan(compose(REFERENCE_235B + [f"dispatcher={dispatcher}", f"ac={ac}"]), search=False)
+
+    rows = []
+    for reference, dispatcher, ac, compared in (
+        ("fused selective AC", "fused", "selective", True),
+        ("fused full AC", "fused", "full", True),
+        ("torch dispatch", "torch", "selective", True),
+        ("torch dispatch", "torch", "full", False),
+    ):
+        p = planned(dispatcher, ac)
+        rows.append({"reference": reference, "dispatcher": dispatcher, "ac": ac, "compared": compared,
+                     "published_s": PUBLISHED_235B[reference], "planned_s": p["metrics"]["s_per_step"],
+                     "planned_mfu": p["metrics"]["mfu"], "fits": p["plan"]["fits"],
+                     "peak_gpu_mem_gib": p["metrics"]["peak_gpu_mem_gib"]})  # fmt: skip
+    torch_selective = next(r for r in rows if r["dispatcher"] == "torch" and r["ac"] == "selective")
+    ratio = torchtitan_ratio()
+    rows.append({**torch_selective, "reference": "torchtitan", "dispatcher": f"torch x {ratio:.3f} (torchtitan / moe_lab, H200)",
+                 "published_s": PUBLISHED_235B["torchtitan"], "planned_s": torch_selective["planned_s"] * ratio,
+                 "planned_mfu": torch_selective["planned_mfu"] / ratio})  # fmt: skip
+    return rows
