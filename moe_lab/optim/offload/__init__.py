@@ -84,7 +84,7 @@ class OptimizerOffload:
     mode adds on the device.
     """
 
-    def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 20):
+    def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 12):
         self.chunk_mib, self.max_inflight = chunk_mib, max_inflight
 
     def validate(self, cfg: DictConfig) -> None:
