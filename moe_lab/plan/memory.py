@@ -20,10 +20,12 @@ elementwise outputs backward reads too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from moe_lab.moe.router import Router
 from moe_lab.plan.shapes import Mesh, Shapes
 
 GIB = 2**30
@@ -79,9 +81,28 @@ class Step:
 
 
 def routed_rows(step: Step) -> float:
-    """Rows this rank's experts receive per layer: under balanced routing every rank receives as many (token, k) slots
-    as it routes."""
+    """Rows the busiest rank's experts receive per layer: under balanced routing every rank receives as many (token,
+    k) slots as it routes; under forced skewed routing the rank holding the most-chosen experts receives more, and the
+    EP group waits for it (its memory is the group's peak too). Learned routing is planned as balanced."""
+    c = step.cfg
+    skewed = c.routing == "skewed" and step.mesh.ep > 1
+    share = busiest_rank_share(c.num_experts, c.num_experts_per_tok, c.routing_skew, step.mesh.ep) if skewed else 1 / step.mesh.ep
+    return routed_slots(step) * share * step.mesh.ep
+
+
+def routed_slots(step: Step) -> int:
+    """(token, k) slots this rank routes per layer."""
     return step.tokens * step.cfg.num_experts_per_tok
+
+
+@functools.cache
+def busiest_rank_share(num_experts: int, top_k: int, skew: float, ep: int, tokens: int = 8192) -> float:
+    """The share of all routed slots that lands on the busiest of ``ep`` ranks (each holding a contiguous block of
+    experts) under forced skewed routing, counted on the router's own draw (``Router.forced_ids``)."""
+    router = Router(1, num_experts, top_k, norm_topk_prob=True, routing="skewed", routing_skew=skew)
+    ids = router.forced_ids(tokens, torch.device("cpu"))
+    per_rank = torch.bincount(ids.flatten() // (num_experts // ep), minlength=ep)
+    return per_rank.max().item() / ids.numel()
 
 
 def fused_receive_rows(step: Step, worst_case: bool | None = None) -> float:

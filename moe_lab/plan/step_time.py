@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import Step, fused_receive_rows, routed_rows
+from moe_lab.plan.memory import Step, fused_receive_rows, routed_rows, routed_slots
 
 # Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
 # grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies); its
@@ -120,7 +120,8 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     exchange = exchange_seconds(step, hw)
     index_adds = (3 if mesh.ep > 1 else 1) if step.dispatcher == "torch" else 0
     return {
-        "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) / expert_rate,
+        # the busiest rank's rows (skewed routing) over the rows it routes
+        "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if step.dispatcher == "fused" else 0.0),
         "ep_all_to_all": exchange if step.dispatcher == "torch" else 0.0,
         "other": c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s,
