@@ -375,6 +375,21 @@ def plan_reference(*paths: str) -> str:
     return markdown(rows, header)
 
 
+def planned(*paths: str) -> str:
+    """Points planned before they run (``python -m moe_lab.plan -m``): each point's sweep overrides, the predicted step
+    and peak memory, and whether it fits."""
+    rows = []
+    for path in paths:
+        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+            record = json.loads(result.read_text())
+            m, p = record["metrics"], record["plan"]
+            swept = " ".join(o for o in record["overrides"] if not o.startswith(("+experiment=", "hardware.")))
+            rows.append([cite(path), swept, num(m["s_per_step"], ".3f"), num(m["tokens_per_s_per_gpu"]), pct(m["mfu"]),
+                         num(m["peak_gpu_mem_gib"], ".1f"), num(p["memory"]["host_total_gib"], ".0f"),
+                         "yes" if p["fits"] else f"no: {p['fits_why']}"])  # fmt: skip
+    return markdown(rows, ["plans", "point", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB", "host GiB per rank", "fits"])
+
+
 KINDS = {
     "grid": grid,
     "torchtitan": torchtitan_table,
@@ -390,6 +405,7 @@ KINDS = {
     "plan-depth": plan_depth,
     "plan-breakdown": plan_breakdown,
     "plan-reference": plan_reference,
+    "planned": planned,
 }
 
 

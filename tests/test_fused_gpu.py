@@ -1,9 +1,9 @@
 """dispatcher=fused, gpu backend on CUDA: matches the reference backend at Qwen3-30B-A3B and Qwen3-235B-A22B expert
 shapes (128 experts, top-8), balanced, skewed (idle experts) and concentrated routing (every token to experts 0-7), for
 both GEMM choices; syncs with the host once per forward (the receive-buffer sizes) and never in backward; a decoder
-block compiles fullgraph under full and selective AC and matches eager; EP=2 over symmetric memory on two GPUs
-matches the reference backend, its residuals holding the rows each rank receives (none on rank 1 under concentrated
-routing: one aligned block).
+block compiles fullgraph under full and selective AC and matches eager; EP=2 and EP=4 over symmetric memory (as many
+GPUs) match the reference backend, their residuals holding the rows each rank receives (none on ranks other than 0
+under concentrated routing: one aligned block).
 
 Tolerance (bf16): the gpu backend's outputs and gradients are compared with the reference backend run in fp32 on
 the same bf16-rounded inputs; the relative error ||gpu - ref|| / ||ref|| must stay below 1e-2 (bf16 keeps 8
@@ -148,12 +148,12 @@ def test_block_compiles_fullgraph_on_gpu(ac):
         assert err(compiled, name) < 2 * err(eager, name) + 1e-2, (name, err(compiled, name), err(eager, name))
 
 
-def _ep2_worker(rank, port, queue):
+def _ep_worker(rank, ep, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    dist.init_process_group("nccl", rank=rank, world_size=ep, device_id=torch.device("cuda", rank))
     try:
         from moe_lab.moe.fused.ops import ALIGN
         from tests.fused_cases import received_rows
@@ -163,9 +163,9 @@ def _ep2_worker(rank, port, queue):
             # concentrated after skewed: the symmetric workspace grows (rank 0 receives every row) between calls
             for routing in ("balanced", "skewed", "concentrated"):
                 x, ids, weights, gate_up_proj, down_proj, grad_out = make_problem(*SHAPES[shape], 1024, routing, seed=rank)
-                all_ids = [torch.empty_like(ids) for _ in range(2)]
+                all_ids = [torch.empty_like(ids) for _ in range(ep)]
                 dist.all_gather(all_ids, ids)
-                local = slice(rank * E // 2, (rank + 1) * E // 2)
+                local = slice(rank * E // ep, (rank + 1) * E // ep)
                 gate_up_proj, down_proj = gate_up_proj[local].contiguous(), down_proj[local].contiguous()
                 problem = (x, ids, weights, gate_up_proj, down_proj, grad_out)
                 name = dist.group.WORLD.group_name
@@ -175,7 +175,7 @@ def _ep2_worker(rank, port, queue):
                         got = run_op(backend, *problem, group_name=name)
                     out[f"{shape}/{routing}/{backend}"] = rel_errors(got, ref)
                     residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[1:4]
-                    expected = received_rows([i.cpu() for i in all_ids], rank, 2, ALIGN[backend], E)[1]
+                    expected = received_rows([i.cpu() for i in all_ids], rank, ep, ALIGN[backend], E)[1]
                     rows[f"{shape}/{routing}/{backend}"] = ({t.shape[0] for t in residuals}, expected)
         queue.put((rank, {"errors": out, "rows": rows}))
     except BaseException as e:
@@ -185,8 +185,8 @@ def _ep2_worker(rank, port, queue):
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_gpu_expert_parallel_2_symmetric_memory():
+@pytest.mark.parametrize("ep", [pytest.param(ep, id=f"ep{ep}", marks=pytest.mark.skipif(torch.cuda.device_count() < ep, reason=f"needs {ep} GPUs")) for ep in (2, 4)])
+def test_gpu_expert_parallel_symmetric_memory(ep):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -194,7 +194,7 @@ def test_gpu_expert_parallel_2_symmetric_memory():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_ep2_worker, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_ep_worker, args=(r, ep, port, queue)) for r in range(ep)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=600) for _ in procs)

@@ -3,6 +3,7 @@
 # settings (none, full, op-selective, layer-selective every 2nd block), one part per 10-minute device call:
 #   bash experiments/torchtitan_baseline/run.sh one_gpu|two_gpu|seq8192   30B, 4 layers: 1 GPU, 2 GPUs, 2 GPUs at seq 8192
 #   bash experiments/torchtitan_baseline/run.sh one_gpu_235b|two_gpu_235b 235B, 2 layers: 1 GPU, 2 GPUs
+#   bash experiments/torchtitan_baseline/run.sh four_gpu|four_gpu_235b   4 GPUs (nvidia-h200-x4): 30B and 235B, 4 layers
 # torchtitan and its wheels must be importable (bash benchmarks/fetch_wheels.sh, docs/performance.md "Reproduce").
 # Each job gets its own timeout (a job past it is recorded as `timeout` and the next one starts); the part's own
 # timeout, above the jobs' sum, only guards the asset building. Records: records/<machine>_<part's label>/<UTC
@@ -20,6 +21,8 @@ two_gpu) baseline 2gpu 16384 2 90 ;;
 seq8192) baseline 2gpu_seq8192 8192 2 80 ;;
 one_gpu_235b) baseline 1gpu_235b 16384 1 115 --flavour 235B-A22B --layers 2 ;;
 two_gpu_235b) baseline 2gpu_235b 16384 2 110 --flavour 235B-A22B --layers 2 ;;
-*) echo "usage: $0 one_gpu|two_gpu|seq8192|one_gpu_235b|two_gpu_235b" >&2; exit 2 ;;
+four_gpu) baseline 4gpu 16384 4 110 ;;
+four_gpu_235b) baseline 4gpu_235b 16384 4 115 --flavour 235B-A22B --layers 4 ;;
+*) echo "usage: $0 one_gpu|two_gpu|seq8192|one_gpu_235b|two_gpu_235b|four_gpu|four_gpu_235b" >&2; exit 2 ;;
 esac
 pack "$out"

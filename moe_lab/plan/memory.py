@@ -141,7 +141,10 @@ def saved_per_layer(step: Step) -> float:
     saved = sum(sum(sizes) for op, sizes in op_outputs(step).items() if op in step.saved_ops)
     if step.ac == "selective":
         return block_input + saved
-    every = sum(sum(sizes) for sizes in op_outputs(step).values())
+    # Without AC autograd keeps only what a backward reads. The all-to-all's outputs feed permutations (index_select,
+    # whose backward needs the indices alone): selective AC keeps them because the dispatcher names them, none does not.
+    unread = {torch.ops.moe_lab.all_to_all_rows.default}
+    every = sum(sum(sizes) for op, sizes in op_outputs(step).items() if op not in unread)
     return block_input + every + elementwise_outputs(step)
 
 
