@@ -225,7 +225,8 @@ def _small_model() -> nn.Module:
 def _loss(model: nn.Module, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(step)
     inputs, targets = torch.randn(16, 8, generator=generator), torch.randn(16, 4, generator=generator)
-    return F.mse_loss(model(inputs), targets)
+    device = next(model.parameters()).device  # drawn on the CPU: the same batches on any device
+    return F.mse_loss(model(inputs.to(device)), targets.to(device))
 
 
 def _build(mode: str, model: nn.Module) -> torch.optim.Optimizer:
