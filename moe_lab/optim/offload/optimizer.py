@@ -198,6 +198,9 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         needed = min(self.max_inflight * max((c.nbytes for c in self.order), default=0), sum(c.nbytes for c in self.order))
         if self.ring.numel() < needed:
             self.ring = torch.empty(needed, dtype=torch.uint8, device=self.device)
+            # The allocator orders a reused block after its last users on the allocating (current) stream only: the
+            # first copies into the new ring wait for that stream's work queued so far.
+            self.h2d.after_current()
             for stream in (self.h2d, self.steps, self.d2h):
                 stream.keep_for(self.ring)  # not reused once replaced until each stream is done with it
             self.regions.clear()
@@ -220,6 +223,8 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         """A region of the ring for ``nbytes`` after the last one (or from the start, where it does not fit before
         the end) once every chunk whose state is there has stepped, else None; its ``waits`` are the ``left``
         events of the regions it replaces, which the copy into it must wait for."""
+        if nbytes == 0:  # no state (SignSGD): nothing to wait for, and nothing later replaces it
+            return Region(self.cursor, self.cursor)
         start = self.cursor if self.cursor + nbytes <= self.ring.numel() else 0
         region = Region(start, start + nbytes)
         covered = [r for r in self.regions if r.start < region.end and region.start < r.end]
