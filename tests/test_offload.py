@@ -31,8 +31,9 @@ from moe_lab.config import ConfigError
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
 from moe_lab.optim.offload.full import InBackwardOptimizer
-from moe_lab.optim.offload.host import check_host_memory
+from moe_lab.optim.offload.host import SideStream, check_host_memory
 from moe_lab.optim.offload.host_step import HOST_STEP_SWITCH_INTERVAL_S, HOST_STEPS, HostSignSGD, host_optimizer, prompt_gil_handover
+from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
@@ -369,19 +370,47 @@ def _micro_batch_loss(model: nn.Module, step: int, micro_batch: int) -> torch.Te
     return _loss(model, 10 * step + micro_batch) / 2  # two micro-batches: the mean over the step's batch
 
 
+def _delay_side_streams(monkeypatch, cycles: int = 2_000_000) -> None:
+    """Every side-stream copy and chunk step first sleeps on its stream (about 1 ms on an H200), after the waits
+    that order it: a consumer that does not wait for it then reads what was there before."""
+    copy, step_chunk = SideStream.copy, StreamedStateOptimizer._step_chunk
+
+    def slow_copy(self, dst, src, after_current=True):
+        if after_current:
+            self.after_current()
+        with self.use():
+            torch.cuda._sleep(cycles)
+        copy(self, dst, src, after_current=False)
+
+    def slow_step_chunk(self, chunk):
+        torch.cuda._sleep(cycles)  # on the steps stream: every call is inside its use()
+        step_chunk(self, chunk)
+
+    monkeypatch.setattr(SideStream, "copy", slow_copy)
+    monkeypatch.setattr(StreamedStateOptimizer, "_step_chunk", slow_step_chunk)
+
+
 @pytest.mark.parametrize("chunk_mib", [CHUNK_MIB, PIECES_MIB], ids=["whole", "pieces"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device, chunk_mib):
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda_delayed", marks=pytest.mark.gpu)]
+)
+def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device, chunk_mib, monkeypatch):
     """Two micro-batches per step, the chunks' state larger than the device ring it passes through: the earlier
     micro-batch's backward steps nothing; from the second step on (the first creates the state, after backward) the
     last one's backward leaves, before ``step()`` is called, the weights plain AdamW leaves on the step's whole
     batch, whether its chunks hold whole parameters or pieces of them. On CUDA the chunks step on a stream of their
-    own, their state copied in and out on two more."""
+    own, their state copied in and out on two more. ``cuda_delayed``: each side-stream copy and chunk step is
+    delayed on its stream and the device is never synchronized (weights compared after ``step()``, on the compute
+    stream, while copies home still run): a missing wait between the streams reads stale state or weights."""
+    delayed = device == "cuda_delayed"
+    if delayed:
+        device = "cuda"
+        _delay_side_streams(monkeypatch)
     model, reference = _small_model().to(device), _small_model().to(device)
     offload = OptimizerOffload(chunk_mib=chunk_mib, max_inflight=2)
     optimizer = offload.build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
     plain = torch.optim.AdamW(reference.parameters(), lr=LR)
-    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    sync = torch.cuda.synchronize if device == "cuda" and not delayed else lambda: None
     for step in range(4):
         sum(_micro_batch_loss(reference, step, j) for j in range(2)).backward()
         plain.step()
@@ -393,7 +422,7 @@ def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device, c
             sync()
             if micro_batch == 0 or step == 0:
                 assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), (step, micro_batch)
-        if step > 0:
+        if step > 0 and not delayed:  # the chunks' steps are ordered before the compute stream by step() only
             assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
         optimizer.step()
         optimizer.zero_grad()
