@@ -90,6 +90,23 @@ def main() -> None:
     print()
     for mode, target in TARGETS.items():
         print(f"- offload={mode}: {crossover(found, ratios, mode, target)}")
+    print()
+    for mode in TARGETS:
+        print(f"- offload={mode}: {loss_agreement(found, mode)}")
+
+
+def loss_agreement(found: dict, mode: str) -> str:
+    """The largest difference of its per-step losses from offload=none's at each accumulation. offload=optimizer
+    does none's arithmetic (bf16 compute, fp32 AdamW), so only kernel nondeterminism separates them; a state or
+    weight read before its copy or step finished shows as a loss curve that leaves none's."""
+    parts = []
+    for accum in sorted(a for (a, m) in found if m == mode):
+        mine = (found[(accum, mode)].get("metrics") or {}).get("losses")
+        none = (found.get((accum, "none"), {}).get("metrics") or {}).get("losses")
+        if mine and none:
+            steps = min(len(mine), len(none))
+            parts.append(f"{max(abs(a - b) for a, b in zip(mine[:steps], none[:steps])):.4f} at {accum} ({steps} steps)")
+    return "largest |loss - none's| " + ", ".join(parts) if parts else "losses not comparable (none's or its own missing)"
 
 
 def crossover(found: dict, ratios: dict, mode: str, target: float) -> str:
