@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from moe_lab import config
 from moe_lab.job import run_job
 from moe_lab.launch.launcher import rank_hydra_overrides
+from moe_lab.results.record import job_meta
 
 config.register()
 
@@ -29,12 +30,7 @@ def main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     run_dir = Path(hc.runtime.output_dir)
-    meta = {
-        "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
-        "overrides": list(hc.overrides.task),
-        "sweep": hc.sweep.dir if multirun else None,
-        "log_file": str(run_dir / f"{hc.job.name}.log"),
-    }
+    meta = job_meta(hc) | {"log_file": str(run_dir / f"{hc.job.name}.log")}
     return run_job(cfg, run_dir, meta, multirun=multirun)
 
 

@@ -292,12 +292,8 @@ class Checkpointer:
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The buffers ``model.state_dict()`` holds (training state that is no parameter), by name."""
-    return {
-        f"{module_name}.{name}" if module_name else name: buffer
-        for module_name, module in model.named_modules()
-        for name, buffer in module._buffers.items()
-        if buffer is not None and name not in module._non_persistent_buffers_set
-    }
+    saved = model.state_dict(keep_vars=True)
+    return {name: buffer for name, buffer in model.named_buffers() if name in saved}
 
 
 # Objects that are not tensors (the scheduler's state, hyperparameters, random generator states) go in pickled, as

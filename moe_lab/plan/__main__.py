@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from moe_lab.config import ConfigError
 from moe_lab.plan import config as plan_config
 from moe_lab.plan.planner import build_hardware, plan
-from moe_lab.results.record import RESULT, git_state, point_config, write_json_atomic
+from moe_lab.results.record import RESULT, git_state, job_meta, point_config, write_json_atomic
 
 log = logging.getLogger("moe_lab.plan")
 plan_config.register()
@@ -78,12 +78,7 @@ def summary(record: dict) -> str:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
 def main(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
-    meta = {
-        "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
-        "overrides": list(hc.overrides.task),
-        "sweep": hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None,
-    }
-    return run(cfg, Path(hc.runtime.output_dir), meta, multirun=hc.mode == RunMode.MULTIRUN)
+    return run(cfg, Path(hc.runtime.output_dir), job_meta(hc), multirun=hc.mode == RunMode.MULTIRUN)
 
 
 def profile_path_overrides(argv: list[str]) -> list[str]:

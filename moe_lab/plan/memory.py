@@ -233,16 +233,24 @@ class Memory:
         }
 
 
-def chunks(step: Step, reverse: bool = False) -> list[float]:
-    """Parameter counts of the offload modes' chunks (``moe_lab.optim.offload.chunked.chunked``) over this rank's
-    shards in registration order (offload=full: reversed)."""
-    s, mesh = step.shapes, step.mesh
+def parameter_sizes(step: Step) -> list[float]:
+    """Elements of each parameter tensor this rank holds, in registration order: the embedding, each layer's (input
+    norm, q/k/v/o projections, q/k norms, post-attention norm, router, gate/up and down expert stacks), the final
+    norm, the LM head."""
+    s = step.shapes
     c = s.cfg
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layer = [c.hidden_size, c.hidden_size * q, c.hidden_size * kv, c.hidden_size * kv, q * c.hidden_size, c.head_dim, c.head_dim,
              c.hidden_size, c.num_experts * c.hidden_size, s.expert_layer_params * 2 / 3, s.expert_layer_params / 3]  # fmt: skip
     params = [s.embedding_params] + layer * c.num_layers + [c.hidden_size, s.embedding_params]
-    params = [p / mesh.world for p in (reversed(params) if reverse else params)]
+    return [p / step.mesh.world for p in params]
+
+
+def chunks(step: Step, reverse: bool = False) -> list[float]:
+    """Parameter counts of the offload modes' chunks (``moe_lab.optim.offload.chunked.chunked``) over this rank's
+    shards in registration order (offload=full: reversed)."""
+    params = parameter_sizes(step)
+    params = params[::-1] if reverse else params
     limit = step.chunk_mib * 2**20 / 4
     out, size = [0.0], 0.0
     for p in params:
@@ -349,12 +357,7 @@ def plan_host(step: Step) -> dict[str, float]:
     n = step.shapes.local_params(step.mesh)
     if step.offload == "optimizer":
         # Each parameter's state tensor is its own pinned block, rounded up to a power of two.
-        s, c = step.shapes, step.cfg
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        layer = [c.hidden_size * q, c.hidden_size * kv, c.hidden_size * kv, q * c.hidden_size, c.num_experts * c.hidden_size,
-                 s.expert_layer_params * 2 / 3, s.expert_layer_params / 3]  # fmt: skip
-        tensors = [s.embedding_params] * 2 + layer * c.num_layers
-        per_key = sum(pinned(4 * p / step.mesh.world) for p in tensors)
+        per_key = sum(pinned(4 * p) for p in parameter_sizes(step))
         return {"pinned moments": per_key * state_bytes(step) / 4}
     if step.offload == "full":
         largest = max(chunks(step, reverse=True))

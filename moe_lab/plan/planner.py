@@ -18,6 +18,7 @@ from moe_lab.config import ConfigError, Options
 from moe_lab.config.validate import check_target_node
 from moe_lab.metrics.flops import flops_per_token
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
+from moe_lab.moe.fused.ops import ALIGN
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.optimizers import SignSGD
@@ -93,9 +94,9 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         raise ConfigError("optimizer._target_", f"the planner models torch.optim.AdamW and SignSGD, got {opt_class}")
     keywords = opt.keywords if isinstance(opt, partial) else {}
     dispatcher = options.dispatcher
-    align = 8
-    if kind["dispatcher"] == "fused" and dispatcher.gemm != "torch" and (dispatcher.gemm == "deep_gemm" or train.parallel.ep == 1):
-        align = 128  # DeepGEMM's contiguous layout (the GPU runs deep_gemm at EP=1 where importable)
+    # The GPU's backend choice (moe_lab.moe.fused.gpu_backend_name), DeepGEMM taken as importable there
+    deep_gemm = kind["dispatcher"] == "fused" and dispatcher.gemm != "torch" and (dispatcher.gemm == "deep_gemm" or train.parallel.ep == 1)
+    align = ALIGN["gpu_deep_gemm" if deep_gemm else "gpu"]
     if kind["dispatcher"] == "fused" and train.parallel.ep > hw.gpus_per_node:
         raise ConfigError(
             "parallel.ep",
@@ -117,12 +118,18 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         compile=train.trainer.compile,
         saved_ops=frozenset(GENERIC_SAVED_OPS | Router.saved_ops | dispatcher.saved_ops),
         fused_align=align,
-        chunk_mib=getattr(offload, "chunk_mib", 256.0),
-        max_inflight=getattr(offload, "max_inflight", 3),
         grad_sync=train.parallel.grad_sync,
         keep_unsharded=train.parallel.keep_unsharded,
+        **chunking(offload),
     )
     return dataclasses.replace(step, **changes)
+
+
+def chunking(offload) -> dict:
+    """The Step fields an offload option sets: its chunk size and chunks in flight (offload=none has neither)."""
+    if isinstance(offload, NoOffload):
+        return {}
+    return {"chunk_mib": offload.chunk_mib, "max_inflight": offload.max_inflight}
 
 
 def _kind(table: dict, option, key: str) -> str:
@@ -182,7 +189,7 @@ def _with(step: Step, field: str, value: int) -> Step:
 def offload_step(step: Step, mode: str, options_offload) -> Step:
     defaults = {"none": NoOffload(), "optimizer": OptimizerOffload(), "full": FullOffload()}
     offload = options_offload if OFFLOADS.get(type(options_offload)) == mode else defaults[mode]
-    return dataclasses.replace(step, offload=mode, chunk_mib=getattr(offload, "chunk_mib", 256.0), max_inflight=getattr(offload, "max_inflight", 3))
+    return dataclasses.replace(step, offload=mode, **chunking(offload))
 
 
 def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = False, search: bool = True) -> dict:

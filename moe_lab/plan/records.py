@@ -21,8 +21,8 @@ def _hardware(gpu: str | None, world: int) -> list[str]:
 
 
 def record_overrides(record: dict) -> list[str]:
-    """The overrides that give a record's configuration today: its own (group choices, preset), then every value of
-    its resolved config that today's config still has (a key added since keeps its default)."""
+    """The overrides that give a record's configuration today: its own (group choices, preset) and the hardware it
+    ran on; ``plan_record`` then sets every value of its resolved config that today's config still has."""
     env = record.get("environment") or {}
     return [o for o in record.get("overrides") or []] + _hardware(env.get("gpu"), int(record.get("world_size") or 1))
 

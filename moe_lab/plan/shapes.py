@@ -90,9 +90,7 @@ class Shapes:
     # FLOPs of one micro-batch's forward, per rank, by kind (multiply by 3 for forward + backward).
     def dense_flops(self, tokens: int) -> float:
         """Attention projections and the router, per layer, and the LM head."""
-        c = self.cfg
-        per_token = c.num_layers * 2 * (self.attention_params + c.num_experts * c.hidden_size) + 2 * self.embedding_params
-        return per_token * tokens
+        return self.layer_dense_flops(tokens) + 2 * self.embedding_params * tokens
 
     def layer_dense_flops(self, tokens: int) -> float:
         return self.cfg.num_layers * 2 * (self.attention_params + self.cfg.num_experts * self.cfg.hidden_size) * tokens

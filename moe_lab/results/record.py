@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 METRICS = "metrics.jsonl"
@@ -43,6 +44,16 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def job_meta(hc) -> dict:
+    """What a record says of the Hydra job it came from (``hc``: ``HydraConfig.get()``): group choices, command-line
+    overrides, and the sweep directory of a multirun (None for a single run)."""
+    return {
+        "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
+        "overrides": list(hc.overrides.task),
+        "sweep": hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None,
+    }
 
 
 def point_config(cfg) -> dict:
