@@ -3,7 +3,7 @@
     python benchmarks/host_optimizer.py                     # writes experiments/host_optimizer/records/<host>/<UTC time>.json
     python benchmarks/host_optimizer.py --numel 16777216 --out /tmp/x.json
 
-For each thread count (1, half, all of this process's CPUs) it times:
+For each thread count (1, half, all but one, all of this process's CPUs) it times:
 - the bandwidth ceiling: the best of two in-place streaming kernels over large fp32 tensors, ``a.mul_(s)``
   (8 bytes per element) and ``a.add_(b)`` (12 bytes per element). In-place, like the optimizer: a kernel that
   writes a fresh output also reads each output line before writing it (write-allocate), traffic its byte count
@@ -22,11 +22,17 @@ For each thread count (1, half, all of this process's CPUs) it times:
 - ``full_chunk_adamw_block<N>``: the same with N elements per thread per block (``--block-sweep``), and
   ``full_chunk_adamw_whole``: one block of the whole chunk, i.e. widen, step and narrow each in a pass over the
   whole chunk (how full offload stepped before issue 18), charged the same 32 bytes;
+- ``adamw_fused_blocked``: the fused kernel alone, block by block as the host step calls it (no widening or
+  narrowing): against ``adamw_fused`` the cost of blocking (a parallel region per block), against
+  ``full_chunk_adamw`` that of the two conversions;
 - ``full_chunk_adamw_beside_busy_thread``: ``full_chunk_adamw`` while another thread of the process keeps a CPU busy
   the way the training thread does during backward (small torch ops, Python in between). In a training step the
   host step shares the rank's CPUs with that thread: with as many host threads as CPUs, each of the step's
   parallel regions waits for the thread that lost its CPU to the training thread, so compare this row at ``all``
-  threads with ``all - 1`` (offload=full's default leaves one CPU to the training thread).
+  threads with ``all - 1`` (offload=full's default leaves one CPU to the training thread);
+- ``full_chunk_adamw_beside_python_thread``: the same beside a thread that runs pure Python, holding the GIL, which
+  the host step needs after each of its ops; at the switch interval offload=full's worker sets while it steps
+  (``host_step.prompt_gil_handover``), and ``..._default_switch`` at Python's default (5 ms).
 Each figure is the best of ``--repeats`` timed runs after one warm-up (STREAM's convention, which also keeps
 other processes' load on a shared machine out of the figures as far as it can).
 """
@@ -48,7 +54,7 @@ from pathlib import Path
 import torch
 
 from moe_lab.optim.offload import numa
-from moe_lab.optim.offload.host_step import BLOCK_NUMEL_PER_THREAD, cache_block_numel, host_optimizer
+from moe_lab.optim.offload.host_step import BLOCK_NUMEL_PER_THREAD, cache_block_numel, host_optimizer, prompt_gil_handover
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.results.record import git_state
 
@@ -92,11 +98,33 @@ def full_chunk(numel: int, make_optimizer, block_numel: int):
     return lambda: optimizer.step(transfer=transfer, scratch=scratch)
 
 
+def adamw_fused_blocked(numel: int, block_numel: int):
+    """torch's fused AdamW kernel over one flat tensor, a block at a time, as ``HostAdamW`` calls it."""
+    p, grad, m, v = (torch.randn(numel) for _ in range(4))
+    v.abs_()
+    step = torch.zeros(())
+
+    def run():
+        step.add_(1)
+        for start in range(0, numel, block_numel):
+            end = min(numel, start + block_numel)
+            torch._fused_adamw_(
+                [p[start:end]], [grad[start:end]], [m[start:end]], [v[start:end]], [], [step],
+                lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+            )  # fmt: skip
+
+    return run
+
+
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
 
 class BusyThread:
-    """Context manager: a thread that keeps one CPU busy as a training thread does while backward runs."""
+    """Context manager: a thread that keeps one CPU busy as a training thread does while backward runs (small torch
+    ops, Python in between), or with ``python_only`` in Python alone, holding the GIL but for Python's switches."""
+
+    def __init__(self, python_only: bool = False):
+        self.python_only = python_only
 
     def __enter__(self):
         self.stop = threading.Event()
@@ -104,7 +132,8 @@ class BusyThread:
         def loop():
             x = torch.zeros(16)
             while not self.stop.is_set():
-                x.add_(1.0)
+                if not self.python_only:
+                    x.add_(1.0)
                 sum(range(100))
 
         self.thread = threading.Thread(target=loop, daemon=True)
@@ -132,7 +161,8 @@ def main() -> None:
             numa.bind_threads(cpus)
 
     cpus = len(os.sched_getaffinity(0))
-    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, max(1, cpus // 2), cpus})
+    # all - 1: offload=full's default (one CPU left to the training thread)
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, max(1, cpus // 2), max(1, cpus - 1), cpus})
     n = args.numel
     sweep = [int(b) for b in args.block_sweep.split(",") if b]
     rows = []
@@ -142,13 +172,19 @@ def main() -> None:
             "adamw_fused": (lambda: adamw(n, fused=True), 28),
             "adamw_foreach": (lambda: adamw(n, foreach=True), 28),
             "adamw_forloop": (lambda: adamw(n, foreach=False), 28),
+            "adamw_fused_blocked": (lambda: adamw_fused_blocked(n, cache_block_numel(t)), 28),
             "signsgd": (lambda: signsgd(n), 12),
             "full_chunk_adamw": (lambda: full_chunk(n, ADAMW, cache_block_numel(t)), 32),
             "full_chunk_signsgd": (lambda: full_chunk(n, functools.partial(SignSGD, lr=1e-4, weight_decay=0.1), cache_block_numel(t)), 16),
             **{f"full_chunk_adamw_block{b}": (lambda b=b: full_chunk(n, ADAMW, b * t), 32) for b in sweep},
             "full_chunk_adamw_whole": (lambda: full_chunk(n, ADAMW, n), 32),
         }
-        beside_busy = {"full_chunk_adamw_beside_busy_thread": (lambda: full_chunk(n, ADAMW, cache_block_numel(t)), 32)}
+        chunk = lambda: full_chunk(n, ADAMW, cache_block_numel(t))  # noqa: E731
+        beside = {  # name: (make, bytes per parameter, the other thread, switch interval while it runs)
+            "full_chunk_adamw_beside_busy_thread": (chunk, 32, BusyThread, prompt_gil_handover),
+            "full_chunk_adamw_beside_python_thread": (chunk, 32, functools.partial(BusyThread, python_only=True), prompt_gil_handover),
+            "full_chunk_adamw_beside_python_thread_default_switch": (chunk, 32, functools.partial(BusyThread, python_only=True), contextlib.nullcontext),
+        }
         a, b, c = torch.randn(n), torch.randn(n), torch.zeros(n)
         bandwidth = {
             "scale_inplace": 8 * n / timed(lambda: a.mul_(1.0000001), args.repeats),
@@ -159,8 +195,9 @@ def main() -> None:
         ceiling = max(bandwidth["scale_inplace"], bandwidth["add_inplace"])
         for name, rate in bandwidth.items():
             rows.append({"threads": t, "case": name, "bytes_per_s": rate, "fraction_of_ceiling": rate / ceiling})
-        for name, (make, bytes_per_param) in (cases | beside_busy).items():
-            with BusyThread() if name in beside_busy else contextlib.nullcontext():
+        for name, (make, bytes_per_param, *beside_what) in (cases | beside).items():
+            other, switch = beside_what or (contextlib.nullcontext, contextlib.nullcontext)
+            with other(), switch():
                 seconds = timed(make(), args.repeats)
             rate = bytes_per_param * n / seconds
             rows.append(
@@ -174,7 +211,7 @@ def main() -> None:
                     "fraction_of_ceiling": rate / ceiling,
                 }
             )
-        for r in rows[-len(cases) - len(beside_busy) - len(bandwidth) :]:
+        for r in rows[-len(cases) - len(beside) - len(bandwidth) :]:
             params = f"{r['params_per_s'] / 1e9:6.2f} Gparam/s" if "params_per_s" in r else " " * 15
             print(f"threads {t:3d}  {r['case']:36s} {params}  {r['bytes_per_s'] / 1e9:7.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of ceiling")
 

@@ -99,6 +99,7 @@ def train(
         )
         grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
         optimizer.step()
+        offload_metrics = getattr(optimizer, "step_metrics", dict)()  # an offload optimizer's host work, if it has any
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         balance.update(model, router_stats)
@@ -116,6 +117,7 @@ def train(
             row = {"step": step, "loss": loss, "lr": lr, "s_per_step": elapsed, "tokens_per_s_per_gpu": tokens_per_step / elapsed}
             if grad_norm is not None:
                 row["grad_norm"] = grad_norm
+            row |= offload_metrics
             if eval_losses and eval_losses[-1]["step"] == step:
                 row["eval_loss"] = eval_losses[-1]["loss"]
             row |= routing_row

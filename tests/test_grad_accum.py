@@ -73,13 +73,17 @@ def reference(cfg) -> dict:
 
 def stepped_gradients(optimizer: torch.optim.Optimizer, names: dict) -> list[dict]:
     """A list that gets, at each step, the gradient (this rank's part, flat) each model parameter is stepped with,
-    by name, read by step pre-hooks on the torch optimizers doing the stepping."""
+    by name, read by step pre-hooks on the torch optimizers doing the stepping (a parameter that offload=optimizer
+    steps in pieces: its pieces, in order, joined)."""
     seen: list[dict] = []
+    total = sum(local_shard(p).numel() for p in names)
 
     def record(pieces):  # pieces: () -> [(name, grad)]
-        if not seen or len(seen[-1]) == len(names):
+        if not seen or sum(g.numel() for g in seen[-1].values()) == total:
             seen.append({})
-        seen[-1].update((name, grad.detach().clone().reshape(-1)) for name, grad in pieces())
+        for name, grad in pieces():
+            grad = grad.detach().clone().reshape(-1)
+            seen[-1][name] = torch.cat([seen[-1][name], grad]) if name in seen[-1] else grad
 
     if isinstance(optimizer, InBackwardOptimizer):
         for chunk in optimizer.chunks:  # the chunk's host step reads the gradients in the transfer buffer

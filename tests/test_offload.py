@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -30,8 +31,9 @@ from moe_lab.config import ConfigError
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
 from moe_lab.optim.offload.full import InBackwardOptimizer
-from moe_lab.optim.offload.host import check_host_memory
-from moe_lab.optim.offload.host_step import HOST_STEPS, HostSignSGD, host_optimizer
+from moe_lab.optim.offload.host import SideStream, check_host_memory
+from moe_lab.optim.offload.host_step import HOST_STEP_SWITCH_INTERVAL_S, HOST_STEPS, HostSignSGD, host_optimizer, prompt_gil_handover
+from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
@@ -224,7 +226,8 @@ def _small_model() -> nn.Module:
 def _loss(model: nn.Module, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(step)
     inputs, targets = torch.randn(16, 8, generator=generator), torch.randn(16, 4, generator=generator)
-    return F.mse_loss(model(inputs), targets)
+    device = next(model.parameters()).device  # drawn on the CPU: the same batches on any device
+    return F.mse_loss(model(inputs.to(device)), targets.to(device))
 
 
 def _build(mode: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -242,13 +245,22 @@ def test_offload_optimizers_are_torch_optimizers_over_their_chunks_groups(mode):
     assert all(g is c for g, c in zip(optimizer.param_groups, chunk_groups))  # the same dicts, not copies
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "full"])
+PIECES_MIB = 16 * 4 / 2**20  # 16 fp32 elements: offload=optimizer steps the 64-element weights in four pieces
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "optimizer_pieces", "full"])
 def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode):
     """``state_dict()`` holds, for each parameter, the AdamW state plain torch AdamW holds after the same steps,
-    shaped like the parameter (and offload=full's fp32 master, the weights); an optimizer of another chunking loads
-    it and steps on exactly as the original, its groups still the ones an LR scheduler drives."""
+    shaped like the parameter (and offload=full's fp32 master, the weights), also where offload=optimizer steps a
+    parameter in pieces; an optimizer of another chunking loads it and steps on exactly as the original, its groups
+    still the ones an LR scheduler drives."""
     model, reference = _small_model(), _small_model()
-    optimizer = _build(mode, model)
+    if mode == "optimizer_pieces":
+        optimizer = OptimizerOffload(chunk_mib=PIECES_MIB).build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+        assert any(not piece.whole for chunk in optimizer.chunks for piece in chunk.pieces)
+        mode = "optimizer"
+    else:
+        optimizer = _build(mode, model)
     plain = torch.optim.AdamW(reference.parameters(), lr=LR)
     for step in range(3):
         for m, o in ((model, optimizer), (reference, plain)):
@@ -351,6 +363,121 @@ def test_scheduled_offload_optimizers_match_plain_adamw(mode):
     assert all(not torch.equal(w, i) for w, i in zip(weights, initial))
 
 
+# ---- offload=optimizer: the chunks step in the last micro-batch's backward ----
+
+
+def _micro_batch_loss(model: nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+    return _loss(model, 10 * step + micro_batch) / 2  # two micro-batches: the mean over the step's batch
+
+
+def _delay_side_streams(monkeypatch, cycles: int = 2_000_000) -> None:
+    """Every side-stream copy and chunk step first sleeps on its stream (about 1 ms on an H200), after the waits
+    that order it: a consumer that does not wait for it then reads what was there before."""
+    copy, step_chunk = SideStream.copy, StreamedStateOptimizer._step_chunk
+
+    def slow_copy(self, dst, src, after_current=True):
+        if after_current:
+            self.after_current()
+        with self.use():
+            torch.cuda._sleep(cycles)
+        copy(self, dst, src, after_current=False)
+
+    def slow_step_chunk(self, chunk):
+        torch.cuda._sleep(cycles)  # on the steps stream: every call is inside its use()
+        step_chunk(self, chunk)
+
+    monkeypatch.setattr(SideStream, "copy", slow_copy)
+    monkeypatch.setattr(StreamedStateOptimizer, "_step_chunk", slow_step_chunk)
+
+
+@pytest.mark.parametrize("chunk_mib", [CHUNK_MIB, PIECES_MIB], ids=["whole", "pieces"])
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda_delayed", marks=pytest.mark.gpu)]
+)
+def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device, chunk_mib, monkeypatch):
+    """Two micro-batches per step, the chunks' state larger than the device ring it passes through: the earlier
+    micro-batch's backward steps nothing; from the second step on (the first creates the state, after backward) the
+    last one's backward leaves, before ``step()`` is called, the weights plain AdamW leaves on the step's whole
+    batch, whether its chunks hold whole parameters or pieces of them. On CUDA the chunks step on a stream of their
+    own, their state copied in and out on two more. ``cuda_delayed``: each side-stream copy and chunk step is
+    delayed on its stream and the device is never synchronized (weights compared after ``step()``, on the compute
+    stream, while copies home still run): a missing wait between the streams reads stale state or weights."""
+    delayed = device == "cuda_delayed"
+    if delayed:
+        device = "cuda"
+        _delay_side_streams(monkeypatch)
+    model, reference = _small_model().to(device), _small_model().to(device)
+    offload = OptimizerOffload(chunk_mib=chunk_mib, max_inflight=2)
+    optimizer = offload.build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    sync = torch.cuda.synchronize if device == "cuda" and not delayed else lambda: None
+    for step in range(4):
+        sum(_micro_batch_loss(reference, step, j) for j in range(2)).backward()
+        plain.step()
+        plain.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        for micro_batch in range(2):
+            offload.before_micro_batch(optimizer, final=micro_batch == 1)
+            _micro_batch_loss(model, step, micro_batch).backward()
+            sync()
+            if micro_batch == 0 or step == 0:
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), (step, micro_batch)
+        if step > 0 and not delayed:  # the chunks' steps are ordered before the compute stream by step() only
+            assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+        assert optimizer.ring.numel() < sum(c.nbytes for c in optimizer.chunks)  # so the ring's room is reused
+    assert optimizer.ring.device.type == device
+    assert all(chunk.host.is_pinned() == (device == "cuda") for chunk in optimizer.chunks)
+
+
+class _Gated(nn.Module):
+    """Four layers; ``b`` joins the forward from step 1 on, ``c`` from step 2 on, and the step's second micro-batch
+    skips ``b``: chunks whose state grows after their first step, and gradients the last backward does not reach."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = nn.Linear(4, 4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, step: int, micro_batch: int) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        if step >= 1 and micro_batch == 0:
+            x = torch.tanh(self.b(x))
+        if step >= 2:
+            x = torch.tanh(self.c(x))
+        return self.d(x)
+
+
+def test_optimizer_offload_with_state_that_grows_and_gradients_backward_misses_matches_plain_adamw():
+    model, reference = _Gated(), _Gated()
+    offload = OptimizerOffload(chunk_mib=40 * 4 / 2**20, max_inflight=1)  # two chunks, each with a late parameter
+    optimizer = offload.build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    assert len(optimizer.chunks) == 2
+
+    def loss(net, step, micro_batch):
+        generator = torch.Generator().manual_seed(10 * step + micro_batch)
+        inputs, targets = torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)
+        return F.mse_loss(net(inputs, step, micro_batch), targets) / 2
+
+    for step in range(5):
+        sum(loss(reference, step, j) for j in range(2)).backward()
+        plain.step()
+        plain.zero_grad()
+        for micro_batch in range(2):
+            offload.before_micro_batch(optimizer, final=micro_batch == 1)
+            loss(model, step, micro_batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+    state = optimizer.state_dict()["state"]
+    for i, p in enumerate(reference.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[i][key], plain.state[p][key], atol=1e-6, rtol=0)
+
+
 # ---- the host step, block by block ----
 
 
@@ -404,6 +531,41 @@ def test_full_offload_with_many_blocks_per_chunk_matches_plain_adamw():
     assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
 
 
+class _SwitchIntervalSeen(HostSignSGD):
+    seen: list[float] = []
+
+    def step(self, closure=None, **kwargs):
+        self.seen.append(sys.getswitchinterval())
+        return super().step(closure, **kwargs)
+
+
+def test_host_step_hands_the_gil_over_promptly_and_reports_its_work():
+    """The worker steps with Python's switch interval shortened (so that each return of the host step to Python
+    gets the GIL soon beside a training thread running Python) and restores it; ``step_metrics()`` reports the
+    host step's time, rate and ``step()``'s wait for it, once per step."""
+    default = sys.getswitchinterval()
+    model, loss = _two_chunk_model()
+    optimizer = InBackwardOptimizer(
+        list(model.parameters()), functools.partial(_SwitchIntervalSeen, lr=0.1), torch.float32,
+        chunk_numel=64, max_inflight=2, timeout_s=5, num_threads=1,
+    )
+    optimizer.attach()
+    loss.backward()
+    optimizer.step()
+    assert _SwitchIntervalSeen.seen and max(_SwitchIntervalSeen.seen) <= HOST_STEP_SWITCH_INTERVAL_S < default
+    assert sys.getswitchinterval() == default
+    metrics = optimizer.step_metrics()
+    assert metrics["host_step_s"] > 0 and metrics["host_step_gparams_per_s"] > 0 and metrics["host_wait_s"] >= 0
+    assert optimizer.step_metrics()["host_step_s"] == 0  # nothing stepped since
+    first, second = prompt_gil_handover(), prompt_gil_handover()  # two optimizers' workers, overlapping
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(HOST_STEP_SWITCH_INTERVAL_S)  # the other still steps
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == default
+
+
 # ---- rules ----
 
 
@@ -412,6 +574,7 @@ def test_full_offload_with_many_blocks_per_chunk_matches_plain_adamw():
     [
         (["offload=full", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"], "optimizer._target_"),
         (["offload=full", "trainer.grad_clip=1.0"], "trainer.grad_clip"),
+        (["offload=optimizer", "trainer.grad_clip=1.0"], "trainer.grad_clip"),
         (["offload=full", "offload.timeout_s=0"], "offload.timeout_s"),
         (["offload=full", "offload.max_inflight=0"], "offload.max_inflight"),
         (["offload=full", "offload.threads=0"], "offload.threads"),

@@ -285,6 +285,9 @@ def plan_memory(step: Step) -> Memory:
     else:
         weights, grad_bytes = {"fp32 params (masters)": 4 * n}, 4
         state = state_bytes(step) * n if step.offload == "none" else 0.0
+        if step.offload == "optimizer":  # the device ring its state streams through, at every phase (AdamW and
+            # SignSGD step larger parameters in pieces of a chunk: the largest chunk is a chunk)
+            state = state_bytes(step) * min(step.max_inflight * step.chunk_mib * 2**20 / 4, n)
     grad_of = (lambda p: 0.0) if step.offload == "full" else (lambda p: grad_bytes * p)
     # offload=full: gradients leave for the host as they are made, a chunk or so in flight.
     in_flight = 2 * max(chunks(step, reverse=True)) if step.offload == "full" else 0.0
@@ -332,11 +335,7 @@ def plan_memory(step: Step) -> Memory:
             "fused dispatcher buffers": (layer + 1) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
         }  # fmt: skip
     after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
-    if step.offload == "optimizer":  # moments of (max_inflight + 1) consecutive chunks on the device at once
-        sizes = chunks(step)
-        window = step.max_inflight + 1
-        after["optimizer state"] = state_bytes(step) * max(sum(sizes[i : i + window]) for i in range(len(sizes)))
-    elif step.offload == "none" and step.optimizer == "adamw" and step.foreach:
+    if step.offload == "none" and step.optimizer == "adamw" and step.foreach:
         after["optimizer step temporaries"] = 4 * n  # foreach AdamW's sqrt(exp_avg_sq) of every parameter at once
     phases["optimizer step"] = after
 

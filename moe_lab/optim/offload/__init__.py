@@ -7,7 +7,7 @@ micro-batch's backward, whose gradients are the step's.
 | option      | on the device                              | in host memory                        | optimizer step    |
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
 | `none`      | fp32 weights, grads, optimizer state       | -                                     | device, after bwd |
-| `optimizer` | fp32 weights and grads                     | optimizer state (pinned)              | device, chunked   |
+| `optimizer` | fp32 weights and grads, a few state slots | optimizer state (pinned)              | device, in bwd    |
 | `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, transfer buffers | host, in backward |
 
 ``none`` and ``optimizer`` compute in bf16 on GPU through autocast (one rank) or FSDP2's mixed-precision policy.
@@ -49,6 +49,14 @@ def _check_chunking(chunk_mib: float, max_inflight: int) -> None:
         raise ConfigError("offload.max_inflight", f"must be >= 1, got {max_inflight}")
 
 
+def _refuse_grad_clip(cfg: DictConfig, mode: str) -> None:
+    if cfg.trainer.grad_clip is not None:
+        raise ConfigError(
+            "trainer.grad_clip",
+            f"must be null with {mode} (its chunks step in backward, before a global gradient norm exists), got {cfg.trainer.grad_clip}",
+        )
+
+
 class NoOffload:
     """Everything on the training device: fp32 parameters and optimizer state; compute runs in bf16 through
     autocast / FSDP2's mixed-precision policy."""
@@ -65,16 +73,22 @@ class NoOffload:
 
 
 class OptimizerOffload:
-    """Optimizer state in pinned host memory, streamed through the device chunk by chunk at each step; weights and
-    gradients stay on the device in the ``none`` precision scheme. Any optimizer works.
+    """Optimizer state in pinned host memory, streamed through the device chunk by chunk and stepped there during
+    the backward of each step's last micro-batch (``moe_lab.optim.offload.optimizer``); weights and gradients stay
+    on the device in the ``none`` precision scheme. Any optimizer works; no gradient clipping (a global norm does
+    not exist until backward ends, and by then the chunks have stepped).
 
-    chunk_mib: parameter bytes (fp32) per chunk; max_inflight: chunks whose state may be on the device at once.
+    chunk_mib: parameter bytes (fp32) per chunk (an element-wise optimizer, such as AdamW or SignSGD, steps a larger
+    parameter in pieces of a chunk); max_inflight: the device memory the state passes through, a ring of
+    ``max_inflight`` times the largest chunk's state (AdamW: 8 bytes per parameter of that chunk), the memory the
+    mode adds on the device.
     """
 
-    def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 3):
+    def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 12):
         self.chunk_mib, self.max_inflight = chunk_mib, max_inflight
 
     def validate(self, cfg: DictConfig) -> None:
+        _refuse_grad_clip(cfg, "offload=optimizer")
         _check_chunking(self.chunk_mib, self.max_inflight)
 
     def state_device(self, training_device: torch.device) -> torch.device:
@@ -85,7 +99,10 @@ class OptimizerOffload:
         return StreamedStateOptimizer(list(model.parameters()), make_optimizer, _training_device(model), chunk_numel, self.max_inflight)
 
     def before_micro_batch(self, optimizer: StreamedStateOptimizer, final: bool) -> None:
-        """Nothing to do: gradients accumulate in ``.grad`` and ``step()`` streams the state after the final one."""
+        """The first micro-batch of a step starts the state's way to the device; the chunks step in the final
+        micro-batch's backward only (before it, gradients accumulate on the device)."""
+        optimizer.begin_step()
+        optimizer.gradients_final = final
 
 
 class FullOffload:
@@ -123,11 +140,7 @@ class FullOffload:
         target = cfg.optimizer._target_
         if target not in HOST_OPTIMIZERS:
             raise ConfigError("optimizer._target_", f"offload=full steps on the host with {' or '.join(HOST_OPTIMIZERS)} only, got {target}")
-        if cfg.trainer.grad_clip is not None:
-            raise ConfigError(
-                "trainer.grad_clip",
-                f"must be null with offload=full (weights are stepped in backward, before a global norm exists), got {cfg.trainer.grad_clip}",
-            )
+        _refuse_grad_clip(cfg, "offload=full")
         _check_chunking(self.chunk_mib, self.max_inflight)
         if self.timeout_s <= 0:
             raise ConfigError("offload.timeout_s", f"must be > 0, got {self.timeout_s}")

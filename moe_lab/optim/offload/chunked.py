@@ -3,6 +3,7 @@ per chunk that both offload modes are."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -25,6 +26,21 @@ def chunked(params: Iterable[torch.Tensor], max_numel: int) -> list[list[torch.T
     return [c for c in chunks if c]
 
 
+def attach_post_accumulate_grad_hooks(params: list[nn.Parameter], on_grad: Callable[[nn.Parameter], None]) -> None:
+    """Call ``on_grad(p)`` (a bound method of an optimizer) each time a gradient has been accumulated into ``p.grad``
+    (under FSDP2: into the sharded gradient, after its reduce-scatter). Through a weak reference: autograd keeps
+    hooks where Python's garbage collector cannot see them, so a bound method would keep its optimizer (and its
+    host state) alive as long as the parameters; an optimizer that is gone does nothing."""
+    owner = weakref.WeakMethod(on_grad)
+
+    def hook(p: nn.Parameter) -> None:
+        if (method := owner()) is not None:
+            method(p)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
 class ChunkedOptimizer(torch.optim.Optimizer):
     """A torch optimizer that steps the model's parameters through one inner optimizer per chunk, each over tensors
     of its own (host masters, or plain views of the local shards).
@@ -33,11 +49,12 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     ``torch.optim.lr_scheduler`` writes into one is the LR its chunk steps with. The gradients are the model
     parameters' (``params``): ``zero_grad`` clears those.
 
-    ``state_dict()`` is torch's format in terms of the model's parameters, whatever the chunks hold: ``state`` maps
-    the position of a parameter in ``params`` (the model's parameters in order, as for a torch optimizer built over
-    ``model.parameters()``) to that parameter's state, each per-element tensor shaped like the parameter (a DTensor
+    ``state_dict()`` is torch's format in terms of the model's parameters, whatever the chunks hold (whole
+    parameters, or pieces of one): ``state`` maps the position of a parameter in ``params`` (the model's parameters
+    in order, as for a torch optimizer built over ``model.parameters()``) to that parameter's state, each per-element tensor shaped like the parameter (a DTensor
     where the parameter is one, see ``moe_lab.parallel.sharding.shaped_like``) and left where the optimizer keeps it
-    (host memory); ``param_groups`` are the chunks' groups, ``params`` naming positions in ``params``.
+    (host memory) unless its pieces had to be joined; ``param_groups`` are the chunks' groups, ``params`` naming
+    positions in ``params`` (a split parameter in the group of each chunk holding a piece of it).
     ``load_state_dict`` takes that format, with the groups of this optimizer's own ``state_dict()`` (hyperparameters
     may differ) and state tensors on any device, so a checkpoint written at another chunking or mesh loads.
     """
@@ -72,15 +89,20 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         self._settle()
         position = {p: i for i, p in enumerate(self.params)}
-        state, groups = {}, []
+        pieces: dict[int, list[dict]] = {}  # position -> the state of its pieces, in chunk order (one, unless split)
+        groups = []
         for chunk, optimizer in zip(self._chunks(), self.chunk_optimizers):
             (group,) = optimizer.param_groups
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [position[p] for p in chunk.params]})
             for p, entry in zip(chunk.params, self._param_states(chunk)):
-                state[position[p]] = {
-                    key: shaped_like(p, value) if torch.is_tensor(value) and value.dim() > 0 else value
-                    for key, value in entry.items()
-                }
+                pieces.setdefault(position[p], []).append(entry)
+        state = {}
+        for i, entries in sorted(pieces.items()):
+            p = self.params[i]
+            state[i] = {
+                key: shaped_like(p, value) if torch.is_tensor(value) and value.dim() > 0 else value
+                for key, value in _joined(entries, local_shard(p).shape).items()
+            }
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -106,12 +128,26 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         """Wait for state still in flight (copies on a side stream, a worker's step) before it is read or replaced."""
 
     def _param_states(self, chunk) -> list[dict]:
-        """Each parameter's state in ``chunk``: per-element tensors shaped like its local shard, other values as is."""
+        """The state of each of ``chunk.params``: per-element tensors shaped like its local shard, or, where the
+        chunk holds a piece of it (a run of its flattened elements; the pieces in chunk order cover it), flat and
+        the size of that piece; other values as is (the same in every piece)."""
         raise NotImplementedError
 
     def _load_chunk(self, chunk, hyperparameters: dict, entries: list[dict]) -> None:
-        """Install each parameter's state (per-element tensors shaped like its local shard, on any device)."""
+        """Install the state of each of ``chunk.params`` (per-element tensors shaped like its whole local shard, on
+        any device; the chunk takes its piece)."""
         raise NotImplementedError
+
+
+def _joined(entries: list[dict], shape: torch.Size) -> dict:
+    """One parameter's state from that of its pieces: per-element tensors concatenated and shaped like its local
+    shard, other values from the first piece."""
+    if len(entries) == 1:
+        return entries[0]
+    return {
+        key: torch.cat([e[key].reshape(-1) for e in entries]).view(shape) if torch.is_tensor(value) and value.dim() > 0 else value
+        for key, value in entries[0].items()
+    }
 
 
 def load_keeping_group(optimizer: torch.optim.Optimizer, state: dict[int, dict], hyperparameters: dict) -> None:

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Callable
 
 import torch
 from torch import nn
 
-from moe_lab.optim.offload.chunked import ChunkedOptimizer, chunked, load_keeping_group
+from moe_lab.optim.offload.chunked import ChunkedOptimizer, attach_post_accumulate_grad_hooks, chunked, load_keeping_group
 from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, synchronize
-from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer
+from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer, prompt_gil_handover
 from moe_lab.parallel.sharding import local_shard
 
 # The state key of a parameter's fp32 master in ``state_dict()``: a checkpoint of this optimizer holds the weights at
@@ -108,6 +109,8 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.d2h, self.h2d = SideStream(device), SideStream(device)
 
         self.gradients_final = True  # False in the backward of a micro-batch before a step's last (FullOffload)
+        self.host_seconds = self.waited = 0.0  # since the last step_metrics(): the host step's time, step()'s wait
+        self.host_params = 0
         self.ready: queue.Queue = queue.Queue()
         self.in_flight = 0
         self.done = threading.Condition()
@@ -121,16 +124,18 @@ class InBackwardOptimizer(ChunkedOptimizer):
 
     def attach(self) -> None:
         """Start stepping in backward: one post-accumulate-grad hook per parameter."""
-        # Through a weak reference: autograd keeps hooks where Python's garbage collector cannot see them, so a bound
-        # method would keep this optimizer (and its host state) alive as long as the parameters.
-        owner = weakref.WeakMethod(self._on_grad)
+        attach_post_accumulate_grad_hooks(self.params, self._on_grad)
 
-        def on_grad(p: nn.Parameter) -> None:
-            if (hook := owner()) is not None:  # an optimizer that is gone steps nothing
-                hook(p)
-
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(on_grad)
+    def step_metrics(self) -> dict:
+        """The last optimizer step's host work, for the step's metrics row: the host step's own time
+        (``host_step_s``, summed over the chunks: the worker steps one at a time) and rate, and how long ``step()``
+        waited for it after backward (``host_wait_s``: the host step's exposed part, as the training thread saw it)."""
+        with self.done:
+            seconds, params, self.host_seconds, self.host_params = self.host_seconds, self.host_params, 0.0, 0
+        metrics = {"host_step_s": seconds, "host_wait_s": self.waited}
+        if seconds:
+            metrics["host_step_gparams_per_s"] = params / seconds / 1e9
+        return metrics
 
     def master_weights(self) -> list[torch.Tensor]:
         """fp32 master of each parameter (views of host memory), in parameter order."""
@@ -173,11 +178,14 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.ready.put((chunk, self.d2h.record()))
 
     def _run_chunk(self, chunk: MasterChunk, copied: torch.cuda.Event | None) -> None:
+        seconds = 0.0
         try:
             synchronize(copied)  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
             if self.error is None:
-                with torch.profiler.record_function("optimizer.host_step"):
+                start = time.perf_counter()
+                with torch.profiler.record_function("optimizer.host_step"), prompt_gil_handover():
                     self._step_chunk(chunk)
+                seconds = time.perf_counter() - start
         except BaseException as e:
             self.error = e
         finally:
@@ -187,6 +195,8 @@ class InBackwardOptimizer(ChunkedOptimizer):
             chunk.received.clear()
             with self.done:
                 self.in_flight -= 1
+                self.host_seconds += seconds
+                self.host_params += chunk.numel
                 self.done.notify_all()
 
     def _step_chunk(self, chunk: MasterChunk) -> None:
@@ -211,8 +221,10 @@ class InBackwardOptimizer(ChunkedOptimizer):
                         offset, size = chunk.offsets[p]
                         chunk.buffer[offset : offset + size].zero_()
                 self._submit(chunk)
+        start = time.perf_counter()
         with self.done:
             finished = self.done.wait_for(lambda: self.in_flight == 0, timeout=self.timeout_s)
+        self.waited = time.perf_counter() - start
         self._raise_worker_error()
         if not finished:
             raise TimeoutError(f"offload=full: {self.in_flight} chunk(s) not stepped after {self.timeout_s} s (offload.timeout_s)")

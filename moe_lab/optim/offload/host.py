@@ -7,6 +7,8 @@ every code path is the one a GPU run takes.
 
 from __future__ import annotations
 
+import contextlib
+
 import psutil
 import torch
 
@@ -31,7 +33,8 @@ def host_empty(numel: int, dtype: torch.dtype, pinned: bool, what: str) -> torch
 
 
 class SideStream:
-    """Copies on their own CUDA stream, so transfers overlap compute. On CPU a copy is done at once."""
+    """A CUDA stream of its own for copies or steps that overlap compute, and the orderings between it and the
+    others. On CPU there is no stream: a copy is done at once, and every ordering holds already."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -43,24 +46,50 @@ class SideStream:
             dst.copy_(src)
             return
         if after_current:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self.after_current()
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
         for t in (dst, src):
-            if t.is_cuda:
-                t.record_stream(self.stream)
-
-    def fetch(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A copy of host tensor ``src`` on ``device``, allocated and filled on the side stream; ``src`` itself
-        where host and device memory are the same."""
-        if self.stream is None:
-            return src
-        with torch.cuda.stream(self.stream):
-            return src.to(device, non_blocking=True)
+            self.keep_for(t)
 
     def record(self) -> torch.cuda.Event | None:
-        """An event after the copies queued so far; None on CPU, where they are done already."""
+        """An event after the work queued so far; None on CPU, where it is done already."""
         return self.stream.record_event() if self.stream is not None else None
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Order the work queued from now on after ``event`` (on the GPU: the calling thread does not wait)."""
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def wait_stream_of(self, other: SideStream) -> None:
+        """Order the work queued from now on after the work queued so far on ``other``."""
+        if self.stream is not None:
+            self.stream.wait_stream(other.stream)
+
+    def after_current(self) -> None:
+        """Order the work queued from now on after the work queued so far on the calling thread's current stream."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+    def then_current(self) -> None:
+        """Order the calling thread's current stream after the work queued so far on this one."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def use(self):
+        """Context in which the calling thread queues its work on this stream."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def keep_for(self, t: torch.Tensor) -> None:
+        """Keep device tensor ``t``'s memory from reuse, once it is freed, until this stream's work queued by then
+        has run."""
+        if self.stream is not None and t.is_cuda:
+            t.record_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """Block the calling CPU thread until this stream's queued work has run."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def synchronize(event: torch.cuda.Event | None) -> None:

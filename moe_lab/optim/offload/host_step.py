@@ -16,7 +16,10 @@ kernel's vector width, so it vectorises the same elements as over the whole mast
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+import threading
 from typing import Callable
 
 import torch
@@ -27,6 +30,36 @@ from moe_lab.optim.optimizers import SignSGD
 # stay in the cores' L2 caches (2 MiB each on current Xeons), or else in L3, from one pass over the block to the next,
 # while each pass is long enough (about a millisecond) that its start-up and Python's share stay small.
 BLOCK_NUMEL_PER_THREAD = 2**18
+
+
+# How soon Python hands its GIL to a thread that waits for it (its default is 5 ms). The host step comes back to
+# Python after each of its ops (three per block of about a millisecond) and needs the GIL to go on; beside a thread
+# that runs Python (in backward the compiled blocks' wrappers and the hooks) each of those returns may wait the
+# whole interval, up to 15 ms per millisecond-long block. ``benchmarks/host_optimizer.py``'s
+# ``full_chunk_adamw_beside_python_thread`` rows measure it at this interval and at the default.
+HOST_STEP_SWITCH_INTERVAL_S = 1e-4
+
+
+_handover = {"holders": 0, "previous": None}
+_handover_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def prompt_gil_handover(seconds: float = HOST_STEP_SWITCH_INTERVAL_S):
+    """While a host step runs, Python's switch interval at most ``seconds`` (process-wide: restored when the last
+    host step running, of any optimizer, ends)."""
+    with _handover_lock:
+        if _handover["holders"] == 0:
+            _handover["previous"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_handover["previous"], seconds))
+        _handover["holders"] += 1
+    try:
+        yield
+    finally:
+        with _handover_lock:
+            _handover["holders"] -= 1
+            if _handover["holders"] == 0:
+                sys.setswitchinterval(_handover["previous"])
 
 
 def cache_block_numel(num_threads: int) -> int:
