@@ -17,7 +17,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -78,8 +78,10 @@ def train(
     metrics_log = MetricsLog(run_dir, first_step=progress.step) if rank == 0 else None
     step_times, eval_losses = [], []  # this process's steps and evaluations
 
-    def micro_batch_forward(step: int, micro_batch: int):
-        batch = data.batch(step, dp_rank, world, micro_batch, t.grad_accum).to(device)
+    def load_micro_batch(step: int, micro_batch: int):
+        return data.batch(step, dp_rank, world, micro_batch, t.grad_accum).to(device)
+
+    def micro_batch_forward(batch):
         with autocast:
             out = model(batch.inputs, batch.documents)
         return loss_fn(out.logits, batch.labels), out.router_stats
@@ -95,7 +97,7 @@ def train(
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         loss, balance_loss, router_stats = accumulate_gradients(
-            functools.partial(micro_batch_forward, step), balance.loss, t.grad_accum, before_micro_batch
+            functools.partial(load_micro_batch, step), micro_batch_forward, balance.loss, t.grad_accum, before_micro_batch
         )
         grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
         optimizer.step()
@@ -154,7 +156,8 @@ def train(
 
 
 def accumulate_gradients(
-    micro_batch_forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    load_micro_batch: Callable[[int], Any],
+    micro_batch_forward: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
     balance_loss: Callable[[torch.Tensor], torch.Tensor | float],
     micro_batches: int,
     before_micro_batch: Callable[[bool], None],
@@ -165,11 +168,16 @@ def accumulate_gradients(
     runs before each: it tells FSDP2 whether to reduce gradients and the offload optimizer whether this backward's
     gradients are the step's. Returns the step's mean language-model and balance losses (detached) and its router
     statistics summed over the micro-batches (detached; what the expert bias and the expert-load log see: the
-    step's whole batch, as one micro-batch of it all would give)."""
+    step's whole batch, as one micro-batch of it all would give).
+
+    Each micro-batch is loaded (``load_micro_batch(index)``, onto the device) before ``before_micro_batch``: the
+    offload optimizer's state prefetch that starts there would otherwise hold up the batch's small host-to-device
+    copy behind gigabytes of its own on the copy engine (113 ms a step, measured with offload=optimizer)."""
     total = balance_total = step_stats = None
     for micro_batch in range(micro_batches):
+        batch = load_micro_batch(micro_batch)
         before_micro_batch(micro_batch == micro_batches - 1)
-        loss, router_stats = micro_batch_forward(micro_batch)
+        loss, router_stats = micro_batch_forward(batch)
         balance = balance_loss(router_stats)
         ((loss + balance) / micro_batches).backward()
         loss = loss.detach() / micro_batches

@@ -114,8 +114,10 @@ def accumulated_run(overrides: list[str]) -> dict:
     optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
     grads = stepped_gradients(optimizer, names)
 
-    def micro_batch_loss(step, micro_batch):
-        batch = options.data.batch(step, rank, world, micro_batch, cfg.trainer.grad_accum)
+    def load(step, micro_batch):
+        return options.data.batch(step, rank, world, micro_batch, cfg.trainer.grad_accum)
+
+    def micro_batch_loss(batch):
         out = model(batch.inputs, batch.documents)
         return lm_loss(out.logits, batch.labels), out.router_stats
 
@@ -126,7 +128,7 @@ def accumulated_run(overrides: list[str]) -> dict:
     losses = []
     for step in range(STEPS):
         loss, _, _ = accumulate_gradients(
-            functools.partial(micro_batch_loss, step), options.model.balance().loss, cfg.trainer.grad_accum, before_micro_batch
+            functools.partial(load, step), micro_batch_loss, options.model.balance().loss, cfg.trainer.grad_accum, before_micro_batch
         )
         optimizer.step()
         optimizer.zero_grad()
@@ -220,13 +222,15 @@ def _collectives_per_step() -> dict:
         options = config.validate(cfg)
         model = build_model(cfg, options, torch.device("cpu"), torch.float32)
 
-        def micro_batch_loss(micro_batch):
-            batch = options.data.batch(0, dist.get_rank(), 2, micro_batch, 2)
+        def load(micro_batch):
+            return options.data.batch(0, dist.get_rank(), 2, micro_batch, 2)
+
+        def micro_batch_loss(batch):
             out = model(batch.inputs, batch.documents)
             return lm_loss(out.logits, batch.labels), out.router_stats
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            accumulate_gradients(micro_batch_loss, options.model.balance().loss, 2, lambda final: set_micro_batch(model, final, sync, keep))
+            accumulate_gradients(load, micro_batch_loss, options.model.balance().loss, 2, lambda final: set_micro_batch(model, final, sync, keep))
         names = [e.name for e in prof.events()]
         counts[f"{sync}, keep_unsharded={keep}"] = (names.count("c10d::_allgather_base_"), names.count("c10d::_reduce_scatter_base_"))
     return counts
@@ -285,7 +289,7 @@ def test_full_offload_takes_gradients_the_last_micro_batch_did_not_reach():
     def forward(micro_batch):
         return micro_batch_loss(model, micro_batch), torch.zeros(0)  # no router: no routing statistics
 
-    accumulate_gradients(forward, lambda stats: 0.0, 2, lambda final: offload.before_micro_batch(optimizer, final))
+    accumulate_gradients(lambda micro_batch: micro_batch, forward, lambda stats: 0.0, 2, lambda final: offload.before_micro_batch(optimizer, final))
     optimizer.step()
     plain = make_optimizer(reference.parameters())
     (sum(micro_batch_loss(reference, j) for j in range(2)) / 2).backward()
