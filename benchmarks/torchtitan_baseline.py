@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from moe_lab.metrics.flops import PEAK_BF16_FLOPS, flops_per_token
+from moe_lab.metrics.flops import flops_per_token, peak_bf16_flops
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.results.record import git_state
 
@@ -188,7 +188,7 @@ def hardware() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "torchtitan": getattr(torchtitan, "__version__", None),
-        "peak_flops": next((v for k, v in PEAK_BF16_FLOPS.items() if gpu and k in gpu), None),
+        "peak_flops": peak_bf16_flops(gpu),
     }
 
 

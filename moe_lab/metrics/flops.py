@@ -7,12 +7,27 @@ causal attention as dense; the executed-FLOPs variant counts it as half, which i
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
+import yaml
 
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
 
-# Dense bf16 peak FLOP/s per GPU by name fragment (vendor datasheets, no sparsity).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2.25e15, "B300": 2.25e15}
+# The hardware group's option of a GPU, by a fragment of its name: its yaml holds the GPU's dense bf16 peak
+# (vendor datasheet, no sparsity), which MFU divides by here and the planner (moe_lab.plan) plans with.
+HARDWARE_OF_GPU = {"H200": "h200", "H100": "h100", "B200": "b200", "B300": "b300"}
+HARDWARE_CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+
+
+@functools.cache
+def peak_bf16_flops(gpu_name: str | None) -> float | None:
+    """Dense bf16 peak FLOP/s of the GPU named ``gpu_name`` (``torch.cuda.get_device_name``); None if unknown."""
+    option = next((v for k, v in HARDWARE_OF_GPU.items() if gpu_name and k in gpu_name), None)
+    if option is None:
+        return None
+    return yaml.safe_load((HARDWARE_CONF / f"{option}.yaml").read_text())["peak_bf16_tflops"] * 1e12
 
 
 def flops_per_token(cfg: Qwen3MoeConfig, seq_len: int) -> dict[str, float]:
@@ -28,5 +43,4 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return peak_bf16_flops(torch.cuda.get_device_name(device))

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import yaml
 
 from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer
-from moe_lab.plan.hardware import GIB, HARDWARE_OF_GPU, Hardware
+from moe_lab.metrics.flops import HARDWARE_OF_GPU
+from moe_lab.plan.hardware import GIB, Hardware
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 # Sizes per --size: (GEMM side, expert rows per expert, experts, hidden, intermediate, seq, heads, head_dim,

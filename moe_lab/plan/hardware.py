@@ -21,7 +21,6 @@ import yaml
 from moe_lab.config.errors import ConfigError
 
 GIB = 2**30
-HARDWARE_OF_GPU = {"H200": "h200", "H100": "h100", "B200": "b200", "B300": "b300"}  # the option of a GPU by its name
 
 
 @dataclass
@@ -29,17 +28,17 @@ class Hardware:
     """One GPU model and its machine. Peaks are per GPU and per direction; ``*_efficiency`` the achieved share."""
 
     name: str
+    # Datasheet peaks: each profile's yaml (conf/hardware/) sets them.
+    peak_bf16_tflops: float  # dense bf16 tensor-core FLOP/s (no sparsity), also MFU's denominator
+    hbm_gib: float  # device memory torch reports as total
+    hbm_tbps: float  # device memory bandwidth
+    nvlink_gbps: float  # GPU-to-GPU inside a node, per direction
+    internode_gbps: float  # GPU-to-GPU across nodes (the GPU's NIC), per direction
+    pcie_gbps: float  # host <-> device, per direction
+    host_memory_gib: float  # per node, as the OS reports it
+    host_memory_gbps: float  # per node
     nodes: int = 1
     gpus_per_node: Optional[int] = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
-    # Datasheet peaks.
-    peak_bf16_tflops: float = 989.0  # dense bf16 tensor-core FLOP/s (no sparsity), also MFU's denominator
-    hbm_gib: float = 139.8  # device memory torch reports as total
-    hbm_tbps: float = 4.8  # device memory bandwidth
-    nvlink_gbps: float = 450.0  # GPU-to-GPU inside a node, per direction
-    internode_gbps: float = 50.0  # GPU-to-GPU across nodes (the GPU's NIC), per direction
-    pcie_gbps: float = 64.0  # host <-> device, per direction
-    host_memory_gib: float = 252.0  # per node, as the OS reports it
-    host_memory_gbps: float = 318.0  # per node
     # Achieved shares of those peaks (the H200 fit, experiments/plan/README.md).
     dense_gemm_efficiency: float = 0.77  # bf16 matmuls of the model's shapes, forward and backward
     grouped_gemm_efficiency: float = 0.64  # expert grouped GEMMs (DeepGEMM / torch._grouped_mm), forward and backward

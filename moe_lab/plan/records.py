@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from moe_lab.plan.config import compose
-from moe_lab.plan.hardware import HARDWARE_OF_GPU
+from moe_lab.metrics.flops import HARDWARE_OF_GPU
 from moe_lab.plan.planner import plan
 
 
