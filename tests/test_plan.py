@@ -161,27 +161,36 @@ def test_cli_sweep_writes_a_plan_record_per_point(tmp_path):
     assert "largest that fits" in done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("offload, reverse", [("optimizer", False), ("full", True)])
-def test_offload_chunks_replay_the_code(offload, reverse):
-    """The planner's chunks (what offload=optimizer's window and offload=full's buffers are sized by) are those
-    ``moe_lab.optim.offload.chunked.chunked`` makes of the model's parameters."""
+@pytest.mark.parametrize("split", [False, True])
+def test_offload_chunks_replay_the_code(split):
+    """The planner's chunks (offload=full's transfer buffers, offload=optimizer's pinned state blocks) are those the
+    offload code makes of the model's parameters, in backward order: ``chunked`` (full), or ``chunked_pieces``
+    (optimizer: a parameter larger than a chunk cut into pieces of one)."""
     import torch
 
     from moe_lab.optim.offload.chunked import chunked
+    from moe_lab.optim.offload.optimizer import chunked_pieces
     from moe_lab.plan.memory import chunks
 
-    cfg = compose(["model=qwen3_30b", "model.num_layers=2", f"offload={offload}", "offload.chunk_mib=64"])
+    cfg = compose(["model=qwen3_30b", "model.num_layers=2", f"offload={'optimizer' if split else 'full'}", "offload.chunk_mib=64"])
     hw = build_hardware(cfg.hardware)
     train, options = validated(cfg, hw)
     with torch.device("meta"):
-        params = list(options.model.build().parameters())
-    expected = [sum(p.numel() for p in chunk) for chunk in chunked(reversed(params) if reverse else params, 64 * 2**20 // 4)]
-    assert chunks(step_of(train, options, hw), reverse=reverse) == expected
+        params = list(reversed(list(options.model.build().parameters())))
+    limit = 64 * 2**20 // 4
+    if split:
+        expected = [sum(piece.end - piece.start for piece in chunk) for chunk in chunked_pieces(params, limit, split=True)]
+    else:
+        expected = [sum(p.numel() for p in chunk) for chunk in chunked(params, limit)]
+    assert chunks(step_of(train, options, hw), reverse=True, split=split) == expected
 
 
-@pytest.mark.parametrize("point", ["7", "11"])  # fused + selective AC under offload=optimizer and offload=full
+OFFLOAD_ACCUM = ROOT / "experiments" / "offload_accum" / "records" / "h200_1gpu" / "2026-12-01_03-09"
+
+
+@pytest.mark.parametrize("point", ["1", "2"])  # fused + selective AC, 8 micro-batches, offload=optimizer and full
 def test_host_memory_of_offload_points(point):
-    record = read(GRID / "h200_1gpu/2026-11-30_09-27" / point / "result.json")
+    record = read(OFFLOAD_ACCUM / point / "result.json")
     planned = plan_record(record)["metrics"]["peak_host_rss_gib"]
     assert planned == pytest.approx(record["metrics"]["peak_host_rss_gib"], rel=0.10)
 

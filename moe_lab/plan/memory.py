@@ -246,19 +246,23 @@ def parameter_sizes(step: Step) -> list[float]:
     return [p / step.mesh.world for p in params]
 
 
-def chunks(step: Step, reverse: bool = False) -> list[float]:
-    """Parameter counts of the offload modes' chunks (``moe_lab.optim.offload.chunked.chunked``) over this rank's
-    shards in registration order (offload=full: reversed)."""
+def chunks(step: Step, reverse: bool = False, split: bool = False) -> list[float]:
+    """Parameter counts of the offload modes' chunks over this rank's shards in registration order (reversed with
+    ``reverse``): ``moe_lab.optim.offload.chunked.chunked``, or with ``split`` offload=optimizer's
+    ``chunked_pieces``, where a parameter larger than a chunk is cut into pieces of one (its element-wise
+    optimizers)."""
     params = parameter_sizes(step)
     params = params[::-1] if reverse else params
     limit = step.chunk_mib * 2**20 / 4
+    piece = limit // 64 * 64 if limit >= 64 else limit
     out, size = [0.0], 0.0
     for p in params:
-        if out[-1] and size + p > limit:
-            out.append(0.0)
-            size = 0.0
-        out[-1] += p
-        size += p
+        for part in [piece] * int(p // piece) + ([p % piece] if p % piece else []) if split and p > piece else [p]:
+            if out[-1] and size + part > limit:
+                out.append(0.0)
+                size = 0.0
+            out[-1] += part
+            size += part
     return out
 
 
@@ -354,10 +358,8 @@ def plan_memory(step: Step) -> Memory:
 def plan_host(step: Step) -> dict[str, float]:
     """Host memory of one rank by what holds it (``moe_lab.optim.offload``)."""
     n = step.shapes.local_params(step.mesh)
-    if step.offload == "optimizer":
-        # Each parameter's state tensor is its own pinned block, rounded up to a power of two.
-        per_key = sum(pinned(4 * p) for p in parameter_sizes(step))
-        return {"pinned moments": per_key * state_bytes(step) / 4}
+    if step.offload == "optimizer":  # each chunk's state is one pinned block, rounded up to a power of two
+        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True))}
     if step.offload == "full":
         largest = max(chunks(step, reverse=True))
         return {
