@@ -540,6 +540,7 @@ def test_host_step_kernel_releases_the_gil():
 
     for _ in range(3):  # the watcher may lose its CPU for a whole step on a loaded machine: a few tries
         master.zero_()
+        transfer.fill_(1.0)  # the gradient: the step leaves the new weights here
         returned.clear()
         watching.clear()
         watcher = threading.Thread(target=watch)
@@ -554,10 +555,16 @@ def test_host_step_kernel_releases_the_gil():
     assert seen_midway.is_set()
 
 
-def test_host_step_kernel_names_offload_full_and_the_compiler_when_it_is_missing(monkeypatch):
+def test_offload_full_without_a_c_compiler_fails_when_built_naming_it(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    with pytest.raises(RuntimeError, match=r"offload=full .*/nonexistent/cc"):
-        host_kernel.build_info()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernel built yet
+    host_kernel.load.cache_clear()
+    model, _ = _two_chunk_model()
+    try:
+        with pytest.raises(RuntimeError, match=r"offload=full .*/nonexistent/cc"):
+            InBackwardOptimizer(list(model.parameters()), functools.partial(SignSGD, lr=0.1), torch.float32, chunk_numel=64, max_inflight=1, timeout_s=5, num_threads=1)
+    finally:
+        host_kernel.load.cache_clear()
 
 
 class _SwitchIntervalSeen(HostSignSGD):

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from moe_lab.optim.offload import host_kernel
 from moe_lab.optim.offload.chunked import ChunkedOptimizer, attach_post_accumulate_grad_hooks, chunked, load_keeping_group
 from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, synchronize
 from moe_lab.optim.offload.host_step import host_optimizer, prompt_gil_handover
@@ -74,6 +75,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
     ):
         """``params`` still hold their fp32 initial values: they become the masters. The caller casts the device
         parameters to ``compute_dtype`` afterwards and then calls ``attach()``."""
+        host_kernel.load()  # built now (at first use on a machine): a missing C compiler fails before training
         params = [p for p in params if p.requires_grad]
         self.device = device = local_shard(params[0]).device
         self.timeout_s, self.num_threads = timeout_s, num_threads

@@ -91,7 +91,9 @@ def _build(compiler: list[str]) -> Path:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
+def load() -> ctypes.CDLL:
+    """The kernel's library, built first if this machine has none cached (offload=full calls it when it is built, so
+    that a missing compiler fails before training starts)."""
     library = ctypes.CDLL(str(_build(_compiler())))
     f32, pointer, i64, threads = ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for suffix in TRANSFER_SUFFIX.values():
@@ -122,7 +124,7 @@ def adamw_step(
     suffix = _check(master, transfer, exp_avg, exp_avg_sq)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    getattr(_library(), f"adamw_step_{suffix}")(
+    getattr(load(), f"adamw_step_{suffix}")(
         master.numel(), master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), transfer.data_ptr(),
         1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -(lr / bias_correction1), threads,
     )  # fmt: skip
@@ -131,4 +133,4 @@ def adamw_step(
 def signsgd_step(master: torch.Tensor, transfer: torch.Tensor, *, lr: float, weight_decay: float, threads: int) -> None:
     """One SignSGD step of ``master`` with the gradient in ``transfer``; the new weights go into ``transfer``."""
     suffix = _check(master, transfer)
-    getattr(_library(), f"signsgd_step_{suffix}")(master.numel(), master.data_ptr(), transfer.data_ptr(), 1 - lr * weight_decay, -lr, threads)
+    getattr(load(), f"signsgd_step_{suffix}")(master.numel(), master.data_ptr(), transfer.data_ptr(), 1 - lr * weight_decay, -lr, threads)
