@@ -9,8 +9,9 @@
  * ADAM_MODE::ADAMW, vectorised path) operation by operation, in fp32 with the coefficients rounded from double as
  * torch rounds them. It is built with -ffp-contract=off and writes its fused multiply-adds where torch's do: the one
  * torch's source writes (the lerp) and the one its x86 builds contract (exp_avg_sq * beta2 + (1 - beta2) * grad *
- * grad, computed as fma((1 - beta2) * grad, grad, exp_avg_sq * beta2): torch 2.13's AVX2 and AVX512 kernels give
- * exactly that). SignSGD follows moe_lab/optim/optimizers.py (torch.sign: 0 for 0 and NaN).
+ * grad, computed as fma((1 - beta2) * grad, grad, exp_avg_sq * beta2)): over 4 steps of 100003 elements the results
+ * equal torch 2.11's and 2.13's fused kernel, AVX2 and AVX512 (ATEN_CPU_CAPABILITY), but for the last bit of one
+ * element of exp_avg_sq in their scalar tail. SignSGD follows moe_lab/optim/optimizers.py (torch.sign: 0 for 0 and NaN).
  */
 #include <math.h>
 #include <stdint.h>
