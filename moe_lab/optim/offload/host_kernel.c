@@ -3,7 +3,7 @@
  *
  * Per element: read the gradient from the transfer buffer (bf16 or fp32: the compute dtype), step the fp32 master
  * (and AdamW's moments), write the new weight into the transfer buffer in the same dtype. One OpenMP region per call,
- * static schedule: each thread streams one contiguous range, so a range's pages stay on the thread that touches them.
+ * static schedule: each thread streams one contiguous range of every tensor.
  *
  * AdamW follows torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, adam_math for float,
  * ADAM_MODE::ADAMW, vectorised path) operation by operation, in fp32 with the coefficients rounded from double as
