@@ -5,7 +5,7 @@ One call steps a whole flat master in one pass over memory on ``threads`` OpenMP
 (ctypes releases it around every foreign call): the training thread runs Python meanwhile, and the host step does not
 wait for the GIL between blocks as a sequence of torch ops does.
 
-The library is compiled with the C compiler named by ``CC`` (else ``cc``) into
+The library is compiled with the C compiler named by ``CC`` (else ``cc``, else ``gcc``) into
 ``$XDG_CACHE_HOME/moe_lab/host_kernel/`` (``~/.cache`` without it), under a name hashed from the source, the flags,
 the compiler's version and this CPU (``-march=native`` code runs only where it was built), written under a temporary
 name and renamed, so that processes building it at once (ranks of one node) each load a whole file.
@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -38,7 +39,7 @@ TRANSFER_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _compiler() -> list[str]:
-    return shlex.split(os.environ.get("CC") or "cc")
+    return shlex.split(os.environ.get("CC") or ("cc" if shutil.which("cc") else "gcc"))
 
 
 def _cache_dir() -> Path:
@@ -59,7 +60,7 @@ def _compiler_version(compiler: list[str]) -> str:
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(
             f"offload=full builds its host step kernel ({SOURCE.name}) with the system C compiler at first use, and "
-            f"the compiler {shlex.join(compiler)!r} (the CC environment variable, else cc) cannot run: {e}"
+            f"the compiler {shlex.join(compiler)!r} (the CC environment variable, else cc, else gcc) cannot run: {e}"
         ) from None
 
 
