@@ -15,24 +15,19 @@ For each thread count (1, half, all but one, all of this process's CPUs) it time
   so their bytes/s is what the useful traffic achieves);
 - ``signsgd``: this project's SignSGD, 12 bytes per parameter (read param, grad; write param);
 - ``full_chunk_adamw`` / ``full_chunk_signsgd``: the whole per-chunk host work of full offload as it runs
-  (``moe_lab.optim.offload.host_step``): widen the bf16 gradient into fp32, step, narrow the new weights
-  to bf16, block by block, with blocks of ``BLOCK_NUMEL_PER_THREAD`` elements per thread. Charged the traffic the
-  work cannot avoid: the optimizer's own plus reading the bf16 gradient and writing the bf16 weights (AdamW 32,
-  SignSGD 16 bytes per parameter);
-- ``full_chunk_adamw_block<N>``: the same with N elements per thread per block (``--block-sweep``), and
-  ``full_chunk_adamw_whole``: one block of the whole chunk, i.e. widen, step and narrow each in a pass over the
-  whole chunk (how full offload stepped before issue 18), charged the same 32 bytes;
-- ``adamw_fused_blocked``: the fused kernel alone, block by block as the host step calls it (no widening or
-  narrowing): against ``adamw_fused`` the cost of blocking (a parallel region per block), against
-  ``full_chunk_adamw`` that of the two conversions;
+  (``moe_lab.optim.offload.host_step``: one call of its C kernel, ``host_kernel.c``, which reads the bf16 gradient,
+  steps the fp32 master and state and writes the bf16 weights in one pass, with the GIL released). Charged the
+  traffic the work cannot avoid: the optimizer's own plus reading the bf16 gradient and writing the bf16 weights
+  (AdamW 32, SignSGD 16 bytes per parameter);
 - ``full_chunk_adamw_beside_busy_thread``: ``full_chunk_adamw`` while another thread of the process keeps a CPU busy
   the way the training thread does during backward (small torch ops, Python in between). In a training step the
   host step shares the rank's CPUs with that thread: with as many host threads as CPUs, each of the step's
   parallel regions waits for the thread that lost its CPU to the training thread, so compare this row at ``all``
   threads with ``all - 1`` (offload=full's default leaves one CPU to the training thread);
 - ``full_chunk_adamw_beside_python_thread``: the same beside a thread that runs pure Python, holding the GIL, which
-  the host step needs after each of its ops; at the switch interval offload=full's worker sets while it steps
-  (``host_step.prompt_gil_handover``), and ``..._default_switch`` at Python's default (5 ms).
+  the host step needs only to start and to return (the kernel's call releases it); at the switch interval
+  offload=full's worker sets while it steps (``host_step.prompt_gil_handover``), and ``..._default_switch`` at
+  Python's default (5 ms).
 Each figure is the best of ``--repeats`` timed runs after one warm-up (STREAM's convention, which also keeps
 other processes' load on a shared machine out of the figures as far as it can).
 """
@@ -53,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from moe_lab.optim.offload import numa
-from moe_lab.optim.offload.host_step import BLOCK_NUMEL_PER_THREAD, cache_block_numel, host_optimizer, prompt_gil_handover
+from moe_lab.optim.offload import host_kernel, numa
+from moe_lab.optim.offload.host_step import host_optimizer, prompt_gil_handover
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.results.record import git_state
 
@@ -90,30 +85,11 @@ def signsgd(numel: int):
     return SignSGD([p], lr=1e-4, weight_decay=0.1).step
 
 
-def full_chunk(numel: int, make_optimizer, block_numel: int):
+def full_chunk(numel: int, make_optimizer):
     """offload=full's host work on one chunk of ``numel`` parameters (bf16 gradient in, bf16 weights out)."""
     optimizer = host_optimizer(make_optimizer, [torch.nn.Parameter(torch.randn(numel))])
     transfer = torch.randn(numel).bfloat16()
-    scratch = torch.empty(block_numel)
-    return lambda: optimizer.step(transfer=transfer, scratch=scratch)
-
-
-def adamw_fused_blocked(numel: int, block_numel: int):
-    """torch's fused AdamW kernel over one flat tensor, a block at a time, as ``HostAdamW`` calls it."""
-    p, grad, m, v = (torch.randn(numel) for _ in range(4))
-    v.abs_()
-    step = torch.zeros(())
-
-    def run():
-        step.add_(1)
-        for start in range(0, numel, block_numel):
-            end = min(numel, start + block_numel)
-            torch._fused_adamw_(
-                [p[start:end]], [grad[start:end]], [m[start:end]], [v[start:end]], [], [step],
-                lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
-            )  # fmt: skip
-
-    return run
+    return lambda: optimizer.step(transfer=transfer)
 
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -152,7 +128,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1, half, all CPUs)")
     parser.add_argument("--gpu-node", action="store_true", help="bind to GPU 0's NUMA node first, as offload=full does")
-    parser.add_argument("--block-sweep", default="65536,1048576", help="other block sizes (elements per thread) of full_chunk_adamw; empty: none")
     args = parser.parse_args()
     if args.gpu_node:
         address = numa.pci_address(0)
@@ -164,7 +139,6 @@ def main() -> None:
     # all - 1: offload=full's default (one CPU left to the training thread)
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, max(1, cpus // 2), max(1, cpus - 1), cpus})
     n = args.numel
-    sweep = [int(b) for b in args.block_sweep.split(",") if b]
     rows = []
     for t in threads:
         torch.set_num_threads(t)
@@ -172,14 +146,11 @@ def main() -> None:
             "adamw_fused": (lambda: adamw(n, fused=True), 28),
             "adamw_foreach": (lambda: adamw(n, foreach=True), 28),
             "adamw_forloop": (lambda: adamw(n, foreach=False), 28),
-            "adamw_fused_blocked": (lambda: adamw_fused_blocked(n, cache_block_numel(t)), 28),
             "signsgd": (lambda: signsgd(n), 12),
-            "full_chunk_adamw": (lambda: full_chunk(n, ADAMW, cache_block_numel(t)), 32),
-            "full_chunk_signsgd": (lambda: full_chunk(n, functools.partial(SignSGD, lr=1e-4, weight_decay=0.1), cache_block_numel(t)), 16),
-            **{f"full_chunk_adamw_block{b}": (lambda b=b: full_chunk(n, ADAMW, b * t), 32) for b in sweep},
-            "full_chunk_adamw_whole": (lambda: full_chunk(n, ADAMW, n), 32),
+            "full_chunk_adamw": (lambda: full_chunk(n, ADAMW), 32),
+            "full_chunk_signsgd": (lambda: full_chunk(n, functools.partial(SignSGD, lr=1e-4, weight_decay=0.1)), 16),
         }
-        chunk = lambda: full_chunk(n, ADAMW, cache_block_numel(t))  # noqa: E731
+        chunk = lambda: full_chunk(n, ADAMW)  # noqa: E731
         beside = {  # name: (make, bytes per parameter, the other thread, switch interval while it runs)
             "full_chunk_adamw_beside_busy_thread": (chunk, 32, BusyThread, prompt_gil_handover),
             "full_chunk_adamw_beside_python_thread": (chunk, 32, functools.partial(BusyThread, python_only=True), prompt_gil_handover),
@@ -226,7 +197,7 @@ def main() -> None:
         "loadavg_1_5_15": os.getloadavg(),  # other processes competing for the same cores and memory
         "torch": torch.__version__,
         "numel": n,
-        "block_numel_per_thread": BLOCK_NUMEL_PER_THREAD,
+        "host_kernel": host_kernel.build_info(),
         "rows": rows,
     }
     records = Path(__file__).resolve().parents[1] / "experiments" / "host_optimizer" / "records"

@@ -28,7 +28,7 @@ from torch import nn
 
 from moe_lab import config
 from moe_lab.config import ConfigError
-from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, numa
+from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, host_kernel, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.host import SideStream, check_host_memory
@@ -478,57 +478,93 @@ def test_optimizer_offload_with_state_that_grows_and_gradients_backward_misses_m
             torch.testing.assert_close(state[i][key], plain.state[p][key], atol=1e-6, rtol=0)
 
 
-# ---- the host step, block by block ----
+# ---- the host step kernel ----
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("transfer_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("make_optimizer", [
-    functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True),
+    functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
     functools.partial(SignSGD, lr=1e-2, weight_decay=0.1),
 ], ids=["adamw", "signsgd"])  # fmt: skip
-def test_host_step_is_the_optimizer_over_the_whole_masters(make_optimizer, transfer_dtype):
-    """Stepping two flat masters block by block (blocks of 64, a ragged last one) from a gradient in the transfer
-    dtype leaves exactly the weights and state the configured optimizer (AdamW: its fused kernel) leaves stepping
-    them whole with the widened gradient, and the new weights, narrowed, in the transfer buffer."""
+def test_host_step_is_the_optimizer_over_the_whole_masters(make_optimizer, transfer_dtype, threads):
+    """The host step kernel, over flat masters of sizes no vector width divides and on any thread count, steps them
+    as plain torch AdamW (within fp32 rounding: torch's kernel may fuse other multiply-adds) or SignSGD (exactly)
+    steps them with the widened gradient, keeps torch's state, and leaves the new weights in the transfer buffer,
+    rounded as torch rounds them (AdamW's NaN weight from a NaN gradient stays NaN there)."""
     torch.manual_seed(0)
-    sizes, block = (1000, 300), 64
+    sizes = (1003, 301, 5)
     masters = [nn.Parameter(torch.randn(n)) for n in sizes]
     wholes = [nn.Parameter(m.detach().clone()) for m in masters]
     reference = make_optimizer(wholes)
     host = host_optimizer(make_optimizer, masters)
     assert type(host) is HOST_STEPS[make_optimizer.func]
-    for _ in range(3):
-        transfer = torch.randn(sum(sizes)).to(transfer_dtype)
-        for whole, grad in zip(wholes, transfer.float().split(sizes)):
-            whole.grad = grad
-        reference.step()
-        host.step(transfer=transfer, scratch=torch.empty(block))
-        for master, whole in zip(masters, wholes):
-            assert torch.equal(master, whole)
-            assert reference.state[whole].keys() == host.state[master].keys()
-            for key, value in reference.state[whole].items():  # AdamW's step count and moments
-                assert torch.equal(host.state[master][key], value), key
-        assert torch.equal(transfer, torch.cat([w.detach() for w in wholes]).to(transfer_dtype))
+    tolerance = dict(rtol=1e-6, atol=1e-7) if make_optimizer.func is torch.optim.AdamW else dict(rtol=0, atol=0)
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(4):
+            transfer = torch.randn(sum(sizes)).to(transfer_dtype)
+            if step == 3:
+                transfer[7] = float("nan")
+            for whole, grad in zip(wholes, transfer.float().split(sizes)):
+                whole.grad = grad
+            reference.step()
+            host.step(transfer=transfer)
+            for master, whole in zip(masters, wholes):
+                torch.testing.assert_close(master, whole, equal_nan=True, **tolerance)
+                assert reference.state[whole].keys() == host.state[master].keys()
+                for key, value in reference.state[whole].items():  # AdamW's step count and moments
+                    torch.testing.assert_close(host.state[master][key], value, equal_nan=True, **tolerance, msg=key)
+            narrowed = torch.cat([m.detach() for m in masters]).to(transfer_dtype)
+            nan_weights = step == 3 and make_optimizer.func is torch.optim.AdamW  # torch.sign(nan) is 0
+            assert torch.equal(transfer.isnan(), narrowed.isnan()) and transfer.isnan().sum() == nan_weights
+            assert torch.equal(transfer.nan_to_num(), narrowed.nan_to_num())
+    finally:
+        torch.set_num_threads(default_threads)
 
 
-def test_full_offload_with_many_blocks_per_chunk_matches_plain_adamw():
-    """Chunks of several host-step blocks (and blocks spanning parameters) step like plain AdamW."""
-    model, reference = _small_model(), _small_model()
-    optimizer = InBackwardOptimizer(
-        list(model.parameters()), functools.partial(torch.optim.AdamW, lr=LR), torch.float32,
-        chunk_numel=100, max_inflight=2, timeout_s=5, num_threads=1, block_numel=64,
-    )
-    optimizer.attach()
-    assert any(c.numel > 64 for c in optimizer.chunks)
-    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
-    for step in range(4):
-        _loss(reference, step).backward()
-        plain.step()
-        plain.zero_grad()
-        _loss(model, step).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+def test_host_step_kernel_releases_the_gil():
+    """A Python thread runs while the kernel steps: it sees the kernel's first writes before its last (one thread
+    writes the master in order), which it cannot while a call that holds the GIL runs."""
+    numel = 2**23
+    master, transfer = torch.zeros(numel), torch.ones(numel, dtype=torch.bfloat16)
+    seen_midway, returned, watching = threading.Event(), threading.Event(), threading.Event()
+
+    def watch():
+        watching.set()
+        while not returned.is_set():
+            if master[0].item() != 0 and master[-1].item() == 0:
+                seen_midway.set()
+                return
+
+    for _ in range(3):  # the watcher may lose its CPU for a whole step on a loaded machine: a few tries
+        master.zero_()
+        transfer.fill_(1.0)  # the gradient: the step leaves the new weights here
+        returned.clear()
+        watching.clear()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        watching.wait()
+        host_kernel.signsgd_step(master, transfer, lr=1.0, weight_decay=0.0, threads=1)
+        returned.set()
+        watcher.join()
+        assert master[-1].item() == -1.0
+        if seen_midway.is_set():
+            break
+    assert seen_midway.is_set()
+
+
+def test_offload_full_without_a_c_compiler_fails_when_built_naming_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernel built yet
+    host_kernel.load.cache_clear()
+    model, _ = _two_chunk_model()
+    try:
+        with pytest.raises(RuntimeError, match=r"offload=full .*/nonexistent/cc"):
+            InBackwardOptimizer(list(model.parameters()), functools.partial(SignSGD, lr=0.1), torch.float32, chunk_numel=64, max_inflight=1, timeout_s=5, num_threads=1)
+    finally:
+        host_kernel.load.cache_clear()
 
 
 class _SwitchIntervalSeen(HostSignSGD):

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer
 from moe_lab.metrics.flops import HARDWARE_OF_GPU
+from moe_lab.optim.offload.host_step import host_optimizer
 from moe_lab.plan.hardware import GIB, Hardware
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
@@ -97,14 +97,14 @@ def copy_bytes_per_s(src: torch.Tensor, dst: torch.Tensor, device) -> float:
 
 
 def host_adamw_params_per_s(s) -> float:
-    """offload=full's host step as it runs (``moe_lab.optim.offload.host_step``: blocks of a bf16 gradient widened,
-    stepped by torch's fused CPU AdamW, narrowed back) on the threads it gets by default, the CPUs less one."""
-    threads = max(1, len(os.sched_getaffinity(0)) - 1)
-    torch.set_num_threads(threads)
+    """offload=full's host step as it runs (``moe_lab.optim.offload.host_step``: its C kernel over a bf16 gradient,
+    the fp32 master and AdamW's moments, new weights back in bf16) on the threads it gets by default, the CPUs less
+    one."""
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
     master = torch.nn.Parameter(torch.zeros(s["adamw"]))
     optimizer = host_optimizer(functools.partial(torch.optim.AdamW, lr=1e-4, fused=True), [master])
-    transfer, scratch = torch.randn(s["adamw"], dtype=torch.bfloat16), torch.empty(cache_block_numel(threads))
-    return s["adamw"] / timed(lambda: optimizer.step(transfer=transfer, scratch=scratch), torch.device("cpu"))
+    transfer = torch.randn(s["adamw"], dtype=torch.bfloat16)
+    return s["adamw"] / timed(lambda: optimizer.step(transfer=transfer), torch.device("cpu"))
 
 
 def all_to_all_bytes_per_s(device, s) -> float:

@@ -34,7 +34,7 @@ from moe_lab.parallel.sharding import local_shard
 
 log = logging.getLogger(__name__)
 
-# Optimizers whose host step full offload runs (torch's AdamW has a fused CPU kernel; SignSGD is foreach).
+# Optimizers whose host step full offload runs (host_step.py: both are steps of its C kernel).
 HOST_OPTIMIZERS = ("torch.optim.AdamW", "moe_lab.optim.optimizers.SignSGD")
 
 

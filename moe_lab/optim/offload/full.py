@@ -10,9 +10,9 @@ finishes them):
 1. a post-accumulate-grad hook copies each final gradient (this rank's shard) device -> host on a side stream into
    the chunk's pinned transfer buffer, then frees the device gradient;
 2. when the chunk's last gradient is queued, a CPU worker thread waits for the copies and steps the chunk's masters
-   with the gradients in the transfer buffer, block by block (``host_step``: widen a cache-sized block of gradients
-   to fp32, step it with torch's fused, vectorised, multi-threaded CPU kernel, write its new weights into the
-   transfer buffer in the compute dtype, while the block is in cache);
+   with the gradients in the transfer buffer (``host_step``: one call of a multi-threaded C kernel per master,
+   with the GIL released, that widens each gradient to fp32, steps the master and the optimizer state, and writes
+   the new weight into the transfer buffer in the compute dtype, in one pass over memory);
 3. it copies the new weights host -> device on another side stream, and moves on to the next chunk without waiting
    for that copy: the next gradients copied into the buffer are ordered after it on the GPU.
 ``step()`` waits for the worker to finish every chunk and orders the compute stream after the weights' copies.
@@ -31,9 +31,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from moe_lab.optim.offload import host_kernel
 from moe_lab.optim.offload.chunked import ChunkedOptimizer, attach_post_accumulate_grad_hooks, chunked, load_keeping_group
 from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, synchronize
-from moe_lab.optim.offload.host_step import cache_block_numel, host_optimizer, prompt_gil_handover
+from moe_lab.optim.offload.host_step import host_optimizer, prompt_gil_handover
 from moe_lab.parallel.sharding import local_shard
 
 # The state key of a parameter's fp32 master in ``state_dict()``: a checkpoint of this optimizer holds the weights at
@@ -71,11 +72,10 @@ class InBackwardOptimizer(ChunkedOptimizer):
         max_inflight: int,
         timeout_s: float,
         num_threads: int,
-        block_numel: int | None = None,
     ):
         """``params`` still hold their fp32 initial values: they become the masters. The caller casts the device
-        parameters to ``compute_dtype`` afterwards and then calls ``attach()``. ``block_numel``: elements of a
-        host-step block (``host_step``), by default sized to the threads' L2 caches."""
+        parameters to ``compute_dtype`` afterwards and then calls ``attach()``."""
+        host_kernel.load()  # built now (at first use on a machine): a missing C compiler fails before training
         params = [p for p in params if p.requires_grad]
         self.device = device = local_shard(params[0]).device
         self.timeout_s, self.num_threads = timeout_s, num_threads
@@ -83,10 +83,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
         total = sum(local_shard(p).numel() for p in params)
         largest = max(sum(local_shard(p).numel() for p in group) for group in groups)
         buffers = max(1, min(max_inflight, len(groups)))
-        block = block_numel or cache_block_numel(num_threads)
-        # Masters, AdamW's two moments (the most state a host optimizer here has; its first step creates them),
-        # the transfer buffers and the fp32 gradient block, all checked before any is allocated.
-        check_host_memory(total * 3 * 4 + largest * buffers * compute_dtype.itemsize + block * 4, "offload=full host state and buffers")
+        # Masters, AdamW's two moments (the most state a host optimizer here has; its first step creates them) and
+        # the transfer buffers, all checked before any is allocated.
+        check_host_memory(total * 3 * 4 + largest * buffers * compute_dtype.itemsize, "offload=full host state and buffers")
         masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
         self.chunks: list[MasterChunk] = []
         start = 0
@@ -105,7 +104,6 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.free: queue.Queue = queue.Queue()
         for _ in range(buffers):  # (buffer, event after which its last weights have left it)
             self.free.put((host_empty(largest, compute_dtype, pinned, "offload=full transfer buffers"), None))
-        self.grad_scratch = host_empty(block, torch.float32, False, "offload=full fp32 gradient block")
         self.d2h, self.h2d = SideStream(device), SideStream(device)
 
         self.gradients_final = True  # False in the backward of a micro-batch before a step's last (FullOffload)
@@ -201,7 +199,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
 
     def _step_chunk(self, chunk: MasterChunk) -> None:
         buffer = chunk.buffer[: chunk.numel]
-        chunk.optimizer.step(transfer=buffer, scratch=self.grad_scratch)
+        chunk.optimizer.step(transfer=buffer)
         for p, (offset, size) in chunk.offsets.items():
             self.h2d.copy(local_shard(p).view(-1), buffer[offset : offset + size], after_current=False)
 
@@ -289,7 +287,9 @@ def _worker_loop(owner: weakref.ref, ready: queue.Queue) -> None:
     optimizer = owner()
     if optimizer is None:
         return
-    torch.set_num_threads(optimizer.num_threads)  # OpenMP's thread count is per calling thread
+    # OpenMP's thread count is per calling thread: the host step kernel's, and torch's for the state its first step
+    # creates.
+    torch.set_num_threads(optimizer.num_threads)
     if optimizer.device.type == "cuda":
         torch.cuda.set_device(optimizer.device)  # else its stream switches would open a context on GPU 0
     del optimizer

@@ -1,17 +1,19 @@
 """offload=full's host optimizer step: torch's AdamW and this project's SignSGD over one flat fp32 master in host
-memory, stepping with a gradient in the compute dtype and writing the new weights back in it, block by block.
+memory, stepping with a gradient in the compute dtype and writing the new weights back in it.
 
-Per block (``block_numel`` elements, a cache-sized piece of the master) three passes: widen the gradient into an
-fp32 scratch block, step the block, narrow its new weights into the transfer buffer. Each pass after the first
-reads what the one before left in the cache, so the memory traffic is the optimizer kernel's own plus the
-compute-dtype gradient and weights (AdamW with bf16: 32 bytes per parameter). Widening and narrowing the whole
-master in passes of their own (before issue 18) added 14 bytes of traffic per parameter and left the kernel waiting
-on memory for them.
+Each master steps in one call of a C kernel (``host_kernel.c``, built at first use by ``host_kernel.py``): one
+pass over memory on the calling thread's torch thread count (``torch.get_num_threads()``; offload=full's worker sets
+it to ``offload.threads``), reading each gradient in the compute dtype, widening it in registers, stepping the
+master and moments, and narrowing the new weight into the transfer buffer. The memory traffic is the optimizer's
+own plus the compute-dtype gradient and weights (AdamW with bf16: 32 bytes per parameter), and the call holds no
+GIL: the host step no longer returns to Python between pieces of the master, where, beside a training thread
+running Python, each return waited for the GIL (issue 18: a blocked step of three torch ops per cache-sized block
+ran at half its rate beside a Python thread).
 
-The results are the unblocked optimizer's, bit for bit: AdamW steps each block with torch's fused CPU kernel
-(``torch._fused_adamw_``, what ``AdamW(fused=True)`` calls) and keeps its state as torch does (``step``,
-``exp_avg``, ``exp_avg_sq`` of the whole master); blocks start at multiples of ``block_numel``, a multiple of the
-kernel's vector width, so it vectorises the same elements as over the whole master. SignSGD's ops are elementwise.
+The results are AdamW's (torch's fused CPU kernel's order of operations, in fp32, within rounding of the fused
+kernel where a compiler contracts differently) and SignSGD's; the state is torch's (``step``, ``exp_avg``,
+``exp_avg_sq`` of the whole master, as ``AdamW(fused=True)`` keeps it), so checkpoints and ``state_dict`` do not
+change.
 """
 
 from __future__ import annotations
@@ -24,19 +26,14 @@ from typing import Callable
 
 import torch
 
+from moe_lab.optim.offload import host_kernel
 from moe_lab.optim.optimizers import SignSGD
 
-# Elements of a block per CPU thread: 1 MiB of fp32 per thread and tensor, so that a block's gradient and new weights
-# stay in the cores' L2 caches (2 MiB each on current Xeons), or else in L3, from one pass over the block to the next,
-# while each pass is long enough (about a millisecond) that its start-up and Python's share stay small.
-BLOCK_NUMEL_PER_THREAD = 2**18
-
-
-# How soon Python hands its GIL to a thread that waits for it (its default is 5 ms). The host step comes back to
-# Python after each of its ops (three per block of about a millisecond) and needs the GIL to go on; beside a thread
-# that runs Python (in backward the compiled blocks' wrappers and the hooks) each of those returns may wait the
-# whole interval, up to 15 ms per millisecond-long block. ``benchmarks/host_optimizer.py``'s
-# ``full_chunk_adamw_beside_python_thread`` rows measure it at this interval and at the default.
+# How soon Python hands its GIL to a thread that waits for it (its default is 5 ms). The worker comes back to Python
+# after each master's kernel call and then queues the new weights' copies, a few small calls per parameter, each of
+# which needs the GIL; beside a thread that runs Python (in backward the compiled blocks' wrappers and the hooks)
+# each may wait the whole interval. ``benchmarks/host_optimizer.py``'s ``full_chunk_adamw_beside_python_thread``
+# rows measure the host step beside such a thread at this interval and at the default.
 HOST_STEP_SWITCH_INTERVAL_S = 1e-4
 
 
@@ -62,18 +59,9 @@ def prompt_gil_handover(seconds: float = HOST_STEP_SWITCH_INTERVAL_S):
                 sys.setswitchinterval(_handover["previous"])
 
 
-def cache_block_numel(num_threads: int) -> int:
-    """Elements of a block stepped by ``num_threads`` threads."""
-    return max(1, num_threads) * BLOCK_NUMEL_PER_THREAD
-
-
-def _blocks(numel: int, block_numel: int):
-    return ((start, min(numel, start + block_numel)) for start in range(0, numel, block_numel))
-
-
 class HostAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (no amsgrad, no maximize) over flat fp32 masters on the host, stepped from a gradient
-    in the compute dtype (``step(transfer=..., scratch=...)``, see the module's docstring)."""
+    in the compute dtype (``step(transfer=...)``, see the module's docstring)."""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
@@ -81,9 +69,9 @@ class HostAdamW(torch.optim.AdamW):
             raise ValueError("HostAdamW steps without amsgrad and maximize")
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None, *, transfer: torch.Tensor, scratch: torch.Tensor) -> None:
+    def step(self, closure: Callable | None = None, *, transfer: torch.Tensor) -> None:
         """Step each master (a flat fp32 tensor) with its gradient in ``transfer`` (the masters' elements, one after
-        the other, in the compute dtype) and leave its new weights there; ``scratch``: fp32 of a block's size."""
+        the other, in the compute dtype) and leave its new weights there."""
         offset = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -94,40 +82,28 @@ class HostAdamW(torch.optim.AdamW):
                     state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                 state["step"] += 1
-                p, m, v = master.detach(), state["exp_avg"], state["exp_avg_sq"]
-                for start, end in _blocks(p.numel(), scratch.numel()):
-                    grad = scratch[: end - start]
-                    piece = transfer[offset + start : offset + end]
-                    grad.copy_(piece)
-                    torch._fused_adamw_(
-                        [p[start:end]], [grad], [m[start:end]], [v[start:end]], [], [state["step"]],
-                        lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                        eps=group["eps"], amsgrad=False, maximize=False,
-                    )  # fmt: skip
-                    piece.copy_(p[start:end])
-                offset += p.numel()
+                host_kernel.adamw_step(
+                    master.detach(), state["exp_avg"], state["exp_avg_sq"], transfer[offset : offset + master.numel()],
+                    step=state["step"].item(), lr=group["lr"], beta1=beta1, beta2=beta2,
+                    weight_decay=group["weight_decay"], eps=group["eps"], threads=torch.get_num_threads(),
+                )  # fmt: skip
+                offset += master.numel()
 
 
 class HostSignSGD(SignSGD):
     """``SignSGD`` over flat fp32 masters on the host, stepped from a gradient in the compute dtype
-    (``step(transfer=..., scratch=...)``, see the module's docstring)."""
+    (``step(transfer=...)``, see the module's docstring)."""
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None, *, transfer: torch.Tensor, scratch: torch.Tensor) -> None:
+    def step(self, closure: Callable | None = None, *, transfer: torch.Tensor) -> None:
         offset = 0
         for group in self.param_groups:
             for master in group["params"]:
-                p = master.detach()
-                for start, end in _blocks(p.numel(), scratch.numel()):
-                    sign = scratch[: end - start]
-                    piece = transfer[offset + start : offset + end]
-                    sign.copy_(piece).sign_()
-                    block = p[start:end]
-                    if group["weight_decay"]:
-                        block.mul_(1.0 - group["lr"] * group["weight_decay"])
-                    block.add_(sign, alpha=-group["lr"])
-                    piece.copy_(block)
-                offset += p.numel()
+                host_kernel.signsgd_step(
+                    master.detach(), transfer[offset : offset + master.numel()],
+                    lr=group["lr"], weight_decay=group["weight_decay"], threads=torch.get_num_threads(),
+                )  # fmt: skip
+                offset += master.numel()
 
 
 HOST_STEPS = {torch.optim.AdamW: HostAdamW, SignSGD: HostSignSGD}
