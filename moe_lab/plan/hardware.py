@@ -47,7 +47,7 @@ class Hardware:
     nvlink_efficiency: float = 0.70  # all-to-all and FSDP collectives inside a node
     internode_efficiency: float = 0.80  # FSDP collectives across nodes
     pcie_efficiency: float = 0.83  # pinned host <-> device copies
-    host_adamw_efficiency: float = 0.35  # offload=full's blocked host AdamW (32 bytes per parameter) of host bandwidth
+    host_adamw_efficiency: float = 0.75  # offload=full's host step kernel in a run (32 bytes per parameter) of host bandwidth
     # What torch's allocator cannot use.
     context_gib: float = 1.0  # CUDA context, cuBLAS / NCCL workspaces, other processes
     host_memory_in_use_gib: float = 4.0  # the OS and other processes on each node

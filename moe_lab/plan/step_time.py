@@ -5,8 +5,9 @@ Each category's time is its work over the rate the hardware profile gives for th
 - dense_gemm, expert_gemm, attention: FLOPs (forward, backward at twice the GEMMs' and 2.5x attention's, and the
   forward again where ac=full recomputes) over the achieved FLOP/s of each kind;
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
-- pcie: offload=optimizer's moments (8 bytes per parameter each way), which the compute stream waits for;
-- host_step: offload=full's host AdamW over this rank's parameters (it does not hide behind backward in the
+- pcie: offload=optimizer's moments (8 bytes per parameter each way), which the compute stream waits for beyond
+  the last micro-batch's backward;
+- host_step: offload=full's host AdamW over this rank's parameters (little of it hides behind backward in the
   records: the planner adds it whole);
 - ep_all_to_all: the torch dispatcher's NCCL all-to-alls (on the compute stream: exposed);
 - dispatch_glue: the dispatchers' routing, permutations and, for the fused op at EP>1, the rows it pulls and pushes
@@ -151,7 +152,8 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         seconds["optimizer"] = n * (per_param if step.optimizer == "adamw" else 12) / hw.hbm_bytes_per_s
     elif step.offload == "optimizer":
         seconds["optimizer"] = n * ADAMW_BYTES / hw.hbm_bytes_per_s
-        seconds["pcie"] = n * 8 / hw.pcie_bytes_per_s  # the moments each way, both directions at once
+        seconds["pcie"] = n * 8 / hw.pcie_bytes_per_s  # the moments each way, both directions at once (less the
+        # last backward, below)
     else:
         ranks_on_node = min(mesh.world, mesh.gpus_per_node)
         seconds["host_step"] = n / hw.host_adamw_params_per_s(ranks_on_node)
@@ -169,6 +171,10 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         casts["fsdp_reduce_scatter"] = (1 if step.grad_sync == "step" else micro) * GRAD_CAST_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
+    # offload=optimizer's state starts home as the last micro-batch's backward steps its chunks, and every host
+    # sync after that waits for all of it on the copy engine (experiments/offload_accum): what that backward, about
+    # two thirds of a micro-batch's compute, does not cover is exposed.
+    seconds["pcie"] = max(0.0, seconds["pcie"] - compute / micro * 2 / 3)
     exposed, total_comm = fsdp_exposed(step, hw, compute)
     seconds.update({k: exposed[k] + casts[k] for k in exposed})
     seconds["idle"] = hw.step_overhead_ms / 1e3
