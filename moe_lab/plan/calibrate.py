@@ -109,9 +109,10 @@ def host_adamw_params_per_s(s) -> float:
 
 def host_memory_bytes_per_s(s) -> float:
     """The host's memory bandwidth as benchmarks/host_optimizer.py takes its ceiling: the faster of two in-place
-    streaming kernels (a scale, 8 bytes per element, and an add, 12), on all of this process's CPUs."""
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    numel = s["copy_mib"] * 2**20 // 4
+    streaming kernels (a scale, 8 bytes per element, and an add, 12), over tensors of the host step's size on its
+    threads (the CPUs less one), so that the host step's share of it is taken like for like."""
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    numel = s["adamw"]
     a, b = torch.randn(numel), torch.randn(numel)
     cpu = torch.device("cpu")
     return max(8 * numel / timed(lambda: a.mul_(1.0000001), cpu), 12 * numel / timed(lambda: a.add_(b, alpha=1e-7), cpu))
