@@ -31,7 +31,9 @@ def profiled_run(run_dir: Path, *args: str) -> dict:
 def test_cpu_breakdown_sums_to_the_step_time(tmp_path):
     b = profiled_run(tmp_path, "trainer.nproc_per_node=2", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2")
     assert b["source"] == "cpu_main_thread" and b["steps"] == 2 and set(b["seconds"]) == set(CATEGORIES)
-    assert sum(b["seconds"].values()) == pytest.approx(b["measured_s"], rel=0.05)
+    # A ProfilerStep span also holds the bookkeeping after the timed part of a step (metrics row, progress bar): a
+    # few ms, several percent of these 30-70 ms CPU steps, more on a loaded machine.
+    assert sum(b["seconds"].values()) == pytest.approx(b["measured_s"], rel=0.10)
     ran = ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "ep_all_to_all", "fsdp_all_gather",
            "fsdp_reduce_scatter", "optimizer", "idle")
     assert all(b["seconds"][c] > 0 for c in ran), b["seconds"]
