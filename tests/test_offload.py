@@ -518,6 +518,7 @@ def copy_to_host_cases() -> list[tuple]:
 
 
 def test_copy_to_host_kernel_interpreted_equals_copy():
+    pytest.importorskip("triton")
     code = "from tests.test_offload import copy_to_host_cases; print(copy_to_host_cases())"
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -557,6 +558,28 @@ def test_copy_home_by_kernel_on_gpu():
         stream.copy_home(dst, src)
         stream.synchronize()
         assert torch.equal(dst, src.cpu()), (nbytes, offset)
+
+
+@pytest.mark.gpu
+def test_a_copy_home_keeps_its_destination_from_reuse_until_it_has_run():
+    """The host allocator hands a freed pinned block to the next allocation of its size unless a copy it saw still
+    uses it; it does not see a kernel's. A copy home delayed on its stream, its side stream and destination then
+    dropped: the next allocation, filled by the CPU, still holds what the CPU wrote once the device is idle."""
+    stream = SideStream(torch.device("cuda"))
+    src = torch.ones(64 * 2**20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    stream.copy_home(dst, src)  # compiles the kernel
+    stream.synchronize()
+    address = dst.data_ptr()
+    with stream.use():
+        torch.cuda._sleep(400_000_000)  # about 0.2 s on an H200
+    stream.copy_home(dst, src, after_current=False)
+    del stream, dst
+    reused = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    reused.zero_()
+    torch.cuda.synchronize()
+    assert reused.data_ptr() == address  # the premise: the allocator reused the block
+    assert not reused.any()
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ every code path is the one a GPU run takes.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 
 import psutil
@@ -41,6 +42,8 @@ class SideStream:
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.writing_home: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # ``copy_home``'s destinations in use
+        # Collected (an optimizer that is gone): its kernels' destinations must not go back to the allocator first.
+        weakref.finalize(self, _wait_for_writes, self.writing_home)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after_current: bool = True) -> None:
         """``dst.copy_(src)`` on the side stream, ordered after the work queued so far on the calling thread's
@@ -113,6 +116,11 @@ class SideStream:
         if self.stream is not None:
             self.stream.synchronize()
             self.writing_home.clear()
+
+
+def _wait_for_writes(writing_home: deque[tuple[torch.cuda.Event, torch.Tensor]]) -> None:
+    for event, _ in writing_home:
+        event.synchronize()
 
 
 def synchronize(event: torch.cuda.Event | None) -> None:
