@@ -567,6 +567,19 @@ def test_offload_full_without_a_c_compiler_fails_when_built_naming_it(monkeypatc
         host_kernel.load.cache_clear()
 
 
+def test_offload_full_with_an_unwritable_kernel_cache_fails_when_built_naming_it(monkeypatch, tmp_path):
+    blocked = tmp_path / "a file"
+    blocked.write_text("")  # the cache directory would have to be below a file
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    host_kernel.load.cache_clear()
+    model, _ = _two_chunk_model()
+    try:
+        with pytest.raises(RuntimeError, match=r"offload=full caches its host step kernel in .*a file"):
+            InBackwardOptimizer(list(model.parameters()), functools.partial(SignSGD, lr=0.1), torch.float32, chunk_numel=64, max_inflight=1, timeout_s=5, num_threads=1)
+    finally:
+        host_kernel.load.cache_clear()
+
+
 class _SwitchIntervalSeen(HostSignSGD):
     seen: list[float] = []
 

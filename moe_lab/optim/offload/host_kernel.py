@@ -77,8 +77,14 @@ def _build(compiler: list[str]) -> Path:
     library = _cache_dir() / f"host_kernel-{key.hexdigest()[:20]}.so"
     if library.exists():
         return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(suffix=".so", prefix=".host_kernel-", dir=library.parent)
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(suffix=".so", prefix=".host_kernel-", dir=library.parent)
+    except OSError as e:
+        raise RuntimeError(
+            f"offload=full caches its host step kernel in {library.parent} (XDG_CACHE_HOME, else ~/.cache), which "
+            f"cannot be written: {e}"
+        ) from None
     os.close(fd)
     try:
         built = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", temporary], capture_output=True, text=True)
