@@ -555,26 +555,23 @@ def test_host_step_kernel_releases_the_gil():
     assert seen_midway.is_set()
 
 
-def test_offload_full_without_a_c_compiler_fails_when_built_naming_it(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernel built yet
+@pytest.mark.parametrize("broken", ["compiler", "cache"])
+def test_offload_full_that_cannot_build_its_kernel_fails_when_built_naming_why(broken, monkeypatch, tmp_path):
+    """No C compiler, or a kernel cache that cannot be written: the optimizer's construction fails (before training),
+    naming offload=full and the compiler or the directory."""
+    if broken == "compiler":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernel built yet
+        message = r"offload=full .*/nonexistent/cc"
+    else:
+        blocked = tmp_path / "a file"
+        blocked.write_text("")  # the cache directory would have to be below a file
+        monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+        message = r"offload=full caches its host step kernel in .*a file"
     host_kernel.load.cache_clear()
     model, _ = _two_chunk_model()
     try:
-        with pytest.raises(RuntimeError, match=r"offload=full .*/nonexistent/cc"):
-            InBackwardOptimizer(list(model.parameters()), functools.partial(SignSGD, lr=0.1), torch.float32, chunk_numel=64, max_inflight=1, timeout_s=5, num_threads=1)
-    finally:
-        host_kernel.load.cache_clear()
-
-
-def test_offload_full_with_an_unwritable_kernel_cache_fails_when_built_naming_it(monkeypatch, tmp_path):
-    blocked = tmp_path / "a file"
-    blocked.write_text("")  # the cache directory would have to be below a file
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
-    host_kernel.load.cache_clear()
-    model, _ = _two_chunk_model()
-    try:
-        with pytest.raises(RuntimeError, match=r"offload=full caches its host step kernel in .*a file"):
+        with pytest.raises(RuntimeError, match=message):
             InBackwardOptimizer(list(model.parameters()), functools.partial(SignSGD, lr=0.1), torch.float32, chunk_numel=64, max_inflight=1, timeout_s=5, num_threads=1)
     finally:
         host_kernel.load.cache_clear()
