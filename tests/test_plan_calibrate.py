@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from moe_lab.metrics.flops import HARDWARE_CONF
 from moe_lab.plan import calibrate
 from moe_lab.plan.__main__ import profile_path_overrides
 from moe_lab.plan.config import compose
@@ -24,7 +25,7 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch):
     values = yaml.safe_load(out.read_text())
     assert values.pop("_target_") == "moe_lab.plan.hardware.Hardware"
     profile = Hardware(**values)
-    base = yaml.safe_load((calibrate.CONF / "b300.yaml").read_text())
+    base = yaml.safe_load((HARDWARE_CONF / "b300.yaml").read_text())
     assert profile.name == "b300_measured" and profile.peak_bf16_tflops == base["peak_bf16_tflops"]
     for key in ("dense_gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency", "hbm_efficiency"):
         assert 0 < values[key] <= 1 and "Measured:" in out.read_text() and key in out.read_text().splitlines()[1]
@@ -48,7 +49,7 @@ def test_calibration_on_the_gpu_agrees_with_the_fitted_profile(tmp_path, monkeyp
     monkeypatch.setattr(sys, "argv", ["calibrate", "--out", str(out), "--size", "full"])
     calibrate.main()
     measured = yaml.safe_load(out.read_text())
-    h200 = yaml.safe_load((calibrate.CONF / "h200.yaml").read_text())
+    h200 = yaml.safe_load((HARDWARE_CONF / "h200.yaml").read_text())
     fitted = Hardware(**{k: v for k, v in h200.items() if k != "_target_"})  # its efficiencies: the H200 fit
     for key in ("dense_gemm_efficiency", "attention_efficiency"):
         assert measured[key] == pytest.approx(getattr(fitted, key), rel=0.20), key

@@ -21,10 +21,15 @@ HARDWARE_OF_GPU = {"H200": "h200", "H100": "h100", "B200": "b200", "B300": "b300
 HARDWARE_CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 
 
+def hardware_option(gpu_name: str | None) -> str | None:
+    """The hardware group's option of the GPU named ``gpu_name`` (``torch.cuda.get_device_name``); None if unknown."""
+    return next((v for k, v in HARDWARE_OF_GPU.items() if gpu_name and k in gpu_name), None)
+
+
 @functools.cache
 def peak_bf16_flops(gpu_name: str | None) -> float | None:
     """Dense bf16 peak FLOP/s of the GPU named ``gpu_name`` (``torch.cuda.get_device_name``); None if unknown."""
-    option = next((v for k, v in HARDWARE_OF_GPU.items() if gpu_name and k in gpu_name), None)
+    option = hardware_option(gpu_name)
     if option is None:
         return None
     return yaml.safe_load((HARDWARE_CONF / f"{option}.yaml").read_text())["peak_bf16_tflops"] * 1e12

@@ -27,11 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from moe_lab.metrics.flops import HARDWARE_OF_GPU
+from moe_lab.metrics.flops import HARDWARE_CONF, hardware_option
 from moe_lab.optim.offload.host_step import host_optimizer
 from moe_lab.plan.hardware import GIB, Hardware
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 # Sizes per --size: (GEMM side, expert rows per expert, experts, hidden, intermediate, seq, heads, head_dim,
 # copy MiB, AdamW parameters, all-to-all MiB)
 SIZES = {
@@ -129,9 +128,8 @@ def all_to_all_bytes_per_s(device, s) -> float:
 
 def base_profile(name: str | None, device: torch.device) -> dict:
     if name is None and device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-        name = next((v for k, v in HARDWARE_OF_GPU.items() if k in gpu), None)
-    values = yaml.safe_load((CONF / f"{name or 'h200'}.yaml").read_text())
+        name = hardware_option(torch.cuda.get_device_name(device))
+    values = yaml.safe_load((HARDWARE_CONF / f"{name or 'h200'}.yaml").read_text())
     values.pop("_target_")
     return values
 

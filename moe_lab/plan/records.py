@@ -10,13 +10,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from moe_lab.metrics.flops import hardware_option
 from moe_lab.plan.config import compose
-from moe_lab.metrics.flops import HARDWARE_OF_GPU
 from moe_lab.plan.planner import plan
 
 
 def _hardware(gpu: str | None, world: int) -> list[str]:
-    name = next((v for k, v in HARDWARE_OF_GPU.items() if gpu and k in gpu), "h200")
+    name = hardware_option(gpu) or "h200"
     return [f"hardware={name}", f"hardware.gpus_per_node={world}"]
 
 

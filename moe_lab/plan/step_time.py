@@ -151,9 +151,7 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         per_param = FOREACH_ADAMW_BYTES if step.foreach else ADAMW_BYTES
         seconds["optimizer"] = n * (per_param if step.optimizer == "adamw" else 12) / hw.hbm_bytes_per_s
     elif step.offload == "optimizer":
-        seconds["optimizer"] = n * ADAMW_BYTES / hw.hbm_bytes_per_s
-        seconds["pcie"] = n * 8 / hw.pcie_bytes_per_s  # the moments each way, both directions at once (less the
-        # last backward, below)
+        seconds["optimizer"] = n * ADAMW_BYTES / hw.hbm_bytes_per_s  # its exposed PCIe follows the compute, below
     else:
         ranks_on_node = min(mesh.world, mesh.gpus_per_node)
         seconds["host_step"] = n / hw.host_adamw_params_per_s(ranks_on_node)
@@ -171,10 +169,12 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         casts["fsdp_reduce_scatter"] = (1 if step.grad_sync == "step" else micro) * GRAD_CAST_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
-    # offload=optimizer's state starts home as the last micro-batch's backward steps its chunks, and every host
-    # sync after that waits for all of it on the copy engine (experiments/offload_accum): what that backward, about
-    # two thirds of a micro-batch's compute, does not cover is exposed.
-    seconds["pcie"] = max(0.0, seconds["pcie"] - compute / micro * 2 / 3)
+    if step.offload == "optimizer":
+        # Its moments, 8 bytes per parameter each way (both directions at once), start home as the last micro-batch's
+        # backward steps their chunks, and every host sync after that waits for all of them on the copy engine
+        # (experiments/offload_accum): what that backward, about two thirds of a micro-batch's compute, does not
+        # cover is exposed.
+        seconds["pcie"] = max(0.0, n * 8 / hw.pcie_bytes_per_s - compute / micro * 2 / 3)
     exposed, total_comm = fsdp_exposed(step, hw, compute)
     seconds.update({k: exposed[k] + casts[k] for k in exposed})
     seconds["idle"] = hw.step_overhead_ms / 1e3
