@@ -15,6 +15,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from moe_lab.host_read import to_host
+
 log = logging.getLogger("moe_lab")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -68,5 +70,5 @@ class StopRequest:
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([signum], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            signum = int(flag.item())
+            signum = int(to_host(flag).item())
         return signal.Signals(signum).name if signum else None

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
 from moe_lab.config import Options
 from moe_lab.config.runtime import computes_in_bf16
+from moe_lab.host_read import to_host
 from moe_lab.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
@@ -105,7 +106,7 @@ def train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         balance.update(model, router_stats)
-        loss = mean_over_ranks(loss, world).item()  # also waits for the step to finish, so the wall clock below is the step's time
+        loss = to_host(mean_over_ranks(loss, world)).item()  # also waits for the step to finish, so the wall clock below is the step's time
         elapsed = time.perf_counter() - start
         step_times.append(elapsed)
         progress.advance(loss)
@@ -170,12 +171,14 @@ def accumulate_gradients(
     statistics summed over the micro-batches (detached; what the expert bias and the expert-load log see: the
     step's whole batch, as one micro-batch of it all would give).
 
-    Each micro-batch is loaded (``load_micro_batch(index)``, onto the device) before ``before_micro_batch``: the
-    offload optimizer's state prefetch that starts there would otherwise hold up the batch's small host-to-device
-    copy behind gigabytes of its own on the copy engine (113 ms a step, measured with offload=optimizer)."""
+    All the step's micro-batches are loaded (``load_micro_batch(index)``, onto the device) before the first
+    ``before_micro_batch``: the offload optimizer's state prefetch that starts there fills the copy engine's queue
+    with gigabytes, and a host-to-device copy waits for every one issued before it, whatever its stream (a batch
+    loaded after it waited 113 ms a step, measured with offload=optimizer; a larger ring would hold a later
+    micro-batch's batch longer still)."""
+    batches = [load_micro_batch(micro_batch) for micro_batch in range(micro_batches)]
     total = balance_total = step_stats = None
-    for micro_batch in range(micro_batches):
-        batch = load_micro_batch(micro_batch)
+    for micro_batch, batch in enumerate(batches):
         before_micro_batch(micro_batch == micro_batches - 1)
         loss, router_stats = micro_batch_forward(batch)
         balance = balance_loss(router_stats)
@@ -251,7 +254,7 @@ def evaluate(model, data, batches: int, device, dp_rank: int, world: int, autoca
         with autocast:
             logits = model(batch.inputs, batch.documents).logits
         losses.append(loss_fn(logits, batch.labels))
-    return mean_over_ranks(torch.stack(losses).mean(), world).item()
+    return to_host(mean_over_ranks(torch.stack(losses).mean(), world)).item()
 
 
 def mean_over_ranks(value: torch.Tensor, world: int) -> torch.Tensor:
@@ -279,7 +282,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     norm = total.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(shards, scale)
-    return norm.item()
+    return to_host(norm).item()
 
 
 def summary_line(m: dict) -> str:

@@ -1,5 +1,7 @@
 """The PCIe bound of offload=optimizer's state traffic: host -> device alone, device -> host alone, and both at once on
-two streams (the ring's loads and the new state going home overlap in backward), pinned host memory, as JSON.
+two streams (the ring's loads and the new state going home overlap in backward), pinned host memory; and how long a
+4-byte read to the host takes issued right after a copy home on another stream, by the copy engine (``.item()``)
+and by ``moe_lab.host_read.to_host``'s kernel, as JSON.
 
     python experiments/offload_accum/pcie_duplex.py --gib 2 --out records/<machine>_1gpu/<UTC>_pcie.json
 """
@@ -13,6 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from moe_lab.host_read import to_host
 
 
 def seconds(fn, repeats: int) -> float:
@@ -57,6 +61,22 @@ def main() -> None:
     }
     both_s = seconds(both, args.repeats)
     gbps["each_direction_duplex"] = nbytes / both_s / 1e9
+
+    def read_behind_copy_home(read) -> float:
+        """Seconds ``read`` of a 4-byte device tensor takes, issued right after a copy home starts."""
+        value = torch.ones(1, device="cuda")
+        torch.cuda.synchronize()
+        d2h()
+        start = time.perf_counter()
+        read(value)
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed
+
+    readers = {"copy_engine": lambda t: t.item(), "to_host": lambda t: to_host(t).item()}
+    for read in readers.values():
+        read(torch.ones(1, device="cuda"))  # to_host's kernel compiles at its first call
+    read_ms = {name: 1e3 * sorted(read_behind_copy_home(read) for _ in range(args.repeats))[args.repeats // 2] for name, read in readers.items()}
     record = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "gpu": torch.cuda.get_device_name(),
@@ -64,6 +84,7 @@ def main() -> None:
         "bytes_per_direction": nbytes,
         "gbps": {k: round(v, 1) for k, v in gbps.items()},
         "duplex_over_one_direction": round(gbps["each_direction_duplex"] / min(gbps["h2d_alone"], gbps["d2h_alone"]), 3),
+        "read_ms_behind_a_copy_home": {name: round(ms, 3) for name, ms in read_ms.items()},  # median
     }
     text = json.dumps(record, indent=1)
     print(text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_lab.host_read import to_host
 from moe_lab.moe.router import split_stats
 
 
@@ -46,7 +47,7 @@ class ExpertLoad:
             return {}
         row = {"expert_load": describe(_global(stats), self.top_k, self.ep)}
         if isinstance(balance_loss, torch.Tensor):
-            row["balance_loss"] = balance_loss.item()
+            row["balance_loss"] = to_host(balance_loss).item()
         return row
 
     def summary(self) -> dict:
@@ -69,4 +70,4 @@ def _global(stats: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         stats = stats.clone()
         dist.all_reduce(stats)
-    return stats.cpu()
+    return to_host(stats)

@@ -22,6 +22,7 @@ from einops import rearrange
 
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.runtime import computes_in_bf16, runs_on_cuda
+from moe_lab.host_read import to_host
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 from moe_lab.moe.experts import compute_dtype, grouped_swiglu
@@ -144,7 +145,7 @@ class TorchDispatcher(TokenDispatcher):
         # recv[src * local + e]: rows source rank `src` sends to this rank's local expert e.
         recv_per_expert = exchange_counts(tokens_per_expert, name)
         rows = torch.stack([tokens_per_expert.view(ep, local).sum(1), recv_per_expert.view(ep, local).sum(1)])
-        send_rows, recv_rows = rows.cpu().unbind()  # the one device-to-host sync of the layer
+        send_rows, recv_rows = to_host(rows).unbind()  # the one device-to-host sync of the layer
         received = all_to_all_rows(routed, send_rows, recv_rows, name)
         # Received rows are ordered (source rank, expert); the grouped GEMM wants (expert, source rank).
         segment = torch.repeat_interleave(

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_lab.host_read import to_host
+
 
 @dataclass
 class Layout:
@@ -55,7 +57,7 @@ def layout_from_counts(topk_ids: torch.Tensor, all_counts: torch.Tensor, rank: i
     rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[sorted_ids]
     pos = torch.empty_like(flat)
     pos[order] = seg_start[sorted_ids] + src_offset[sorted_ids] + rank_in_expert
-    rows = [max(r, align) for r in seg_end[:, -1].tolist()]  # the host sync
+    rows = [max(r, align) for r in to_host(seg_end[:, -1]).tolist()]  # the host sync
     return Layout(pos.view(topk_ids.shape), seg_end[rank].to(torch.int32), rows[rank], max(rows))
 
 
