@@ -32,6 +32,9 @@ def store_bytes_kernel(src_ptr, dst_address, nbytes, BLOCK: tl.constexpr):
 def store_bytes(address: int, t: torch.Tensor) -> None:
     """Store ``t``'s bytes, in its contiguous order, at host address ``address`` (pinned memory, or on CPU tensors
     under Triton's interpreter any memory) by a kernel on the current stream."""
-    src = t.contiguous().reshape(-1).view(torch.uint8)
+    src = t.contiguous()
+    # flat by strides of 1: a contiguous tensor's size-1 dimensions may keep any stride (a column of one row), which
+    # a reshape keeps and a view as bytes refuses
+    src = src.as_strided((src.numel(),), (1,)).view(torch.uint8)
     if src.numel():
         store_bytes_kernel[(1,)](src, address, src.numel(), BLOCK=BLOCK)

@@ -32,6 +32,8 @@ def store_bytes_cases() -> list:
         ("float32 transposed", torch.randn(7, 33, generator=generator).t()),
         ("bool", torch.rand(50, generator=generator) > 0.5),
         ("bfloat16", torch.randn(3, 5, generator=generator).bfloat16()),
+        ("one element of a column", torch.arange(256).view(2, 128)[:1, -1]),  # stride 128: the fused layout's read
+        ("int64 column", torch.arange(256).view(2, 128)[:, -1]),
     ]:
         into = torch.zeros(values.shape, dtype=values.dtype)
         store_bytes(into.data_ptr(), values)
@@ -58,9 +60,10 @@ def test_to_host_on_gpu_equals_cpu_and_does_not_wait_behind_a_copy_home():
     """Values as ``.cpu()`` gives them (dtypes, shapes, a non-contiguous view, after work queued on the stream);
     and a read issued behind 4 GiB going home on another stream returns before that copy has finished (by the copy
     engine it waits for all of it: about 80 ms at PCIe's 55 GB/s)."""
-    for values in [torch.arange(5, device="cuda"), torch.randn(4, 129, device="cuda").t(), torch.ones(3, device="cuda").bool(), torch.tensor(2.5, device="cuda").bfloat16()]:
+    column = torch.arange(256, device="cuda").view(2, 128)
+    for values in [torch.arange(5, device="cuda"), torch.randn(4, 129, device="cuda").t(), torch.ones(3, device="cuda").bool(), torch.tensor(2.5, device="cuda").bfloat16(), column[:1, -1], column[:, -1]]:
         expected = values.cpu()
-        got = to_host(values * 1)  # the product is queued work to wait for
+        got = to_host(values.clone())  # the clone is queued work to wait for
         assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
     device_state = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     host_state = torch.empty(4 << 30, dtype=torch.uint8, pin_memory=True)
