@@ -2,25 +2,33 @@
 
 On the H200 machines a copy between host and device queues behind every copy in its direction issued before it,
 whatever its stream. While offload=optimizer's state goes home (gigabytes a step, on a side stream, running on
-into the next step) a ``.item()`` waited for all of it: 36.7 ms behind a 2 GiB copy home, 0.08 ms alone. A kernel
-storing the values into pinned host memory is not in that queue: 0.36 ms behind the same copy
-(experiments/offload_accum/README.md, "Fourth measurement"). The training loop's host reads go through ``to_host``.
+into the next step) a ``.item()`` waited for all of it: 38.9 ms behind a 2 GiB copy home. A kernel storing the
+values into pinned host memory is not in that queue: 0.33 ms behind the same copy (``pcie_duplex.py``,
+experiments/offload_accum/README.md, "Fourth measurement"). The training loop's host reads go through ``to_host``.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+_staging: dict[torch.device, torch.Tensor] = {}  # a pinned buffer per device, grown as needed, never freed in use
+_staging_lock = threading.Lock()
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t.cpu()``, after the current stream's work queued so far; on CUDA by a one-program kernel storing into
-    pinned memory (``host_read_kernel``, which imports Triton: only a CUDA run needs it), not by the copy engine."""
+    """``t.cpu()``, after the current stream's work queued so far; on CUDA by a one-program kernel storing into a
+    pinned buffer (``host_read_kernel``, which imports Triton: only a CUDA run needs it), not by the copy engine."""
     if not t.is_cuda:
         return t.cpu()
     from moe_lab.host_read_kernel import store_bytes
 
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    store_bytes(out.data_ptr(), t)
-    # The host allocator does not see a kernel's use of ``out``: it is safe to hand out once the kernel has run.
-    torch.cuda.current_stream(t.device).synchronize()
-    return out
+    nbytes = t.numel() * t.element_size()
+    with _staging_lock:
+        staging = _staging.get(t.device)
+        if staging is None or staging.numel() < nbytes:
+            staging = _staging[t.device] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        store_bytes(staging.data_ptr(), t)
+        torch.cuda.current_stream(t.device).synchronize()
+        return staging[:nbytes].view(t.dtype).reshape(t.shape).clone()
