@@ -170,12 +170,14 @@ def accumulate_gradients(
     statistics summed over the micro-batches (detached; what the expert bias and the expert-load log see: the
     step's whole batch, as one micro-batch of it all would give).
 
-    Each micro-batch is loaded (``load_micro_batch(index)``, onto the device) before ``before_micro_batch``: the
-    offload optimizer's state prefetch that starts there would otherwise hold up the batch's small host-to-device
-    copy behind gigabytes of its own on the copy engine (113 ms a step, measured with offload=optimizer)."""
+    All the step's micro-batches are loaded (``load_micro_batch(index)``, onto the device) before the first
+    ``before_micro_batch``: the offload optimizer's state prefetch that starts there fills the copy engine's queue
+    with gigabytes, and a host-to-device copy waits for every one issued before it, whatever its stream (a batch
+    loaded after it waited 113 ms a step, measured with offload=optimizer; a larger ring would hold a later
+    micro-batch's batch longer still)."""
+    batches = [load_micro_batch(micro_batch) for micro_batch in range(micro_batches)]
     total = balance_total = step_stats = None
-    for micro_batch in range(micro_batches):
-        batch = load_micro_batch(micro_batch)
+    for micro_batch, batch in enumerate(batches):
         before_micro_batch(micro_batch == micro_batches - 1)
         loss, router_stats = micro_batch_forward(batch)
         balance = balance_loss(router_stats)

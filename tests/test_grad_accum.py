@@ -298,6 +298,24 @@ def test_full_offload_takes_gradients_the_last_micro_batch_did_not_reach():
         torch.testing.assert_close(p.detach(), r.detach(), atol=1e-6, rtol=0)
 
 
+def test_every_micro_batch_is_loaded_before_the_first_begins():
+    """The offload optimizer's state loads start in the first ``before_micro_batch``: each batch's copy to the
+    device is issued before them, since a copy waits for every one in its direction issued before it."""
+    events = []
+
+    def load(micro_batch):
+        events.append(f"load {micro_batch}")
+        return torch.tensor(float(micro_batch + 1), requires_grad=True)
+
+    def forward(batch):
+        events.append(f"forward {int(batch.item()) - 1}")
+        return batch * 2.0, torch.zeros(0)
+
+    loss, _, _ = accumulate_gradients(load, forward, lambda stats: 0.0, 3, lambda final: events.append(f"before {final}"))
+    assert events == ["load 0", "load 1", "load 2", "before False", "forward 0", "before False", "forward 1", "before True", "forward 2"]
+    assert loss.item() == pytest.approx(2 * (1 + 2 + 3) / 3)
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [(["trainer.grad_accum=0"], "trainer.grad_accum"), (["parallel.grad_sync=never"], "parallel.grad_sync")],

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -371,22 +373,27 @@ def _micro_batch_loss(model: nn.Module, step: int, micro_batch: int) -> torch.Te
 
 
 def _delay_side_streams(monkeypatch, cycles: int = 2_000_000) -> None:
-    """Every side-stream copy and chunk step first sleeps on its stream (about 1 ms on an H200), after the waits
-    that order it: a consumer that does not wait for it then reads what was there before."""
-    copy, step_chunk = SideStream.copy, StreamedStateOptimizer._step_chunk
+    """Every side-stream copy (by the copy engine or, home, by a kernel) and chunk step first sleeps on its stream
+    (about 1 ms on an H200), after the waits that order it: a consumer that does not wait for it then reads what was
+    there before."""
+    step_chunk = StreamedStateOptimizer._step_chunk
 
-    def slow_copy(self, dst, src, after_current=True):
-        if after_current:
-            self.after_current()
-        with self.use():
-            torch.cuda._sleep(cycles)
-        copy(self, dst, src, after_current=False)
+    def slowed(copy):
+        def slow_copy(self, dst, src, after_current=True):
+            if after_current:
+                self.after_current()
+            with self.use():
+                torch.cuda._sleep(cycles)
+            copy(self, dst, src, after_current=False)
+
+        return slow_copy
 
     def slow_step_chunk(self, chunk):
         torch.cuda._sleep(cycles)  # on the steps stream: every call is inside its use()
         step_chunk(self, chunk)
 
-    monkeypatch.setattr(SideStream, "copy", slow_copy)
+    for name in ("copy", "copy_home"):
+        monkeypatch.setattr(SideStream, name, slowed(getattr(SideStream, name)))
     monkeypatch.setattr(StreamedStateOptimizer, "_step_chunk", slow_step_chunk)
 
 
@@ -476,6 +483,127 @@ def test_optimizer_offload_with_state_that_grows_and_gradients_backward_misses_m
     for i, p in enumerate(reference.parameters()):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(state[i][key], plain.state[p][key], atol=1e-6, rtol=0)
+
+
+# ---- offload=optimizer's copies home by a kernel (host_write) ----
+
+
+def copy_to_host_cases() -> list[tuple]:
+    """``copy_to_host`` against ``dst.copy_(src)`` on CPU (run under Triton's interpreter): sizes 0, 1, odd, not
+    multiples of the vector or of a tile, several tiles (more than the programs: each takes several), a few MB;
+    addresses off the vector (all bytes then go the byte path); bytes past ``dst`` untouched. The failing cases."""
+    from moe_lab.optim.offload.host_write import VECTOR, WORDS, copy_to_host
+
+    tile = 4 * WORDS
+    generator = torch.Generator().manual_seed(0)
+    failing = []
+    for nbytes, src_offset, dst_offset, ctas in [
+        (0, 0, 0, 16), (1, 0, 0, 16), (15, 0, 0, 16), (VECTOR, 0, 0, 16), (VECTOR + 1, 0, 0, 16), (tile - 1, 0, 0, 16),
+        (tile, 0, 0, 16), (tile + 3, 0, 0, 16), (5 * tile + 1001, 0, 0, 2), (3 * 2**20 + 7, 0, 0, 16),
+        (1000, 1, 0, 16), (tile + 5, 0, 3, 4),
+    ]:
+        source = torch.randint(0, 256, (src_offset + nbytes,), dtype=torch.uint8, generator=generator)
+        guarded = torch.randint(0, 256, (dst_offset + nbytes + 64,), dtype=torch.uint8, generator=generator)
+        expected = guarded.clone()
+        expected[dst_offset : dst_offset + nbytes].copy_(source[src_offset:])
+        copy_to_host(guarded[dst_offset : dst_offset + nbytes], source[src_offset:], ctas=ctas)
+        if not torch.equal(guarded, expected):
+            failing.append((nbytes, src_offset, dst_offset, ctas))
+    values = torch.randn(3, 1001, generator=generator)  # another dtype, in its shape
+    into = torch.empty_like(values)
+    copy_to_host(into, values)
+    if not torch.equal(into, values):
+        failing.append("float32 (3, 1001)")
+    return failing
+
+
+def test_copy_to_host_kernel_interpreted_equals_copy():
+    pytest.importorskip("triton")
+    code = "from tests.test_offload import copy_to_host_cases; print(copy_to_host_cases())"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_copy_to_host_kernel_moves_whole_tiles_as_16_byte_vectors():
+    """Compiled for an H200 (sm_90; no GPU needed): the tiles' loads and stores are 16-byte ones, the host side
+    included, whose address comes in as an int."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_lab.optim.offload.host_write import BYTES, VECTOR, WORDS, copy_to_host_kernel
+
+    source = ASTSource(
+        fn=copy_to_host_kernel,
+        signature={"src_ptr": "*u8", "dst_address": "i64", "tile_bytes": "i64", "nbytes": "i64", "WORDS": "constexpr", "BYTES": "constexpr", "VECTOR": "constexpr"},
+        constexprs={"WORDS": WORDS, "BYTES": BYTES, "VECTOR": VECTOR},
+        attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]},
+    )  # fmt: skip
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+
+
+@pytest.mark.gpu
+def test_copy_home_by_kernel_on_gpu():
+    """Device -> pinned host by ``SideStream.copy_home`` at a few sizes (one off the vector, one off alignment), as
+    ``copy_`` does; the state of a 50-chunk step goes home this way."""
+    from moe_lab.optim.offload.host_write import WORDS
+
+    stream = SideStream(torch.device("cuda"))
+    for nbytes, offset in [(1, 0), (17, 0), (4 * WORDS + 5, 0), (64 * 2**20 + 3, 0), (4 * WORDS + 5, 1)]:
+        src = torch.randint(0, 256, (offset + nbytes,), dtype=torch.uint8, device="cuda")[offset:]
+        dst = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        stream.copy_home(dst, src)
+        stream.synchronize()
+        assert torch.equal(dst, src.cpu()), (nbytes, offset)
+
+
+@pytest.mark.gpu
+def test_a_copy_home_keeps_its_destination_from_reuse_until_it_has_run():
+    """The host allocator hands a freed pinned block to the next allocation of its size unless a copy it saw still
+    uses it; it does not see a kernel's. A copy home delayed on its stream, its side stream and destination then
+    dropped: the next allocation, filled by the CPU, still holds what the CPU wrote once the device is idle."""
+    stream = SideStream(torch.device("cuda"))
+    src = torch.ones(64 * 2**20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    stream.copy_home(dst, src)  # compiles the kernel
+    stream.synchronize()
+    address = dst.data_ptr()
+    with stream.use():
+        torch.cuda._sleep(400_000_000)  # about 0.2 s on an H200
+    stream.copy_home(dst, src, after_current=False)
+    del stream, dst
+    reused = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    reused.zero_()
+    torch.cuda.synchronize()
+    assert reused.data_ptr() == address  # the premise: the allocator reused the block
+    assert not reused.any()
+
+
+@pytest.mark.gpu
+def test_a_small_device_to_host_copy_does_not_wait_for_a_copy_home():
+    """A 4-byte read on the current stream (``.item()``, as the trainer's loss read at a step's end) issued after
+    2 GiB went home by ``copy_home`` on a side stream returns while that copy still runs, in a small part of its
+    time: through the copy engine it would queue behind it (experiments/offload_accum/README.md)."""
+    stream = SideStream(torch.device("cuda"))
+    src = torch.ones(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(2 * 2**30, dtype=torch.uint8, pin_memory=True)
+    stream.copy_home(dst, src)  # compiles the kernel
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    stream.copy_home(dst, src)
+    stream.synchronize()
+    copy_s = time.perf_counter() - start
+    stream.copy_home(dst, src)
+    home = stream.record()
+    start = time.perf_counter()
+    torch.ones(1, device="cuda").item()
+    read_s = time.perf_counter() - start
+    still_running = not home.query()
+    stream.synchronize()
+    assert still_running and read_s < copy_s / 10, (read_s, copy_s)
 
 
 # ---- the host step kernel ----

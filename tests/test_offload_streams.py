@@ -91,6 +91,8 @@ class SimulatedStream:
             self.sim.access(dst, True, f"copy into {tuple(dst.shape)}")
         dst.copy_(src)
 
+    copy_home = copy  # by a kernel rather than the copy engine: the same orderings
+
     def record(self) -> dict:
         return dict(self.clock)
 

@@ -114,6 +114,22 @@ def test_compute_stream_waiting_on_offloaded_optimizer():
     assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
 
 
+def test_state_going_home_by_a_copy_kernel_is_pcie_and_not_the_compute_stream():
+    """offload=optimizer's state goes home by a kernel (host_write.copy_to_host_kernel) on a side stream, for longer
+    than the compute stream's kernels run at one micro-batch: the compute stream is still the one with the most
+    other kernel time, and its wait under the copy kernel is exposed PCIe time."""
+    events = [
+        _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _x("aten::mm", 1, 2), launch(2, 1),
+        _x("nvjet_tst_128x256", 5, 20, cat="kernel", tid=7, stream=7, correlation=1),
+        _x("copy_to_host_kernel", 10, 60, cat="kernel", tid=11, stream=11),
+        _x("gather_rows_kernel", 80, 10, cat="kernel", tid=7, stream=7),
+    ]
+    b = breakdown(events)
+    want = {"dense_gemm": 20, "pcie": 45, "other": 10, "idle": 25}
+    assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
+
+
 def test_exposed_host_step_and_pcie_traffic_apart_from_the_optimizer_wait():
     """The end of an offload=full step, by hand: the compute stream's last kernel, then a gradient copied device ->
     host on the compute stream; the worker thread steps the last chunk (its host step), then copies its weights host

@@ -1,5 +1,8 @@
 """The PCIe bound of offload=optimizer's state traffic: host -> device alone, device -> host alone, and both at once on
 two streams (the ring's loads and the new state going home overlap in backward), pinned host memory, as JSON.
+Device -> host both by the copy engine and by the copy kernel offload=optimizer sends its state home with
+(``moe_lab.optim.offload.host_write``, at several grid sizes), and how long a 4-byte read (``.item()``, as the
+trainer's loss read) issued right after a copy home takes with each: behind the copy engine's, it waits for it.
 
     python experiments/offload_accum/pcie_duplex.py --gib 2 --out records/<machine>_1gpu/<UTC>_pcie.json
 """
@@ -13,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from moe_lab.optim.offload.host_write import CTAS, copy_to_host
 
 
 def seconds(fn, repeats: int) -> float:
@@ -47,9 +52,27 @@ def main() -> None:
         with torch.cuda.stream(down):
             host_out.copy_(device_out, non_blocking=True)
 
+    def d2h_kernel(ctas: int = CTAS):
+        with torch.cuda.stream(down):
+            copy_to_host(host_out, device_out, ctas)
+
     def both():
         h2d()
         d2h()
+
+    def both_kernel_home():
+        h2d()
+        d2h_kernel()
+
+    def read_behind(copy_home) -> float:
+        """Seconds a 4-byte ``.item()`` on the current stream takes, issued right after ``copy_home``."""
+        torch.cuda.synchronize()
+        copy_home()
+        start = time.perf_counter()
+        torch.ones(1, device="cuda").item()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed
 
     gbps = {
         "h2d_alone": nbytes / seconds(h2d, args.repeats) / 1e9,
@@ -57,6 +80,10 @@ def main() -> None:
     }
     both_s = seconds(both, args.repeats)
     gbps["each_direction_duplex"] = nbytes / both_s / 1e9
+    for ctas in (4, 8, 16, 32):
+        gbps[f"d2h_kernel_{ctas}_ctas"] = nbytes / seconds(lambda: d2h_kernel(ctas), args.repeats) / 1e9
+    gbps["each_direction_duplex_kernel_home"] = nbytes / seconds(both_kernel_home, args.repeats) / 1e9
+    read_ms = {name: 1e3 * min(read_behind(fn) for _ in range(args.repeats)) for name, fn in (("copy_engine", d2h), ("kernel", d2h_kernel))}
     record = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "gpu": torch.cuda.get_device_name(),
@@ -64,6 +91,8 @@ def main() -> None:
         "bytes_per_direction": nbytes,
         "gbps": {k: round(v, 1) for k, v in gbps.items()},
         "duplex_over_one_direction": round(gbps["each_direction_duplex"] / min(gbps["h2d_alone"], gbps["d2h_alone"]), 3),
+        "kernel_ctas": CTAS,  # what offload=optimizer uses
+        "item_ms_after_a_copy_home": {k: round(v, 3) for k, v in read_ms.items()},
     }
     text = json.dumps(record, indent=1)
     print(text)

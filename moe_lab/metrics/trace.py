@@ -5,12 +5,12 @@
 and TensorBoard). ``breakdown(trace)`` then partitions the recorded steps' time into the categories below and
 averages over them, so the parts sum to one step:
 
-- on CUDA, the compute stream's timeline (the stream with the most kernel time): each kernel's time goes to its
-  category; idle time on the compute stream goes to what runs elsewhere at that moment, in this order: a collective
-  on another stream (exposed communication), offload=full's host optimizer step on a CPU thread (``host_step``), a
-  host <-> device copy on another stream (``pcie``: offload's gradient, weight and state traffic), an optimizer
-  working on another stream or CPU thread (``optimizer``); else ``idle``. A copy between host and device on the
-  compute stream itself is ``pcie`` too;
+- on CUDA, the compute stream's timeline (the stream with the most kernel time, copy kernels not counted): each
+  kernel's time goes to its category; idle time on the compute stream goes to what runs elsewhere at that moment,
+  in this order: a collective on another stream (exposed communication), offload=full's host optimizer step on a
+  CPU thread (``host_step``), a host <-> device copy on another stream (``pcie``: offload's gradient, weight and
+  state traffic, by the copy engine or by a copy kernel), an optimizer working on another stream or CPU thread
+  (``optimizer``); else ``idle``. A copy between host and device on the compute stream itself is ``pcie`` too;
 - on CPU, the main thread's timeline: each op's self time goes to its category; time in no op goes to ``idle``
   (Python and launch overhead).
 
@@ -36,13 +36,14 @@ import torch
 # In priority order: a grouped GEMM inside the dispatch scope is expert GEMM, an all-to-all inside it is all-to-all.
 # The fused dispatcher's op (moe_lab::fused_moe) is glue but for its GEMMs (DeepGEMM's, or torch._grouped_mm's
 # cutlass kernels, whose mangled names say GroupProblemShape) and its symmetric-memory barriers (the EP exchange).
-# A host <-> device copy is PCIe traffic whatever op or scope issued it; offload=full's worker steps in an
+# A host <-> device copy is PCIe traffic whatever op or scope issued it, by the copy engine (Memcpy) or by a kernel
+# (offload=optimizer's state going home, moe_lab.optim.offload.host_write); offload=full's worker steps in an
 # ``optimizer.host_step`` scope (``optimizer.offload_full_chunk`` in traces before issue 18).
 RULES = {
     "ep_all_to_all": r"all_?to_?all|alltoall|sendrecv|exchange_counts|symmetric_memory",
     "fsdp_all_gather": r"all_?gather",
     "fsdp_reduce_scatter": r"reduce_?scatter|post_backward_reduce",
-    "pcie": r"^Memcpy (HtoD|DtoH)",
+    "pcie": r"^Memcpy (HtoD|DtoH)|copy_to_host_kernel",
     "attention": r"attention|flash|fmha|sdpa",
     "expert_gemm": r"grouped|GroupProblemShape|deep_gemm|moe_lab::expert_compute",
     "dense_gemm": r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|gemm|nvjet|cutlass|cublas|xmma",
@@ -224,7 +225,8 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
     in_step = [k for k in device_work if k["ts"] < end and k["ts"] + k["dur"] > start]
     busy = defaultdict(float)
     for k in in_step:
-        if k["cat"] == "kernel" and not k["name"].startswith("nccl"):  # copies may fill a side stream for longer
+        # copies (by the copy engine, or by a copy kernel) may fill a side stream for longer
+        if k["cat"] == "kernel" and not k["name"].startswith("nccl") and classify(k["name"]) != "pcie":
             busy[k["args"].get("stream")] += k["dur"]
     compute_stream = max(busy, key=busy.get) if busy else None
     parts = defaultdict(float)

@@ -1,5 +1,6 @@
 """Host-memory pieces the offload modes share: host buffers sized against the RAM available, and copies on a side
-stream. (offload=full's host optimizer step is ``host_step.py``.)
+stream (device -> host ones for offload=optimizer's state by a kernel, ``host_write.py``). (offload=full's host
+optimizer step is ``host_step.py``.)
 
 On a CPU-only run "host" and "device" are the same memory: buffers are not pinned and copies are synchronous, but
 every code path is the one a GPU run takes.
@@ -8,6 +9,8 @@ every code path is the one a GPU run takes.
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import deque
 
 import psutil
 import torch
@@ -38,6 +41,9 @@ class SideStream:
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.writing_home: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # ``copy_home``'s destinations in use
+        # Collected (an optimizer that is gone): its kernels' destinations must not go back to the allocator first.
+        weakref.finalize(self, _wait_for_writes, self.writing_home)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after_current: bool = True) -> None:
         """``dst.copy_(src)`` on the side stream, ordered after the work queued so far on the calling thread's
@@ -51,6 +57,25 @@ class SideStream:
             dst.copy_(src, non_blocking=True)
         for t in (dst, src):
             self.keep_for(t)
+
+    def copy_home(self, dst: torch.Tensor, src: torch.Tensor, after_current: bool = True) -> None:
+        """``copy`` from the device into pinned host memory, done by a kernel on a few SMs (``host_write``) instead
+        of the copy engine, whose queue it leaves to the small copies of others (a host sync waits for every copy
+        in its direction issued before it). ``dst`` stays referenced here until the kernel has run: the host
+        allocator, which orders the reuse of pinned memory after the copies it has seen, does not see a kernel's."""
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        from moe_lab.optim.offload.host_write import copy_to_host  # Triton: only with a GPU
+
+        while self.writing_home and self.writing_home[0][0].query():
+            self.writing_home.popleft()
+        if after_current:
+            self.after_current()
+        with torch.cuda.stream(self.stream):
+            copy_to_host(dst, src)
+        self.keep_for(src)
+        self.writing_home.append((self.stream.record_event(), dst))
 
     def record(self) -> torch.cuda.Event | None:
         """An event after the work queued so far; None on CPU, where it is done already."""
@@ -90,6 +115,12 @@ class SideStream:
         """Block the calling CPU thread until this stream's queued work has run."""
         if self.stream is not None:
             self.stream.synchronize()
+            self.writing_home.clear()
+
+
+def _wait_for_writes(writing_home: deque[tuple[torch.cuda.Event, torch.Tensor]]) -> None:
+    for event, _ in writing_home:
+        event.synchronize()
 
 
 def synchronize(event: torch.cuda.Event | None) -> None:

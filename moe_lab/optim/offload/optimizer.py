@@ -10,7 +10,11 @@ through a ring of device memory the size of ``max_inflight`` of the largest chun
 2. when all its gradients are final (a post-accumulate-grad hook; under FSDP2 after its reduce-scatter), it steps
    on a stream of its own, after its state has arrived and its gradients were made, while backward goes on;
 3. its new state goes device -> host on another side stream, which may run on into the next step's forward: the
-   state is needed again one whole step later.
+   state is needed again one whole step later. A kernel on a few SMs stores it into the pinned host buffer
+   (``SideStream.copy_home``), not the copy engine: a copy between host and device queues behind every copy in its
+   direction issued before it, whatever the stream, so through the copy engine the step's loss read and the fused
+   dispatcher's host syncs waited for the whole state's trip home (experiments/offload_accum/README.md). The loads
+   (1.) stay on the copy engine, behind the step's batches, which the trainer copies first.
 The CPU never waits for a copy: every order above is a CUDA event. ``step()`` steps the chunks that backward left
 (a parameter whose gradient came from an earlier micro-batch only), and orders the compute stream after the steps,
 which the next forward's reads of the weights need.
@@ -267,7 +271,7 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         self.d2h.wait_stream_of(self.steps)
         if chunk.matches_layout():
             if chunk.nbytes:
-                self.d2h.copy(chunk.host, flat, after_current=False)
+                self.d2h.copy_home(chunk.host, flat, after_current=False)
             chunk.sent_home = self.d2h.record()
             chunk.point_state_at(chunk.host)
         else:  # the step created state for a parameter that had none: lay it out anew, next step streams it
@@ -290,7 +294,7 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         chunk.lay_out(self.pinned)
         flat = [value for _, _, value in chunk.per_element_state()]
         for s, value in zip(chunk.layout, flat):
-            self.d2h.copy(s.view(chunk.host), value)
+            self.d2h.copy_home(s.view(chunk.host), value)
         chunk.sent_home = self.d2h.record()
         synchronize(chunk.sent_home)  # bounds the device memory of state created outside the ring
         chunk.point_state_at(chunk.host)
