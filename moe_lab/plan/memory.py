@@ -275,6 +275,12 @@ def state_bytes(step: Step) -> int:
     return ADAMW_STATE_BYTES if step.optimizer == "adamw" else 0
 
 
+def ring_params(step: Step) -> float:
+    """Parameters whose state offload=optimizer's device ring holds at once: ``max_inflight`` chunks (AdamW and
+    SignSGD step larger parameters in pieces of a chunk: the largest chunk is a chunk), at most all of this rank's."""
+    return min(step.max_inflight * step.chunk_mib * 2**20 / 4, step.shapes.local_params(step.mesh))
+
+
 def plan_memory(step: Step) -> Memory:
     s, mesh, c = step.shapes, step.mesh, step.cfg
     n = s.local_params(mesh)
@@ -289,9 +295,8 @@ def plan_memory(step: Step) -> Memory:
     else:
         weights, grad_bytes = {"fp32 params (masters)": 4 * n}, 4
         state = state_bytes(step) * n if step.offload == "none" else 0.0
-        if step.offload == "optimizer":  # the device ring its state streams through, at every phase (AdamW and
-            # SignSGD step larger parameters in pieces of a chunk: the largest chunk is a chunk)
-            state = state_bytes(step) * min(step.max_inflight * step.chunk_mib * 2**20 / 4, n)
+        if step.offload == "optimizer":  # the device ring its state streams through, at every phase
+            state = state_bytes(step) * ring_params(step)
     grad_of = (lambda p: 0.0) if step.offload == "full" else (lambda p: grad_bytes * p)
     # offload=full: gradients leave for the host as they are made, a chunk or so in flight.
     in_flight = 2 * max(chunks(step, reverse=True)) if step.offload == "full" else 0.0

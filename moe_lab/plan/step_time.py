@@ -5,8 +5,8 @@ Each category's time is its work over the rate the hardware profile gives for th
 - dense_gemm, expert_gemm, attention: FLOPs (forward, backward at twice the GEMMs' and 2.5x attention's, and the
   forward again where ac=full recomputes) over the achieved FLOP/s of each kind;
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
-- pcie: offload=optimizer's moments (8 bytes per parameter each way), which the compute stream waits for beyond
-  the last micro-batch's backward;
+- pcie: offload=optimizer's moments beyond what its device ring holds (8 bytes per parameter), which the compute
+  stream waits for beyond the last micro-batch's backward;
 - host_step: offload=full's host AdamW over this rank's parameters (little of it hides behind backward in the
   records: the planner adds it whole);
 - ep_all_to_all: the torch dispatcher's NCCL all-to-alls (on the compute stream: exposed);
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import Step, fused_receive_rows, routed_rows, routed_slots
+from moe_lab.plan.memory import Step, fused_receive_rows, ring_params, routed_rows, routed_slots, state_bytes
 
 # Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
 # grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies); its
@@ -170,11 +170,11 @@ def plan_time(step: Step, hw: Hardware) -> dict:
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
     if step.offload == "optimizer":
-        # Its moments, 8 bytes per parameter each way (both directions at once), start home as the last micro-batch's
-        # backward steps their chunks, and every host sync after that waits for all of them on the copy engine
-        # (experiments/offload_accum): what that backward, about two thirds of a micro-batch's compute, does not
-        # cover is exposed.
-        seconds["pcie"] = max(0.0, n * 8 / hw.pcie_bytes_per_s - compute / micro * 2 / 3)
+        # The ring's worth of state comes in under the earlier micro-batches; the rest comes in during the last
+        # micro-batch's backward as chunks step and free their place (the new state going home in the other
+        # direction, and on into the next step, where the host reads no longer wait for it): what that backward,
+        # about two thirds of a micro-batch's compute, does not cover is exposed (experiments/offload_accum).
+        seconds["pcie"] = max(0.0, state_bytes(step) * (n - ring_params(step)) / hw.pcie_bytes_per_s - compute / micro * 2 / 3)
     exposed, total_comm = fsdp_exposed(step, hw, compute)
     seconds.update({k: exposed[k] + casts[k] for k in exposed})
     seconds["idle"] = hw.step_overhead_ms / 1e3
