@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests (pytest -m gpu; they skip on a machine without CUDA), one part per call:
-#   bash experiments/gpu_tests/run.sh one_gpu   skeleton, fused dispatcher at EP=1, trace breakdown, offload modes, forced routing,
+#   bash experiments/gpu_tests/run.sh one_gpu   skeleton, fused dispatcher at EP=1, host reads, trace breakdown, offload modes, forced routing,
 #                                               the planner's calibration
 #   bash experiments/gpu_tests/run.sh two_gpu   fused dispatcher at EP=2, distinct experts per EP rank
 #   bash experiments/gpu_tests/run.sh four_gpu  fused dispatcher at EP=2 and EP=4 (nvidia-h200-x4)
@@ -8,7 +8,7 @@
 source "$(dirname "$0")/../common.sh"
 case "${1:-}" in
 one_gpu) log=$(record 1gpu).log limit=420 select="not expert_parallel"
-         tests="tests/test_gpu_skeleton.py tests/test_fused_gpu.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py tests/test_tokens.py tests/test_routing.py tests/test_grad_accum.py tests/test_plan_calibrate.py" ;;
+         tests="tests/test_gpu_skeleton.py tests/test_fused_gpu.py tests/test_host_read.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py tests/test_tokens.py tests/test_routing.py tests/test_grad_accum.py tests/test_plan_calibrate.py" ;;
 two_gpu) log=$(record 2gpu).log limit=180 select="expert_parallel and ep2 or different_experts"
          tests="tests/test_fused_gpu.py tests/test_distributed_training.py" ;;
 four_gpu) log=$(record 4gpu).log limit=300 select="expert_parallel or different_experts"
