@@ -25,7 +25,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     from moe_lab.host_read_kernel import store_bytes
 
     nbytes = t.numel() * t.element_size()
-    with _staging_lock:
+    with _staging_lock, torch.cuda.device(t.device):  # Triton launches on the current device
         staging = _staging.get(t.device)
         if staging is None or staging.numel() < nbytes:
             staging = _staging[t.device] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
