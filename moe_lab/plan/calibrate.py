@@ -97,9 +97,8 @@ def copy_bytes_per_s(src: torch.Tensor, dst: torch.Tensor, device) -> float:
 
 def host_adamw_params_per_s(s) -> float:
     """offload=full's host step as it runs (``moe_lab.optim.offload.host_step``: its C kernel over a bf16 gradient,
-    the fp32 master and AdamW's moments, new weights back in bf16) on the threads it gets by default, the CPUs less
-    one."""
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    the fp32 master and AdamW's moments, new weights back in bf16) on torch's threads (``calibrate`` sets the host
+    step's default: the CPUs less one)."""
     master = torch.nn.Parameter(torch.zeros(s["adamw"]))
     optimizer = host_optimizer(functools.partial(torch.optim.AdamW, lr=1e-4, fused=True), [master])
     transfer = torch.randn(s["adamw"], dtype=torch.bfloat16)
@@ -108,9 +107,8 @@ def host_adamw_params_per_s(s) -> float:
 
 def host_memory_bytes_per_s(s) -> float:
     """The host's memory bandwidth as benchmarks/host_optimizer.py takes its ceiling: the faster of two in-place
-    streaming kernels (a scale, 8 bytes per element, and an add, 12), over tensors of the host step's size on its
-    threads (the CPUs less one), so that the host step's share of it is taken like for like."""
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    streaming kernels (a scale, 8 bytes per element, and an add, 12), over tensors of the host step's size on torch's
+    threads (as ``host_adamw_params_per_s``), so that the host step's share of it is taken like for like."""
     numel = s["adamw"]
     a, b = torch.randn(numel), torch.randn(numel)
     cpu = torch.device("cpu")
@@ -164,6 +162,7 @@ def calibrate(size: str, base: str | None) -> tuple[dict, list[str]]:
         # torch's in-place streams are not a true ceiling: the host step kernel streams more than they do on some
         # hosts (H200 host: 149 against 114 GB/s; this project's VM at one thread: 28 against 24). The host moves at
         # least what its fastest measured stream moved, so that bounds its bandwidth from below.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))  # the host step's default: the CPUs less one
         host_step_bytes = host_adamw_params_per_s(s) * 32
         host_bw = max(host_memory_bytes_per_s(s), host_step_bytes)
         measured["host_memory_gbps"] = round(host_bw / 1e9, 1)
