@@ -30,7 +30,7 @@ from moe_lab import config
 from moe_lab.config import ConfigError
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, host_kernel, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
-from moe_lab.optim.offload.full import InBackwardOptimizer
+from moe_lab.optim.offload.full import InBackwardOptimizer, device_chunk_count
 from moe_lab.optim.offload.host import SideStream, check_host_memory
 from moe_lab.optim.offload.host_step import HOST_STEP_SWITCH_INTERVAL_S, HOST_STEPS, HostSignSGD, host_optimizer, prompt_gil_handover
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
@@ -76,7 +76,7 @@ def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> 
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     if isinstance(optimizer, InBackwardOptimizer):
-        return [w.clone() for w in optimizer.master_weights()]
+        return [w.cpu().clone() for w in optimizer.master_weights()]
     return [local_shard(p).detach().float().cpu() for p in model.parameters()]
 
 
@@ -137,15 +137,25 @@ def test_offload_modes_match_none(optimizer):
     reference = run_steps([f"optimizer={optimizer}", "offload=none"])
     initial = run_steps([f"optimizer={optimizer}", "offload=none"], steps=0)
     assert any(not torch.equal(r, i) for r, i in zip(reference, initial))  # the steps moved the weights
-    for mode in ("optimizer", "full"):
-        assert_all_close(run_steps([f"optimizer={optimizer}", f"offload={mode}"] + SMALL_CHUNKS), reference, atol=1e-6)
+    for mode in ("optimizer", "full", "full offload.device_share=0.5"):
+        assert_all_close(run_steps([f"optimizer={optimizer}", *f"offload={mode}".split()] + SMALL_CHUNKS), reference, atol=1e-6)
 
 
+@pytest.mark.parametrize("device_share", [0.0, 0.4, 1.0])
 @pytest.mark.parametrize("optimizer", ["adamw", "signsgd"])
-def test_full_offload_bf16_matches_bf16_gradient_reference(optimizer):
+def test_full_offload_bf16_matches_bf16_gradient_reference(optimizer, device_share):
+    """bf16 weights stepped through fp32 masters, on the host, partly on the device, or all on the device."""
     overrides = [f"optimizer={optimizer}", "trainer.precision=bf16"]
     expected = reference_bf16_masters(overrides)
-    assert_all_close(run_steps(overrides + ["offload=full"] + SMALL_CHUNKS), expected, atol=1e-6)
+    assert_all_close(run_steps(overrides + ["offload=full", f"offload.device_share={device_share}"] + SMALL_CHUNKS), expected, atol=1e-6)
+
+
+def test_device_share_takes_whole_chunks_from_the_end_of_backward():
+    assert device_chunk_count([40, 10, 30, 20], 0.0) == 0
+    assert device_chunk_count([40, 10, 30, 20], 0.2) == 1  # the last chunk, 20 of 100
+    assert device_chunk_count([40, 10, 30, 20], 0.49) == 1  # 20 + 30 would pass 49
+    assert device_chunk_count([40, 10, 30, 20], 0.6) == 3  # 20 + 30 + 10
+    assert device_chunk_count([40, 10, 30, 20], 1.0) == 4
 
 
 @pytest.mark.gpu
@@ -162,11 +172,12 @@ def test_offload_modes_on_gpu(optimizer):
     none = run_steps(cuda + ["offload=none"], device="cuda")
     assert_all_close(run_steps(cuda + ["offload=optimizer"] + SMALL_CHUNKS, device="cuda"), none, atol=1e-6)
     expected = reference_bf16_masters(cuda, device="cuda")
-    actual = run_steps(cuda + ["offload=full"] + SMALL_CHUNKS, device="cuda")
     cfg = compose_train([f"trainer.steps={STEPS}"] + cuda)
-    assert_all_close(actual, expected, atol=2 * sum(scheduled_lrs(cfg)))
-    differences = torch.cat([(a - e).abs().flatten() for a, e in zip(actual, expected)])
-    assert differences.median() <= 1e-5
+    for device_share in (0.0, 0.5):  # all on the host; half the parameters stepped on the device, on a side stream
+        actual = run_steps(cuda + ["offload=full", f"offload.device_share={device_share}"] + SMALL_CHUNKS, device="cuda")
+        assert_all_close(actual, expected, atol=2 * sum(scheduled_lrs(cfg)))
+        differences = torch.cat([(a - e).abs().flatten() for a, e in zip(actual, expected)])
+        assert differences.median() <= 1e-5, device_share
 
 
 def _world2_max_differences(optimizer: str) -> dict:
@@ -174,8 +185,8 @@ def _world2_max_differences(optimizer: str) -> dict:
     mesh = ["trainer.nproc_per_node=2", "parallel.ep=2", f"optimizer={optimizer}"]
     reference = run_steps(mesh + ["offload=none"])
     out = {}
-    for mode in ("optimizer", "full"):
-        weights = run_steps(mesh + [f"offload={mode}"] + SMALL_CHUNKS)
+    for mode in ("optimizer", "full", "full offload.device_share=0.5"):  # the last: FSDP2's shards stepped on the device
+        weights = run_steps(mesh + f"offload={mode}".split() + SMALL_CHUNKS)
         out[mode] = max((w - r).abs().max().item() for w, r in zip(weights, reference))
     return out
 
@@ -215,6 +226,8 @@ OFFLOADS = {
     "none": lambda: NoOffload(),
     "optimizer": lambda: OptimizerOffload(chunk_mib=CHUNK_MIB, max_inflight=2),
     "full": lambda: FullOffload(chunk_mib=CHUNK_MIB, max_inflight=2, numa_bind=False),
+    # the last two of the four chunks (72 of 172 parameters) step on the device
+    "full_device_share": lambda: FullOffload(chunk_mib=CHUNK_MIB, max_inflight=2, numa_bind=False, device_share=0.5),
 }
 
 
@@ -234,13 +247,15 @@ def _build(mode: str, model: nn.Module) -> torch.optim.Optimizer:
     return OFFLOADS[mode]().build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "full"])
+@pytest.mark.parametrize("mode", ["optimizer", "full", "full_device_share"])
 def test_offload_optimizers_are_torch_optimizers_over_their_chunks_groups(mode):
     model = _small_model()
     optimizer = _build(mode, model)
     assert isinstance(optimizer, torch.optim.Optimizer)
     chunk_groups = [g for o in optimizer.chunk_optimizers for g in o.param_groups]
     assert len(optimizer.chunk_optimizers) >= 3
+    if mode == "full_device_share":
+        assert [c.on_device for c in optimizer.chunks] == [False, False, True, True]
     assert len(optimizer.param_groups) == len(chunk_groups)
     assert all(g is c for g, c in zip(optimizer.param_groups, chunk_groups))  # the same dicts, not copies
 
@@ -248,12 +263,12 @@ def test_offload_optimizers_are_torch_optimizers_over_their_chunks_groups(mode):
 PIECES_MIB = 16 * 4 / 2**20  # 16 fp32 elements: offload=optimizer steps the 64-element weights in four pieces
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "optimizer_pieces", "full"])
+@pytest.mark.parametrize("mode", ["optimizer", "optimizer_pieces", "full", "full_device_share"])
 def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode):
     """``state_dict()`` holds, for each parameter, the AdamW state plain torch AdamW holds after the same steps,
     shaped like the parameter (and offload=full's fp32 master, the weights), also where offload=optimizer steps a
-    parameter in pieces; an optimizer of another chunking loads it and steps on exactly as the original, its groups
-    still the ones an LR scheduler drives."""
+    parameter in pieces or offload=full steps some chunks on the device; an optimizer of another chunking (all on the
+    host) loads it and steps on exactly as the original, its groups still the ones an LR scheduler drives."""
     model, reference = _small_model(), _small_model()
     if mode == "optimizer_pieces":
         optimizer = OptimizerOffload(chunk_mib=PIECES_MIB).build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
@@ -261,6 +276,8 @@ def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode)
         mode = "optimizer"
     else:
         optimizer = _build(mode, model)
+    on_device = mode == "full_device_share"
+    mode = mode.removesuffix("_device_share")
     plain = torch.optim.AdamW(reference.parameters(), lr=LR)
     for step in range(3):
         for m, o in ((model, optimizer), (reference, plain)):
@@ -294,7 +311,9 @@ def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode)
             _loss(m, step).backward()
             o.step()
             o.zero_grad()
-    assert_all_close(list(resumed_model.parameters()), list(model.parameters()), atol=0)
+    # exact within one placement; a chunk moved from the device (torch's AdamW) to the host (the step kernel) may
+    # differ in the last bit
+    assert_all_close(list(resumed_model.parameters()), list(model.parameters()), atol=1e-6 if on_device else 0)
 
 
 def test_zero_grad_clears_the_models_gradients():
@@ -624,6 +643,7 @@ def test_host_step_hands_the_gil_over_promptly_and_reports_its_work():
         (["offload=full", "offload.timeout_s=0"], "offload.timeout_s"),
         (["offload=full", "offload.max_inflight=0"], "offload.max_inflight"),
         (["offload=full", "offload.threads=0"], "offload.threads"),
+        (["offload=full", "offload.device_share=1.5"], "offload.device_share"),
         (["offload=optimizer", "offload.chunk_mib=0"], "offload.chunk_mib"),
     ],
 )

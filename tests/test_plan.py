@@ -185,6 +185,27 @@ def test_offload_chunks_replay_the_code(split):
     assert chunks(step_of(train, options, hw), reverse=True, split=split) == expected
 
 
+def test_full_offload_device_share_moves_chunks_from_host_to_device():
+    """offload.device_share: the chunks it keeps on the device (the code's choice, whole chunks from the end of
+    backward) leave the host step and the host's masters and moments, and add 12 bytes per parameter (fp32 master,
+    AdamW's two moments) to the GPU, and a chunk's fp32 gradients at its step."""
+    from moe_lab.plan.memory import full_offload_chunks, plan_host, plan_memory
+    from moe_lab.plan.step_time import plan_time
+
+    cfg = compose(["model=qwen3_30b", "model.num_layers=4", "offload=full"])
+    hw = build_hardware(cfg.hardware)
+    train, options = validated(cfg, hw)
+    host_only, shared = step_of(train, options, hw), step_of(train, options, hw, device_share=0.5)
+    host_chunks, device_chunks = full_offload_chunks(shared)
+    on_device = sum(device_chunks)
+    assert device_chunks and host_chunks and 0.3 < on_device / (on_device + sum(host_chunks)) <= 0.5
+    assert full_offload_chunks(host_only) == (full_offload_chunks(host_only)[0], [])
+    assert plan_time(shared, hw)["seconds"]["host_step"] == pytest.approx(plan_time(host_only, hw)["seconds"]["host_step"] * sum(host_chunks) / (on_device + sum(host_chunks)))
+    assert sum(plan_host(host_only).values()) - sum(plan_host(shared).values()) >= 12 * on_device
+    grown = plan_memory(shared).phases["loss"] - plan_memory(host_only).phases["loss"]
+    assert grown * 2**30 == pytest.approx(12 * on_device + 4 * max(device_chunks), rel=1e-6)
+
+
 OFFLOAD_ACCUM = ROOT / "experiments" / "offload_accum" / "records" / "h200_1gpu" / "2026-12-01_03-09"
 OFFLOAD_ACCUM_NEWEST = OFFLOAD_ACCUM.parent / "2026-12-01_05-44"
 # offload=optimizer's device ring at 12, 24 and 36 chunks (8 micro-batches), two sittings of the same code

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lab.moe.router import Router
+from moe_lab.optim.offload.full import device_chunk_count
 from moe_lab.plan.shapes import Mesh, Shapes
 
 GIB = 2**30
@@ -57,6 +58,7 @@ class Step:
     fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
     chunk_mib: float = 256.0  # offload chunking
     max_inflight: int = 3
+    device_share: float = 0.0  # offload=full: the share of the parameters stepped on the device
     grad_sync: str = "step"
     keep_unsharded: bool = False
 
@@ -266,6 +268,14 @@ def chunks(step: Step, reverse: bool = False, split: bool = False) -> list[float
     return out
 
 
+def full_offload_chunks(step: Step) -> tuple[list[float], list[float]]:
+    """offload=full's chunks in backward order, split into those stepped on the host and those on the device (the
+    last ones, ``moe_lab.optim.offload.full.device_chunk_count``)."""
+    sizes = chunks(step, reverse=True)
+    host = len(sizes) - device_chunk_count(sizes, step.device_share)
+    return sizes[:host], sizes[host:]
+
+
 def pinned(nbytes: float) -> float:
     """torch's pinned host allocator rounds every block up to a power of two."""
     return 0.0 if nbytes <= 0 else float(2 ** int(nbytes - 1).bit_length())
@@ -290,16 +300,21 @@ def plan_memory(step: Step) -> Memory:
     fsdp = step.fsdp
 
     # Model state on the device, per parameter of this rank.
-    if step.offload == "full":
-        weights, grad_bytes, state = {"bf16 params": 2 * n}, 2, 0.0
+    if step.offload == "full":  # with its device chunks' fp32 masters and state
+        on_device = sum(full_offload_chunks(step)[1])
+        weights, grad_bytes, state = {"bf16 params": 2 * n, "fp32 masters on the device": 4 * on_device}, 2, state_bytes(step) * on_device
     else:
         weights, grad_bytes = {"fp32 params (masters)": 4 * n}, 4
         state = state_bytes(step) * n if step.offload == "none" else 0.0
         if step.offload == "optimizer":  # the device ring its state streams through, at every phase
             state = state_bytes(step) * ring_params(step)
     grad_of = (lambda p: 0.0) if step.offload == "full" else (lambda p: grad_bytes * p)
-    # offload=full: gradients leave for the host as they are made, a chunk or so in flight.
-    in_flight = 2 * max(chunks(step, reverse=True)) if step.offload == "full" else 0.0
+    # offload=full: gradients leave for the host as they are made, a chunk or so in flight; a device chunk steps
+    # with its gradients widened to fp32.
+    in_flight = 0.0
+    if step.offload == "full":
+        host_chunks, device_chunks = full_offload_chunks(step)
+        in_flight = 2 * max(host_chunks, default=0.0) + 4 * max(device_chunks, default=0.0)
     # Gradients at the loss, after layer ``l``'s backward (its own included: they exist while its workspace does)
     # and at the optimizer step. With gradient accumulation the peak is in the last micro-batch, when the earlier
     # ones have left theirs: .grad itself on one rank (offload=full: in bf16, until the final backward's hooks take
@@ -366,10 +381,11 @@ def plan_host(step: Step) -> dict[str, float]:
     if step.offload == "optimizer":  # each chunk's state is one pinned block, rounded up to a power of two
         return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True))}
     if step.offload == "full":
-        largest = max(chunks(step, reverse=True))
+        host_chunks = full_offload_chunks(step)[0]
+        on_host = sum(host_chunks)
         return {
-            "fp32 masters": 4 * n,
-            "moments": state_bytes(step) * n,
-            "pinned transfer buffers": step.max_inflight * pinned(2 * largest),
+            "fp32 masters": 4 * on_host,
+            "moments": state_bytes(step) * on_host,
+            "pinned transfer buffers": min(step.max_inflight, len(host_chunks)) * pinned(2 * max(host_chunks, default=0.0)),
         }
     return {}

@@ -126,10 +126,14 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
 
 
 def chunking(offload) -> dict:
-    """The Step fields an offload option sets: its chunk size and chunks in flight (offload=none has neither)."""
+    """The Step fields an offload option sets: its chunk size and chunks in flight (offload=none has neither), and
+    offload=full's share of the parameters stepped on the device."""
     if isinstance(offload, NoOffload):
         return {}
-    return {"chunk_mib": offload.chunk_mib, "max_inflight": offload.max_inflight}
+    fields = {"chunk_mib": offload.chunk_mib, "max_inflight": offload.max_inflight}
+    if isinstance(offload, FullOffload):
+        fields["device_share"] = offload.device_share
+    return fields
 
 
 def _kind(table: dict, option, key: str) -> str:

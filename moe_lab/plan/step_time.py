@@ -7,8 +7,9 @@ Each category's time is its work over the rate the hardware profile gives for th
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
 - pcie: offload=optimizer's moments beyond what its device ring holds (8 bytes per parameter), which the compute
   stream waits for beyond the last micro-batch's backward;
-- host_step: offload=full's host AdamW over this rank's parameters (little of it hides behind backward in the
-  records: the planner adds it whole);
+- host_step: offload=full's host AdamW over this rank's parameters kept on the host (little of it hides behind
+  backward in the records: the planner adds it whole); those of its ``device_share`` step on the GPU, as
+  ``optimizer``;
 - ep_all_to_all: the torch dispatcher's NCCL all-to-alls (on the compute stream: exposed);
 - dispatch_glue: the dispatchers' routing, permutations and, for the fused op at EP>1, the rows it pulls and pushes
   over NVLink inside its kernels (not overlapped with its GEMMs);
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import Step, fused_receive_rows, ring_params, routed_rows, routed_slots, state_bytes
+from moe_lab.plan.memory import Step, full_offload_chunks, fused_receive_rows, ring_params, routed_rows, routed_slots, state_bytes
 
 # Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
 # grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies); its
@@ -152,9 +153,11 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         seconds["optimizer"] = n * (per_param if step.optimizer == "adamw" else 12) / hw.hbm_bytes_per_s
     elif step.offload == "optimizer":
         seconds["optimizer"] = n * ADAMW_BYTES / hw.hbm_bytes_per_s  # its exposed PCIe follows the compute, below
-    else:
+    else:  # its device chunks step on the GPU as the optimizer does under offload=optimizer, the rest on the host
+        host_chunks, device_chunks = full_offload_chunks(step)
+        seconds["optimizer"] = sum(device_chunks) * ADAMW_BYTES / hw.hbm_bytes_per_s
         ranks_on_node = min(mesh.world, mesh.gpus_per_node)
-        seconds["host_step"] = n / hw.host_adamw_params_per_s(ranks_on_node)
+        seconds["host_step"] = sum(host_chunks) / hw.host_adamw_params_per_s(ranks_on_node)
 
     # Weights cast to bf16 and weight gradients widened to fp32: autocast's casts on one rank (``other``), FSDP2's
     # copy-in and copy-out around its collectives (on the compute stream, in their scopes) on more.

@@ -8,7 +8,9 @@ micro-batch's backward, whose gradients are the step's.
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
 | `none`      | fp32 weights, grads, optimizer state       | -                                     | device, after bwd |
 | `optimizer` | fp32 weights and grads, a few state slots | optimizer state (pinned)              | device, in bwd    |
-| `full`      | compute-dtype (bf16) weights only          | fp32 masters, state, transfer buffers | host, in backward |
+| `full`      | compute-dtype (bf16) weights only [1]      | fp32 masters, state, transfer buffers | host, in backward |
+
+[1] and, with ``device_share``, that share's fp32 masters and state, stepped on the device in backward.
 
 ``none`` and ``optimizer`` compute in bf16 on GPU through autocast (one rank) or FSDP2's mixed-precision policy.
 The implementations sit beside this module: ``optimizer.py`` (streamed optimizer state), ``full.py`` (the
@@ -121,7 +123,9 @@ class FullOffload:
 
     chunk_mib: fp32 master bytes per chunk (a chunk steps as soon as all its gradients are in); max_inflight:
     pinned transfer buffers, each one chunk; timeout_s: how long backward or step() waits for the CPU worker
-    before raising; threads: CPU threads of the host step (null: the rank's CPUs less one).
+    before raising; threads: CPU threads of the host step (null: the rank's CPUs less one); device_share: the share
+    of the parameters (whole chunks, those backward finishes last) whose masters and optimizer state stay on the
+    device and step there, shortening the host step the step's end waits for (0: all on the host).
     """
 
     def __init__(
@@ -132,9 +136,11 @@ class FullOffload:
         numa_bind: bool = True,
         sysfs_root: str = "/sys",
         threads: Optional[int] = None,
+        device_share: float = 0.0,
     ):
         self.chunk_mib, self.max_inflight, self.timeout_s = chunk_mib, max_inflight, timeout_s
         self.numa_bind, self.sysfs_root, self.threads = numa_bind, sysfs_root, threads
+        self.device_share = device_share
 
     def validate(self, cfg: DictConfig) -> None:
         target = cfg.optimizer._target_
@@ -146,6 +152,8 @@ class FullOffload:
             raise ConfigError("offload.timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("offload.threads", f"must be null or >= 1, got {self.threads}")
+        if not 0.0 <= self.device_share <= 1.0:
+            raise ConfigError("offload.device_share", f"must be in [0, 1] (a share of the parameters), got {self.device_share}")
         if self.numa_bind and runs_on_cuda(cfg.trainer):
             gpus = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
             try:
@@ -171,6 +179,7 @@ class FullOffload:
             max_inflight=self.max_inflight,
             timeout_s=self.timeout_s,
             num_threads=threads,
+            device_share=self.device_share,
         )
         model.to(compute_dtype)  # the masters hold the fp32 values now
         optimizer.attach()

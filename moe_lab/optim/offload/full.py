@@ -16,6 +16,12 @@ finishes them):
 3. it copies the new weights host -> device on another side stream, and moves on to the next chunk without waiting
    for that copy: the next gradients copied into the buffer are ordered after it on the GPU.
 ``step()`` waits for the worker to finish every chunk and orders the compute stream after the weights' copies.
+
+With ``device_share`` > 0 the chunks backward finishes last (the first layers, the embedding), as many as fit in
+that share of the parameters, keep their fp32 masters and optimizer state on the device instead and step there, on a
+side stream, with the configured optimizer (the gradients widened to fp32, the new masters narrowed into the
+weights): the host's work, which the step's end waits for, shrinks by that share, for 12 bytes per parameter of it
+on the device (AdamW; experiments/offload_accum).
 At most ``max_inflight`` transfer buffers exist; a hook that finds none free, or a ``step()`` that waits longer than
 ``timeout_s``, raises instead of hanging.
 """
@@ -43,10 +49,10 @@ MASTER = "master"
 
 
 class MasterChunk:
-    """Consecutive parameters whose fp32 masters form one flat host tensor, stepped on the host as soon as all their
-    gradients are in."""
+    """Consecutive parameters whose fp32 masters form one flat tensor, stepped as soon as all their gradients are in:
+    in host memory by the host step, or (``on_device``) on the training device by the configured optimizer."""
 
-    def __init__(self, params: list[nn.Parameter], master: torch.Tensor, make_optimizer: Callable):
+    def __init__(self, params: list[nn.Parameter], master: torch.Tensor, make_optimizer: Callable, on_device: bool = False):
         self.params = params
         self.offsets, offset = {}, 0  # parameter -> (offset, numel) of its local shard in the master
         for p in params:
@@ -54,7 +60,8 @@ class MasterChunk:
             offset += local_shard(p).numel()
         self.numel = offset
         self.master = nn.Parameter(master)
-        self.optimizer = host_optimizer(make_optimizer, [self.master])
+        self.on_device = on_device
+        self.optimizer = make_optimizer([self.master]) if on_device else host_optimizer(make_optimizer, [self.master])
         self.buffer: torch.Tensor | None = None  # the transfer buffer it holds while in flight
         self.received: set[nn.Parameter] = set()
 
@@ -72,6 +79,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
         max_inflight: int,
         timeout_s: float,
         num_threads: int,
+        device_share: float = 0.0,
     ):
         """``params`` still hold their fp32 initial values: they become the masters. The caller casts the device
         parameters to ``compute_dtype`` afterwards and then calls ``attach()``."""
@@ -80,19 +88,23 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.device = device = local_shard(params[0]).device
         self.timeout_s, self.num_threads = timeout_s, num_threads
         groups = chunked(reversed(params), chunk_numel)
-        total = sum(local_shard(p).numel() for p in params)
-        largest = max(sum(local_shard(p).numel() for p in group) for group in groups)
-        buffers = max(1, min(max_inflight, len(groups)))
+        sizes = [sum(local_shard(p).numel() for p in group) for group in groups]
+        host_chunks = len(groups) - device_chunk_count(sizes, device_share)
+        total = sum(sizes[:host_chunks])
+        largest = max(sizes[:host_chunks], default=0)
+        buffers = max(1, min(max_inflight, host_chunks))
         # Masters, AdamW's two moments (the most state a host optimizer here has; its first step creates them) and
         # the transfer buffers, all checked before any is allocated.
         check_host_memory(total * 3 * 4 + largest * buffers * compute_dtype.itemsize, "offload=full host state and buffers")
         masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
         self.chunks: list[MasterChunk] = []
         start = 0
-        for group in groups:
-            n = sum(local_shard(p).numel() for p in group)
-            chunk = MasterChunk(group, masters[start : start + n], make_optimizer)
-            start += n
+        for index, (group, n) in enumerate(zip(groups, sizes)):
+            if index < host_chunks:
+                chunk = MasterChunk(group, masters[start : start + n], make_optimizer)
+                start += n
+            else:
+                chunk = MasterChunk(group, torch.empty(n, dtype=torch.float32, device=device), make_optimizer, on_device=True)
             with torch.no_grad():
                 for p, (offset, size) in chunk.offsets.items():
                     chunk.master[offset : offset + size].copy_(local_shard(p).reshape(-1))
@@ -104,7 +116,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.free: queue.Queue = queue.Queue()
         for _ in range(buffers):  # (buffer, event after which its last weights have left it)
             self.free.put((host_empty(largest, compute_dtype, pinned, "offload=full transfer buffers"), None))
-        self.d2h, self.h2d = SideStream(device), SideStream(device)
+        self.d2h, self.h2d, self.steps = SideStream(device), SideStream(device), SideStream(device)
 
         self.gradients_final = True  # False in the backward of a micro-batch before a step's last (FullOffload)
         self.host_seconds = self.waited = 0.0  # since the last step_metrics(): the host step's time, step()'s wait
@@ -149,6 +161,11 @@ class InBackwardOptimizer(ChunkedOptimizer):
             return  # an earlier micro-batch of the step: the gradient keeps accumulating on the device
         self._raise_worker_error()
         chunk = self.chunk_of[p]
+        if chunk.on_device:
+            chunk.received.add(p)
+            if len(chunk.received) == len(chunk.params):
+                self._step_on_device(chunk)
+            return
         if chunk.buffer is None:
             chunk.buffer = self._take_buffer()
         offset, size = chunk.offsets[p]
@@ -157,6 +174,25 @@ class InBackwardOptimizer(ChunkedOptimizer):
         chunk.received.add(p)
         if len(chunk.received) == len(chunk.params):
             self._submit(chunk)
+
+    def _step_on_device(self, chunk: MasterChunk) -> None:
+        """Step a chunk whose master is on the device, on a side stream after the gradients' making: the gradients
+        (zero for a parameter without one) widened into one fp32 tensor, the optimizer's step, the new masters
+        narrowed into the weights."""
+        self.steps.after_current()
+        with self.steps.use():
+            grad = torch.zeros(chunk.numel, dtype=torch.float32, device=chunk.master.device)
+            for p, (offset, size) in chunk.offsets.items():
+                if p.grad is not None:
+                    grad[offset : offset + size].copy_(local_shard(p.grad).reshape(-1))
+                    self.steps.keep_for(local_shard(p.grad))  # freed below, on the compute stream's side
+                    p.grad = None
+            chunk.master.grad = grad
+            chunk.optimizer.step()
+            chunk.master.grad = None
+            for p, (offset, size) in chunk.offsets.items():
+                local_shard(p).detach().view(-1).copy_(chunk.master.detach()[offset : offset + size])
+        chunk.received.clear()
 
     def _take_buffer(self) -> torch.Tensor:
         try:
@@ -212,6 +248,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
                 self._on_grad(p)
         for chunk in self.chunks:
             if chunk.received and len(chunk.received) < len(chunk.params):
+                if chunk.on_device:
+                    self._step_on_device(chunk)
+                    continue
                 if self.h2d.stream is not None:  # a host write: the buffer's last weights must have left it
                     self.h2d.stream.synchronize()
                 for p in chunk.params:
@@ -228,6 +267,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
             raise TimeoutError(f"offload=full: {self.in_flight} chunk(s) not stepped after {self.timeout_s} s (offload.timeout_s)")
         if self.h2d.stream is not None:  # the next forward reads the new weights
             torch.cuda.current_stream(self.h2d.stream.device).wait_stream(self.h2d.stream)
+        self.steps.then_current()
 
     def _chunks(self) -> list[MasterChunk]:
         return self.chunks
@@ -236,8 +276,8 @@ class InBackwardOptimizer(ChunkedOptimizer):
         with self.done:
             self.done.wait_for(lambda: self.in_flight == 0, timeout=self.timeout_s)
         self._raise_worker_error()
-        if self.h2d.stream is not None:
-            self.h2d.stream.synchronize()
+        self.h2d.synchronize()
+        self.steps.synchronize()
 
     def _param_states(self, chunk: MasterChunk) -> list[dict]:
         """The master and the chunk's optimizer state, sliced per parameter (the step count is the chunk's)."""
@@ -265,7 +305,7 @@ class InBackwardOptimizer(ChunkedOptimizer):
             if any(v is None for v in values):
                 raise ValueError(f"offload=full: optimizer state {key!r} is missing for some parameters of a chunk")
             if torch.is_tensor(values[0]) and values[0].dim() > 0:
-                flat[key] = torch.empty(chunk.numel, dtype=values[0].dtype)
+                flat[key] = torch.empty(chunk.numel, dtype=values[0].dtype, device=chunk.master.device)
                 for (offset, size), value in zip(chunk.offsets.values(), values):
                     flat[key][offset : offset + size].copy_(value.reshape(-1))
             else:
@@ -279,6 +319,18 @@ class InBackwardOptimizer(ChunkedOptimizer):
             error, self.error = self.error, None
             error.add_note("raised in the offload=full CPU optimizer worker")
             raise error  # as is, so a host OutOfMemoryError is still recorded as an oom point
+
+
+def device_chunk_count(sizes: list[int], share: float) -> int:
+    """How many of the last chunks (those backward finishes last) step on the device: as many as fit, whole, in
+    ``share`` of all the chunks' parameters."""
+    budget, count = share * sum(sizes), 0
+    for n in reversed(sizes):
+        if n > budget:
+            break
+        budget -= n
+        count += 1
+    return count
 
 
 @torch.no_grad()
