@@ -349,17 +349,14 @@ def plan_breakdown(*paths: str) -> str:
 
 
 def plan_depth(path: str) -> str:
-    """The offload depth search's deepest proxy per mode beside the planner's (its commands planned on an H200)."""
-    from moe_lab.plan.records import plan_command
+    """The offload depth search's deepest proxy per mode beside the planner's (``depth_search_plans``: its commands
+    planned on the GPU and host it ran on)."""
+    from moe_lab.plan.records import depth_search_plans
 
     data = raw(path)
-    rows = []
-    for mode in ("none", "optimizer", "full"):
-        point = next(p for p in data["points"] if p["mode"] == mode and p["num_layers"] == 4)
-        extra = ["optimizer.fused=false"] if mode == "none" else []  # adamw.yaml set fused=true after that search
-        planned = plan_command(point["command"], data["environment"]["compare"]["gpu"], extra=extra)["plan"]["largest_fitting"][mode]
-        search = data["search"][mode]
-        rows.append([mode, search["largest_fitting_num_layers"], search["smallest_failing_num_layers"], planned["num_layers"]])
+    planned = depth_search_plans(data)
+    rows = [[mode, data["search"][mode]["largest_fitting_num_layers"], data["search"][mode]["smallest_failing_num_layers"],
+             planned[mode]] for mode in ("none", "optimizer", "full")]  # fmt: skip
     return markdown(rows, ["offload", "deepest measured", "fails at", "deepest planned"])
 
 

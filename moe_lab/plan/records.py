@@ -81,6 +81,27 @@ TORCHTITAN_RATIO_RECORDS = ("experiments/torchtitan_baseline/records/h200_2gpu/2
                             "experiments/grid_30b/records/h200_2gpu/2026-11-30_09-27/1/result.json")  # fmt: skip
 
 
+# The commit from which adamw.yaml sets fused=true (before it: torch's foreach AdamW, a larger transient on the GPU).
+ADAMW_FUSED = "8ae07e6"
+
+
+def depth_search_plans(record: dict) -> dict[str, int]:
+    """The deepest proxy the planner fits per mode for an offload depth search (``benchmarks/offload_gpu.py``'s
+    record): each mode's 4-layer command planned on the record's GPU and on the host the search saw (its total, and
+    in use whatever leaves the search's available memory; without the total, the GPU's hardware profile)."""
+    env = next(iter(record["environment"].values()))
+    host = []
+    if "host_mem_total_gib" in env:
+        in_use = 0.95 * env["host_mem_total_gib"] - env["host_mem_available_gib"]
+        host = [f"hardware.host_memory_gib={env['host_mem_total_gib']:.2f}", f"++hardware.host_memory_in_use_gib={in_use:.2f}"]
+    out = {}
+    for mode in record["search"]:
+        point = next(p for p in record["points"] if p["mode"] == mode and p["num_layers"] == 4)
+        foreach = ["optimizer.fused=false"] if made_before({"environment": env}, ADAMW_FUSED) else []
+        out[mode] = plan_command(point["command"], env["gpu"], extra=host + foreach)["plan"]["largest_fitting"][mode]["num_layers"]
+    return out
+
+
 def torchtitan_ratio(repo: Path = Path(__file__).resolve().parents[2]) -> float:
     titan_file, ours_file = (repo / p for p in TORCHTITAN_RATIO_RECORDS)
     titan = next(p for p in read(titan_file)["points"] if p["ac"] == "selective" and p["status"] == "ok")
