@@ -7,7 +7,8 @@ expert shapes (128 experts, top-8), several token counts per GPU, balanced and s
 
 Writes one JSON file: per point the median ms of forward+backward (CUDA events, max over ranks), TFLOP/s (FLOPs
 from ``layer_flops``), the fused/torch speedup, and a per-kernel time breakdown from torch.profiler for the largest
-balanced point of each model. A point that fails records its error instead of a time.
+balanced point of each model. A point that fails records its error instead of a time. ``--trace-dir DIR`` also
+writes those points' profiles (CPU and GPU) as Chrome traces there: where the GPU waits on the host.
 """
 
 from __future__ import annotations
@@ -78,15 +79,18 @@ def time_ms(fn, iters, warmup=3):
     return statistics.median(times)
 
 
-def kernel_breakdown(fn, top=15):
+def kernel_breakdown(fn, top=15, trace: str | None = None):
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=activities) as prof:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     rows = []
     for evt in prof.key_averages():
         device_us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
@@ -105,6 +109,7 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--trace-dir", help="write the profiled points' CPU + GPU profiles here as Chrome traces")
     args = parser.parse_args()
 
     ep = int(os.environ.get("WORLD_SIZE", 1))
@@ -139,8 +144,11 @@ def main():
                     point[f"{name}_ms"] = ms
                     point[f"{name}_tflops"] = layer_flops(tokens, hidden, inter) / (ms * 1e-3) / 1e12
                     if args.profile and ms == ms and routing == "balanced" and tokens == max(map(int, args.tokens.split(","))):
+                        trace = args.trace_dir and os.path.join(args.trace_dir, f"{model}_{tokens}_{name}_rank{rank}.json")
+                        if trace:
+                            os.makedirs(args.trace_dir, exist_ok=True)
                         breakdowns.append({"model": model, "tokens_per_gpu": tokens, "routing": routing, "dispatcher": name,
-                                           "kernels": kernel_breakdown(fn)})
+                                           "kernels": kernel_breakdown(fn, trace=trace)})
                 point["speedup"] = point["torch_ms"] / point["fused_ms"]
                 points.append(point)
                 if rank == 0:
