@@ -176,7 +176,7 @@ class FusedDispatcher(TokenDispatcher):
     ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
     ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
     ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
-    receives, at the cost of one host sync per forward at EP > 1 (``moe_lab.moe.fused.layout``).
+    receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``).
     """
 
     # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.

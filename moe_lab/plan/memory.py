@@ -109,13 +109,12 @@ def busiest_rank_share(num_experts: int, top_k: int, skew: float, ep: int, token
 
 def fused_receive_rows(step: Step, worst_case: bool | None = None) -> float:
     """Rows of the fused op's receive buffer and saved residuals (``moe_lab.moe.fused.layout``): the rows received,
-    each local expert's segment padded to the GEMM's alignment (half a block on average, one at least); at EP = 1,
-    sized without a host sync, the slots plus the most the alignment adds. Before commit 0c0883f (``worst_case``)
-    it was sized for every token of every EP peer sending min(K, L) rows here."""
+    each local expert's segment padded to the GEMM's alignment (half a block on average, one at least). Before
+    commit 0c0883f (``worst_case``) it was sized for every token of every EP peer sending min(K, L) rows here."""
     worst_case = step.fused_worst_case if worst_case is None else worst_case
     c, mesh, align = step.cfg, step.mesh, step.fused_align
     local_experts = c.num_experts // mesh.ep
-    if worst_case or mesh.ep == 1:  # the slots that can come here, plus the most the alignment adds
+    if worst_case:  # each local expert's segment rounded up to the alignment
         rows = mesh.ep * step.tokens * min(c.num_experts_per_tok, local_experts)
         return rows + local_experts * (align - 1)
     per_expert = routed_rows(step) / local_experts

@@ -1,5 +1,5 @@
 """The ``gpu`` backend: Triton dispatch / SwiGLU / combine kernels around grouped GEMMs, with one host sync per
-forward at EP > 1 (the receive-buffer sizes, ``moe_lab.moe.fused.layout``; none at EP = 1) and none in backward.
+forward (the receive-buffer sizes, ``moe_lab.moe.fused.layout``) and none in backward.
 
 Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each slot tells its owner
 where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's buffer); the owner pulls
@@ -8,7 +8,7 @@ the routing weight folded in; down GEMM; each token sums its K rows from whereve
 Backward mirrors it: dy is pulled like x, dx and the routing-weight gradients are gathered like y.
 
 Every receive-side buffer (the routed rows, gate/up, the activations, the GEMM outputs, what is saved for backward)
-holds this rank's received rows plus per-expert alignment (at EP = 1 the most it can add). At EP > 1 the buffers that peers read or write
+holds exactly this rank's received rows plus per-expert alignment. At EP > 1 the buffers that peers read or write
 are torch symmetric memory (CUDA backend, NVLink peer access; multicast stays off), reused across calls (see
 ``_Exchange``); device-side barriers order the phases.
 ``gpu_deep_gemm`` runs the forward and input-gradient GEMMs with DeepGEMM's m-grouped contiguous bf16 kernels;
@@ -220,7 +220,7 @@ def _swiglu_block(inter: int) -> int:
 def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
     num_tokens, top_k = topk_ids.shape
     inter = down_proj.shape[2]
-    layout = routing_layout(topk_ids, num_experts, align, group)  # at EP > 1 the host sync: buffer sizes
+    layout = routing_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
     dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
     ex = _Exchange(group, x.device)
     ex.reserve(layout.max_rows, x.shape[1], x.dtype)

@@ -4,14 +4,11 @@ Every rank owns ``L = num_experts // ep`` experts and a receive buffer laid out 
 rows start at a multiple of ``align`` (what the grouped GEMM needs), and within an expert the rows of source rank 0
 come first, then rank 1, and so on, each in the source's stable (token, k) order.
 
-At EP > 1 the buffer holds exactly the rows this rank receives, each expert's segment padded to ``align`` (and at
-least one aligned block, so no kernel or GEMM ever sees an empty buffer). The per-expert counts of every rank are
-gathered device to device, then the receive-buffer size of every rank is copied to the host: the layer's one host
-sync, as in the torch dispatcher. Sizing for the worst case instead (every token of every rank sending min(K, L) rows
-to one rank) needs no sync but holds, and saves for backward, EP x the rows actually received under balanced routing.
-At EP = 1 the rows received are this rank's own slots, known without asking the device: the buffer holds them plus
-the most the alignment can add (``align - 1`` per expert), rows past the last segment left unread, and the layer
-has no host sync, so the host runs ahead of the GPU through it.
+The buffer holds exactly the rows this rank receives, each expert's segment padded to ``align`` (and at least one
+aligned block, so no kernel or GEMM ever sees an empty buffer). The per-expert counts of every rank are gathered
+device to device, then the receive-buffer size of every rank is copied to the host: the layer's one host sync, as in
+the torch dispatcher. Sizing for the worst case instead (every token of every rank sending min(K, L) rows to one
+rank) needs no sync but holds, and saves for backward, EP x the rows actually received under balanced routing.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ def gather_counts(topk_ids: torch.Tensor, num_experts: int, group: dist.ProcessG
 
 def layout_from_counts(topk_ids: torch.Tensor, all_counts: torch.Tensor, rank: int, align: int) -> Layout:
     """The layout of rank ``rank``'s slots ``topk_ids`` given every rank's counts ``all_counts`` [EP, E]; no
-    communication, one device-to-host copy (the sizes) at EP > 1."""
+    communication, one device-to-host copy (the sizes)."""
     ep, num_experts = all_counts.shape
     local = num_experts // ep
     flat = topk_ids.reshape(-1)
@@ -60,10 +57,7 @@ def layout_from_counts(topk_ids: torch.Tensor, all_counts: torch.Tensor, rank: i
     rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[sorted_ids]
     pos = torch.empty_like(flat)
     pos[order] = seg_start[sorted_ids] + src_offset[sorted_ids] + rank_in_expert
-    if ep == 1:
-        rows = [max(flat.numel() + local * (align - 1), align)]  # an upper bound of seg_end[0, -1]: no sync
-    else:
-        rows = [max(r, align) for r in to_host(seg_end[:, -1]).tolist()]  # the host sync
+    rows = [max(r, align) for r in to_host(seg_end[:, -1]).tolist()]  # the host sync
     return Layout(pos.view(topk_ids.shape), seg_end[rank].to(torch.int32), rows[rank], max(rows))
 
 
