@@ -190,7 +190,7 @@ class _Exchange:
         local.copy_(tensor)
         return local, ptrs
 
-    def route(self, pos, dest, weights, rows, num_tokens):
+    def route(self, pos, ids, local_experts, weights, rows, num_tokens):
         """Each slot writes (source rank, token) and its weight into its owner's row. -> row_src, row_weight."""
         top_k = pos.shape[1]
         with_weight = weights is not None
@@ -206,8 +206,8 @@ class _Exchange:
             src_ptrs = weight_ptrs = row_src
         num_slots = pos.numel()
         kernels.push_slots_kernel[(triton.cdiv(num_slots, SLOT_BLOCK),)](
-            row_src, src_ptrs, row_weight, weight_ptrs, pos, dest, weights if with_weight else pos,
-            num_slots, top_k, num_tokens, self.rank, PEER=self.peer, WITH_WEIGHT=with_weight, BLOCK=SLOT_BLOCK,
+            row_src, src_ptrs, row_weight, weight_ptrs, pos, ids, weights if with_weight else pos,
+            num_slots, top_k, num_tokens, self.rank, local_experts, PEER=self.peer, WITH_WEIGHT=with_weight, BLOCK=SLOT_BLOCK,
         )
         if self.peer:
             self.barrier()  # all slots have arrived
@@ -226,8 +226,9 @@ class _Exchange:
         )
         return out
 
-    def combine(self, name, buf, pos, dest, out_dtype):
-        """Gather-sum by slot group: out[i] = sum_j buf_{dest[i, j]}[pos[i, j]] for pos [N, J]; ``buf`` [rows, D] is
+    def combine(self, name, buf, pos, ids, local_experts, out_dtype):
+        """Gather-sum by slot group: out[i] = sum_j buf_{owner}[pos[i, j]] for pos [N, J], the owner of expert
+        ids[i, j] being ids[i, j] // local_experts; ``buf`` [rows, D] is
         receive-side, published to peers through the workspace buffer ``name``."""
         if self.peer:
             local, ptrs = self.workspace(name, buf.shape[0], buf.shape[1:], buf.dtype)
@@ -238,7 +239,7 @@ class _Exchange:
         out = torch.empty(pos.shape[0], buf.shape[1], dtype=out_dtype, device=buf.device)
         grid = (pos.shape[0], triton.cdiv(buf.shape[1], ROW_BLOCK))
         kernels.combine_kernel[grid](
-            out, local, ptrs, pos, dest, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
+            out, local, ptrs, pos, ids, local_experts, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
         )
         if self.peer:
             self.barrier()  # peers are done reading this rank's buffer before anyone reuses it
@@ -256,10 +257,10 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     num_tokens, top_k = topk_ids.shape
     inter = down_proj.shape[2]
     layout = kernel_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
-    dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
+    ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, x.device)
     ex.reserve(layout.max_rows, x.shape[1], x.dtype)
-    row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), layout.rows, num_tokens)
+    row_src, row_weight = ex.route(layout.pos, ids, local_experts, topk_weights.contiguous(), layout.rows, num_tokens)
     gemms = _Gemms(backend, layout.offs, row_src)
     x_routed = ex.gather_rows("x", x.contiguous(), row_src, layout.offs)
     gate_up = gemms.nt(x_routed, gate_up_proj)
@@ -269,16 +270,16 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
         act, gate_up, row_weight, row_src, layout.offs, layout.offs.numel(), inter, BLOCK=block
     )
     out = gemms.nt(act, down_proj)
-    y = ex.combine("out", out, layout.pos, dest, x.dtype)
+    y = ex.combine("out", out, layout.pos, ids, local_experts, x.dtype)
     return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
 
 
 def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
     num_tokens, top_k = pos.shape
     rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
-    dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
+    ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, dy.device)
-    row_src, _ = ex.route(pos, dest, None, rows, num_tokens)
+    row_src, _ = ex.route(pos, ids, local_experts, None, rows, num_tokens)
     gemms = _Gemms(backend, offs, row_src)
     dy_routed = ex.gather_rows("dy", dy, row_src, offs)
     d_act_weighted = gemms.nn(dy_routed, down_proj)
@@ -292,6 +293,6 @@ def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_pro
     d_down_proj = gemms.wgrad(dy_routed, act_weighted)
     dx_routed = gemms.nn(d_gate_up, gate_up_proj)
     d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
-    dx = ex.combine("out", dx_routed, pos, dest, dy.dtype)
-    d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), dest.view(-1, 1), torch.float32)
+    dx = ex.combine("out", dx_routed, pos, ids, local_experts, dy.dtype)
+    d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), ids.view(-1, 1), local_experts, torch.float32)
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj

@@ -23,8 +23,8 @@ def _peer_base(local_ptr, peer_ptrs, rank, PEER: tl.constexpr):
 
 @triton.jit
 def push_slots_kernel(
-    row_src_ptr, row_src_peers, row_weight_ptr, row_weight_peers, pos_ptr, dest_ptr, weight_ptr,
-    num_slots, top_k, rows_per_rank, my_rank,
+    row_src_ptr, row_src_peers, row_weight_ptr, row_weight_peers, pos_ptr, ids_ptr, weight_ptr,
+    num_slots, top_k, rows_per_rank, my_rank, local_experts,
     PEER: tl.constexpr, WITH_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Tell each slot's owner where the row comes from: row_src[pos] = rank * T + token (and its routing weight)."""
@@ -33,7 +33,7 @@ def push_slots_kernel(
     pos = tl.load(pos_ptr + slots, mask=mask, other=0)
     code = my_rank * rows_per_rank + slots // top_k
     if PEER:
-        dest = tl.load(dest_ptr + slots, mask=mask, other=0)
+        dest = tl.load(ids_ptr + slots, mask=mask, other=0) // local_experts  # the expert's owner
         # Each slot may go to another GPU: one pointer per lane.
         src_base = tl.load(row_src_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_src_ptr.dtype.element_ty))
         tl.store(src_base + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
@@ -66,9 +66,11 @@ def gather_rows_kernel(
 
 @triton.jit
 def combine_kernel(
-    out_ptr, buf_ptr, buf_peers, pos_ptr, dest_ptr, width, TOP_K: tl.constexpr, PEER: tl.constexpr, BLOCK: tl.constexpr
+    out_ptr, buf_ptr, buf_peers, pos_ptr, ids_ptr, local_experts, width,
+    TOP_K: tl.constexpr, PEER: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Combine as a gather-sum by token: out[t] = sum_k buf_{dest[t, k]}[pos[t, k]], accumulated in fp32."""
+    """Combine as a gather-sum by token: out[t] = sum_k buf_{owner}[pos[t, k]], accumulated in fp32, the owner of
+    expert ids[t, k] being ids[t, k] // local_experts."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -77,7 +79,7 @@ def combine_kernel(
         slot = token.to(tl.int64) * TOP_K + k
         pos = tl.load(pos_ptr + slot)
         if PEER:
-            base = _peer_base(buf_ptr, buf_peers, tl.load(dest_ptr + slot), PEER)
+            base = _peer_base(buf_ptr, buf_peers, tl.load(ids_ptr + slot) // local_experts, PEER)
         else:
             base = buf_ptr
         acc += tl.load(base + pos * width + cols, mask=mask, other=0.0).to(tl.float32)
