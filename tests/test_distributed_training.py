@@ -1,7 +1,7 @@
 """Issue 3, acceptance 1: every mesh shape trains like one rank. The same global batch (SyntheticData gives any world
 the same one) from the same weights gives the same losses and the same global gradient norms over 5 steps at world 1,
-world 2 as ep 2, world 2 as dp_shard 2, and world 4 as dp_shard 2 x ep 2. The same weights come from one Hugging Face
-checkpoint for some worlds and from the same seed alone for the others (issue 14: the seed gives the same initial
+world 2 as ep 2, world 2 as dp_shard 2, world 4 as dp_shard 2 x ep 2, and world 4 as ep 4. The same weights come
+from one Hugging Face checkpoint for some worlds and from the same seed alone for the others (issue 14: the seed gives the same initial
 weights on every mesh shape; the checkpoint holds the weights seed 0 gives one rank).
 
 Each world is a real job, ``python -m moe_lab.train`` starting its gloo ranks itself. Clipping is on at a norm below
@@ -30,6 +30,7 @@ WORLDS = {  # name: (ranks, ep, starts from the checkpoint)
     "world2_ep2": (2, 2, False),
     "world2_dp2": (2, 1, True),
     "world4_dp2_ep2": (4, 2, False),
+    "world4_ep4": (4, 4, False),  # a real EP=4 all-to-all (issue 16's shape, on CPU)
 }
 
 
