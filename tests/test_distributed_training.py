@@ -1,8 +1,8 @@
 """Issue 3, acceptance 1: every mesh shape trains like one rank. The same global batch (SyntheticData gives any world
 the same one) from the same weights gives the same losses and the same global gradient norms over 5 steps at world 1,
-world 2 as ep 2, world 2 as dp_shard 2, world 4 as dp_shard 2 x ep 2, and world 4 as ep 4. The same weights come
-from one Hugging Face checkpoint for some worlds and from the same seed alone for the others (issue 14: the seed gives the same initial
-weights on every mesh shape; the checkpoint holds the weights seed 0 gives one rank).
+world 2 as ep 2, world 2 as dp_shard 2, world 4 as dp_shard 2 x ep 2, and world 4 as ep 4. The same weights come from
+one Hugging Face checkpoint for some worlds and from the same seed alone for the others (issue 14: the seed gives the
+same initial weights on every mesh shape; the checkpoint holds the weights seed 0 gives one rank).
 
 Each world is a real job, ``python -m moe_lab.train`` starting its gloo ranks itself. Clipping is on at a norm below
 the gradients' (moe_lab.train.clip_grad_norm), so the losses also depend on the scale of every gradient, which
