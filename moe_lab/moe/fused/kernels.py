@@ -181,9 +181,10 @@ def slot_positions_kernel(
     in_range = (ranks[:, None] < EP) & (experts[None, :] < NUM_EXPERTS)
     counts = tl.load(all_counts_ptr + ranks[:, None] * NUM_EXPERTS + experts[None, :], mask=in_range, other=0).to(tl.int32)
     padded = (tl.sum(counts, axis=0) + align - 1) // align * align
-    # segment end of expert e on its owner: padded rows of the owner's experts up to e
-    same_owner_before = ((experts[None, :] // LOCAL) == (experts[:, None] // LOCAL)) & (experts[None, :] <= experts[:, None])
-    seg_end = tl.sum(tl.where(same_owner_before, padded[None, :], 0), axis=1)
+    # segment end of expert e on its owner: the padded rows of all experts up to e, less those of earlier owners
+    owner = experts // LOCAL
+    owner_rows = tl.sum(tl.where(owner[None, :] == ranks[:, None], padded[None, :], 0), axis=1)
+    seg_end = tl.cumsum(padded, axis=0) - tl.sum(tl.where(ranks[None, :] < owner[:, None], owner_rows[None, :], 0), axis=1)
     earlier_sources = tl.sum(tl.where(ranks[:, None] < my_rank, counts, 0), axis=0)
     base = seg_end - padded + earlier_sources
     if tl.program_id(0) == 0:
