@@ -1,0 +1,60 @@
+"""Every Triton kernel of moe_lab compiled for the H200 (sm_90) on CPU, by Triton's compiler and its own ptxas: the
+interpreted CPU tests check the kernels' values, not that they compile for a GPU, nor what they cost there. Each must
+compile, as launched (signature, compile-time constants, warps), without spilling registers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+PEERS = {"PEER": True}  # the peer path: pointers read from a table, the larger kernel
+KERNELS = {  # (module, kernel): (run-time argument types, compile-time constants, warps)
+    ("moe_lab.moe.fused.kernels", "push_slots_kernel"): (
+        {"row_src_ptr": "*i64", "row_src_peers": "*i64", "row_weight_ptr": "*fp32", "row_weight_peers": "*i64", "pos_ptr": "*i64",
+         "dest_ptr": "*i32", "weight_ptr": "*bf16", "num_slots": "i32", "top_k": "i32", "rows_per_rank": "i32", "my_rank": "i32"},
+        {**PEERS, "WITH_WEIGHT": True, "BLOCK": 1024}, 4),
+    ("moe_lab.moe.fused.kernels", "gather_rows_kernel"): (
+        {"out_ptr": "*bf16", "src_ptr": "*bf16", "src_peers": "*i64", "row_src_ptr": "*i64", "offs_ptr": "*i32",
+         "num_local_experts": "i32", "rows_per_rank": "i32", "width": "i32"},
+        {**PEERS, "BLOCK": 1024}, 4),
+    ("moe_lab.moe.fused.kernels", "combine_kernel"): (
+        {"out_ptr": "*bf16", "buf_ptr": "*bf16", "buf_peers": "*i64", "pos_ptr": "*i64", "dest_ptr": "*i32", "width": "i32"},
+        {"TOP_K": 8, **PEERS, "BLOCK": 1024}, 4),
+    ("moe_lab.moe.fused.kernels", "swiglu_forward_kernel"): (
+        {"act_ptr": "*bf16", "gate_up_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_src_ptr": "*i64", "offs_ptr": "*i32",
+         "num_local_experts": "i32", "inter": "i32"},
+        {"BLOCK": 1024}, 4),
+    ("moe_lab.moe.fused.kernels", "swiglu_backward_kernel"): (
+        {"d_gate_up_ptr": "*bf16", "act_weighted_ptr": "*bf16", "d_row_weight_ptr": "*fp32", "gate_up_ptr": "*bf16",
+         "d_act_weighted_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_src_ptr": "*i64", "offs_ptr": "*i32", "num_local_experts": "i32"},
+        {"INTER": 1536, "BLOCK": 1024}, 4),  # the 235B shape's expert width: two column blocks
+    ("moe_lab.moe.fused.kernels", "zero_idle_experts_kernel"): (
+        {"out_ptr": "*bf16", "offs_ptr": "*i32"}, {"SLAB": 1536 * 4096, "PER_PROGRAM": 1536 * 4096 // 16, "BLOCK": 1024}, 4),
+    ("moe_lab.host_read_kernel", "store_bytes_kernel"): (
+        {"src_ptr": "*u8", "dst_address": "i64", "nbytes": "i64"}, {"BLOCK": 1024}, 4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS), ids=lambda k: k[1])
+def test_kernel_compiles_for_hopper_without_spills(kernel, tmp_path):
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types, constants, num_warps = KERNELS[kernel]
+    fn = getattr(importlib.import_module(kernel[0]), kernel[1])
+    assert set(types) | set(constants) == set(fn.arg_names), "the table lists every argument of the kernel"
+    source = ASTSource(fn=fn, signature={name: types.get(name, "constexpr") for name in fn.arg_names},
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})  # fmt: skip
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    (tmp_path / "kernel.ptx").write_text(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "kernel.ptx"), "-o", str(tmp_path / "kernel.o")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "0 bytes spill stores" in done.stderr, done.stderr
