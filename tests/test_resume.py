@@ -1,13 +1,13 @@
 """Training checkpoints and signals, on real jobs (issue 17): ``python -m moe_lab.train`` in a subprocess, killed or
 signalled while a test data option holds it at a chosen step (``tests.pausing_data``).
 
-- Exact: a run killed with SIGKILL after its step-10 checkpoint (two steps later: metrics.jsonl then holds rows the
-  checkpoint does not) and run again (``trainer.resume=auto``, same run directory) reaches step 20 with the losses
-  of an uninterrupted 20-step run, bit for bit, for offload none / optimizer / full at world 1 and 2 (EP 2 for two
-  of them); its metrics.jsonl holds each step once and its record the losses of all 20.
+- Exact: a run killed with SIGKILL after its step-8 checkpoint (two steps later: metrics.jsonl then holds rows the
+  checkpoint does not) and run again (``trainer.resume=auto``, same run directory) reaches step 16 with the losses
+  of an uninterrupted 16-step run, bit for bit, for offload none / optimizer / full at world 1 and 2 (EP 2 for two
+  of them); its metrics.jsonl holds each step once and its record the losses of all 16.
 - Resharding: a checkpoint resumed at another world size or EP degree continues the loss curve of the run at that
   mesh within fp32 summation-order tolerance (relative 1e-5; every mesh shape trains like one rank on the same
-  global batch, tests/test_distributed_training.py), its first 10 losses being the checkpoint's own.
+  global batch, tests/test_distributed_training.py), its first 8 losses being the checkpoint's own.
 - Signals: SIGTERM to the launcher of two ranks stops both at the same step, saves a checkpoint there
   (``on_signal``), records ``interrupted`` and exits 143, and the run resumes from it bit for bit; SIGINT ends a
   single run with 130 and an ``interrupted`` record; in a sweep the signalled point is recorded and the sweep stops,
@@ -33,8 +33,8 @@ from tests.pausing_data import PAUSE
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 2  # per rank: GLOBAL_BATCH // ranks, so every mesh sees the same global batch
-BASE = ["trainer.steps=20", "trainer.warmup_steps=2", "data.seq_len=16", "data._target_=tests.pausing_data.PausingData",
-        "trainer.checkpoint.every=10"]  # fmt: skip
+BASE = ["trainer.steps=16", "trainer.warmup_steps=2", "data.seq_len=16", "data._target_=tests.pausing_data.PausingData",
+        "trainer.checkpoint.every=8"]  # fmt: skip
 # Several chunks and fewer transfer buffers than chunks for the offload modes.
 CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
 CASES = [("none", 1, 1), ("optimizer", 1, 1), ("full", 1, 1), ("none", 2, 2), ("optimizer", 2, 1), ("full", 2, 2)]
@@ -116,7 +116,7 @@ def checkpoints(run_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted 20-step run of a case: its run directory (with checkpoints of steps 10 and 20)."""
+    """The uninterrupted 16-step run of a case: its run directory (with checkpoints of steps 8 and 16)."""
     done = {}
 
     def get(case) -> Path:
@@ -135,21 +135,21 @@ def test_killed_run_resumes_bit_for_bit(case, reference, tmp_path):
     expected = result(reference(case))["metrics"]["losses"]
     run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
     args = [*BASE, *mesh(*case), f"hydra.run.dir={run_dir}"]
-    killed = Job(args, tmp_path, pause=f"12:{pause_dir}")
+    killed = Job(args, tmp_path, pause=f"10:{pause_dir}")
     killed.wait_for(paused(pause_dir, case[1]))
     killed.kill()
     assert not (run_dir / "result.json").exists()
-    assert [row["step"] for row in metrics_rows(run_dir)] == list(range(12))  # two rows past the checkpoint
-    assert checkpoints(run_dir) == ["step_00000010"]
+    assert [row["step"] for row in metrics_rows(run_dir)] == list(range(10))  # two rows past the checkpoint
+    assert checkpoints(run_dir) == ["step_00000008"]
 
     run(args, tmp_path)
     record = result(run_dir)
     assert record["status"] == "ok"
-    assert record["metrics"]["resumed_from"] == str(run_dir / "checkpoints" / "step_00000010")
+    assert record["metrics"]["resumed_from"] == str(run_dir / "checkpoints" / "step_00000008")
     assert record["metrics"]["losses"] == expected  # bit for bit
     rows = metrics_rows(run_dir)
-    assert [row["step"] for row in rows] == list(range(20)) and [row["loss"] for row in rows] == expected
-    assert checkpoints(run_dir) == ["step_00000010", "step_00000020"]
+    assert [row["step"] for row in rows] == list(range(16)) and [row["loss"] for row in rows] == expected
+    assert checkpoints(run_dir) == ["step_00000008", "step_00000016"]
 
 
 @pytest.mark.parametrize(
@@ -158,14 +158,14 @@ def test_killed_run_resumes_bit_for_bit(case, reference, tmp_path):
     ids=lambda case: case_id(case),
 )
 def test_resume_at_another_mesh_continues_the_curve(saved, resumed, reference, tmp_path):
-    checkpoint = reference(saved) / "checkpoints" / "step_00000010"
+    checkpoint = reference(saved) / "checkpoints" / "step_00000008"
     run_dir = tmp_path / "run"
     run([*BASE, *mesh(*resumed), f"trainer.resume={checkpoint}", f"hydra.run.dir={run_dir}"], tmp_path)
     losses = result(run_dir)["metrics"]["losses"]
     saved_losses = result(reference(saved))["metrics"]["losses"]
-    assert losses[:10] == saved_losses[:10]  # the checkpoint's own
-    assert losses[10:] == pytest.approx(result(reference(resumed))["metrics"]["losses"][10:], rel=1e-5)
-    assert losses[10:] != pytest.approx(losses[:10], rel=1e-3)  # it trained on
+    assert losses[:8] == saved_losses[:8]  # the checkpoint's own
+    assert losses[8:] == pytest.approx(result(reference(resumed))["metrics"]["losses"][8:], rel=1e-5)
+    assert losses[8:] != pytest.approx(losses[:8], rel=1e-3)  # it trained on
 
 
 def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resumes(reference, tmp_path):
@@ -192,7 +192,7 @@ def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resumes(refere
     run(args, tmp_path)
     record = result(run_dir)
     assert record["status"] == "ok" and record["metrics"]["losses"] == expected
-    assert [row["step"] for row in metrics_rows(run_dir)] == list(range(20))
+    assert [row["step"] for row in metrics_rows(run_dir)] == list(range(16))
 
 
 def test_sigint_ends_a_single_run_with_an_interrupted_record(tmp_path):
