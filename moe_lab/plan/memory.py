@@ -300,21 +300,20 @@ def plan_memory(step: Step) -> Memory:
     fsdp = step.fsdp
 
     # Model state on the device, per parameter of this rank.
+    in_flight = 0.0
     if step.offload == "full":  # with its device chunks' fp32 masters and state
-        on_device = sum(full_offload_chunks(step)[1])
+        host_chunks, device_chunks = full_offload_chunks(step)
+        on_device = sum(device_chunks)
         weights, grad_bytes, state = {"bf16 params": 2 * n, "fp32 masters on the device": 4 * on_device}, 2, state_bytes(step) * on_device
+        # gradients leave for the host as they are made, a chunk or so in flight; a device chunk steps with its
+        # gradients widened to fp32
+        in_flight = 2 * max(host_chunks, default=0.0) + 4 * max(device_chunks, default=0.0)
     else:
         weights, grad_bytes = {"fp32 params (masters)": 4 * n}, 4
         state = state_bytes(step) * n if step.offload == "none" else 0.0
         if step.offload == "optimizer":  # the device ring its state streams through, at every phase
             state = state_bytes(step) * ring_params(step)
     grad_of = (lambda p: 0.0) if step.offload == "full" else (lambda p: grad_bytes * p)
-    # offload=full: gradients leave for the host as they are made, a chunk or so in flight; a device chunk steps
-    # with its gradients widened to fp32.
-    in_flight = 0.0
-    if step.offload == "full":
-        host_chunks, device_chunks = full_offload_chunks(step)
-        in_flight = 2 * max(host_chunks, default=0.0) + 4 * max(device_chunks, default=0.0)
     # Gradients at the loss, after layer ``l``'s backward (its own included: they exist while its workspace does)
     # and at the optimizer step. With gradient accumulation the peak is in the last micro-batch, when the earlier
     # ones have left theirs: .grad itself on one rank (offload=full: in bf16, until the final backward's hooks take

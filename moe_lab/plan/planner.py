@@ -151,10 +151,13 @@ def usable_device_bytes(hw: Hardware) -> float:
     return (hw.hbm_gib - hw.context_gib) * GIB
 
 
+HOST_RESERVE = 0.05  # of a node's RAM, which offload's host check keeps free (``moe_lab.optim.offload.host``)
+
+
 def usable_host_bytes(hw: Hardware) -> float:
-    """What offload's host check allows (``moe_lab.optim.offload.host``: the available memory less 5 % of the total
-    in reserve), shared by a node's ranks."""
-    return (hw.host_memory_gib * 0.95 - hw.host_memory_in_use_gib) * GIB
+    """What offload's host check allows (the available memory less ``HOST_RESERVE`` of the total), shared by a node's
+    ranks."""
+    return (hw.host_memory_gib * (1 - HOST_RESERVE) - hw.host_memory_in_use_gib) * GIB
 
 
 def fits(step: Step, hw: Hardware) -> tuple[bool, str]:

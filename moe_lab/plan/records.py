@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from moe_lab.metrics.flops import hardware_option
 from moe_lab.plan.config import compose
-from moe_lab.plan.planner import plan
+from moe_lab.plan.planner import HOST_RESERVE, plan
 
 
 def _hardware(gpu: str | None, world: int) -> list[str]:
@@ -90,15 +90,14 @@ def depth_search_plans(record: dict) -> dict[str, int]:
     record): each mode's 4-layer command planned on the record's GPU and on the host the search saw (its total, and
     in use whatever leaves the search's available memory; without the total, the GPU's hardware profile)."""
     env = next(iter(record["environment"].values()))
-    host = []
-    if "host_mem_total_gib" in env:
-        in_use = 0.95 * env["host_mem_total_gib"] - env["host_mem_available_gib"]
-        host = [f"hardware.host_memory_gib={env['host_mem_total_gib']:.2f}", f"++hardware.host_memory_in_use_gib={in_use:.2f}"]
+    extra = ["optimizer.fused=false"] if made_before({"environment": env}, ADAMW_FUSED) else []
+    if "host_mem_total_gib" in env:  # the search's available memory is what the planner's host check allows
+        in_use = (1 - HOST_RESERVE) * env["host_mem_total_gib"] - env["host_mem_available_gib"]
+        extra += [f"hardware.host_memory_gib={env['host_mem_total_gib']:.2f}", f"++hardware.host_memory_in_use_gib={in_use:.2f}"]
     out = {}
     for mode in record["search"]:
         point = next(p for p in record["points"] if p["mode"] == mode and p["num_layers"] == 4)
-        foreach = ["optimizer.fused=false"] if made_before({"environment": env}, ADAMW_FUSED) else []
-        out[mode] = plan_command(point["command"], env["gpu"], extra=host + foreach)["plan"]["largest_fitting"][mode]["num_layers"]
+        out[mode] = plan_command(point["command"], env["gpu"], extra=extra)["plan"]["largest_fitting"][mode]["num_layers"]
     return out
 
 
