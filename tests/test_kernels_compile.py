@@ -4,6 +4,7 @@ compile, as launched (signature, compile-time constants, warps), without spillin
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 
@@ -41,8 +42,6 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS), ids=lambda k: k[1])
 def test_kernel_compiles_for_hopper_without_spills(kernel, tmp_path):
-    import importlib
-
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
