@@ -68,6 +68,49 @@ def test_zero_idle_experts_interpreted():
     assert done.stdout.strip().splitlines()[-1] == "True"
 
 
+def layout_kernels_check() -> str:
+    """The gpu backend's layout kernels against the torch layout (``layout_from_counts``): every slot's row, each
+    expert's segment end, the buffer sizes; at EP 1 and 8, every routing of the tests, alignments 1, 8 and 128, more
+    slots than one program's block; and DeepGEMM's row map against searchsorted."""
+    import triton
+
+    from moe_lab.moe.fused import gpu, kernels
+    from moe_lab.moe.fused.layout import layout_from_counts
+    from tests.fused_cases import ROUTINGS, routing
+
+    experts, top_k, tokens = 24, 4, 37  # 148 slots: two blocks of 128; 24 experts: not a power of 2
+    for ep, kind, align in itertools.product((1, 8), ROUTINGS, (1, 8, 128)):
+        all_ids = [routing(kind, r, tokens, experts, top_k) for r in range(ep)]
+        blocks = [gpu.slot_counts(ids, experts) for ids in all_ids]
+        all_counts = torch.stack([cum[-1] for _, cum in blocks])
+        layouts = [gpu.layout_from_block_counts(all_ids[r], *blocks[r], all_counts, r, align) for r in range(ep)]
+        for rank, actual in enumerate(layouts):
+            expected = layout_from_counts(all_ids[rank], all_counts, rank, align)
+            case = f"ep {ep} {kind} align {align} rank {rank}"
+            assert torch.equal(actual.pos, expected.pos), case
+            assert torch.equal(actual.offs, expected.offs), case
+            assert (actual.rows, actual.max_rows) == (expected.rows, expected.max_rows), case
+            row_src = torch.full((actual.rows,), -1, dtype=torch.int64)  # the rows this rank receives, as owner
+            for ids, layout in zip(all_ids, layouts):
+                row_src[layout.pos[ids // (experts // ep) == rank]] = 0
+            m_indices = torch.empty(actual.rows, dtype=torch.int32)
+            local = actual.offs.numel()
+            kernels.row_experts_kernel[(triton.cdiv(actual.rows, 64),)](
+                m_indices, actual.offs, row_src, actual.rows, local, triton.next_power_of_2(local), BLOCK=64
+            )
+            rows = torch.arange(actual.rows, dtype=torch.int32)
+            expert = torch.searchsorted(actual.offs, rows, right=True).to(torch.int32)
+            assert torch.equal(m_indices, torch.where(row_src >= 0, expert, -1).to(torch.int32)), case
+    return "ok"
+
+
+def test_layout_kernels_interpreted_match_torch_layout():
+    code = "from tests.test_fused_kernels import layout_kernels_check as f; print(f())"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"
+
+
 class FileSymmetricMemory:
     """``moe_lab.moe.fused.gpu.symmetric_empty`` on CPU: each rank's buffer is a file that every rank maps shared,
     so a peer's buffer address is valid in this process and the interpreted kernels read and write it as they would

@@ -16,14 +16,16 @@ PEERS = {"PEER": True}  # the peer path: pointers read from a table, the larger 
 KERNELS = {  # (module, kernel): (run-time argument types, compile-time constants, warps)
     ("moe_lab.moe.fused.kernels", "push_slots_kernel"): (
         {"row_src_ptr": "*i64", "row_src_peers": "*i64", "row_weight_ptr": "*fp32", "row_weight_peers": "*i64", "pos_ptr": "*i64",
-         "dest_ptr": "*i32", "weight_ptr": "*bf16", "num_slots": "i32", "top_k": "i32", "rows_per_rank": "i32", "my_rank": "i32"},
+         "ids_ptr": "*i64", "weight_ptr": "*bf16", "num_slots": "i32", "top_k": "i32", "rows_per_rank": "i32", "my_rank": "i32",
+         "local_experts": "i32"},
         {**PEERS, "WITH_WEIGHT": True, "BLOCK": 1024}, 4),
     ("moe_lab.moe.fused.kernels", "gather_rows_kernel"): (
         {"out_ptr": "*bf16", "src_ptr": "*bf16", "src_peers": "*i64", "row_src_ptr": "*i64", "offs_ptr": "*i32",
          "num_local_experts": "i32", "rows_per_rank": "i32", "width": "i32"},
         {**PEERS, "BLOCK": 1024}, 4),
     ("moe_lab.moe.fused.kernels", "combine_kernel"): (
-        {"out_ptr": "*bf16", "buf_ptr": "*bf16", "buf_peers": "*i64", "pos_ptr": "*i64", "dest_ptr": "*i32", "width": "i32"},
+        {"out_ptr": "*bf16", "buf_ptr": "*bf16", "buf_peers": "*i64", "pos_ptr": "*i64", "ids_ptr": "*i64", "local_experts": "i32",
+         "width": "i32"},
         {"TOP_K": 8, **PEERS, "BLOCK": 1024}, 4),
     ("moe_lab.moe.fused.kernels", "swiglu_forward_kernel"): (
         {"act_ptr": "*bf16", "gate_up_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_src_ptr": "*i64", "offs_ptr": "*i32",
@@ -35,6 +37,14 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
         {"INTER": 1536, "BLOCK": 1024}, 4),  # the 235B shape's expert width: two column blocks
     ("moe_lab.moe.fused.kernels", "zero_idle_experts_kernel"): (
         {"out_ptr": "*bf16", "offs_ptr": "*i32"}, {"SLAB": 1536 * 4096, "PER_PROGRAM": 1536 * 4096 // 16, "BLOCK": 1024}, 4),
+    ("moe_lab.moe.fused.kernels", "block_expert_counts_kernel"): (
+        {"ids_ptr": "*i64", "counts_ptr": "*i64", "num_slots": "i32"}, {"NUM_EXPERTS": 128, "E_POW2": 128, "BLOCK": 128}, 4),
+    ("moe_lab.moe.fused.kernels", "slot_positions_kernel"): (
+        {"ids_ptr": "*i64", "block_cum_ptr": "*i64", "block_counts_ptr": "*i64", "all_counts_ptr": "*i64", "pos_ptr": "*i64",
+         "seg_end_ptr": "*i32", "num_slots": "i32", "my_rank": "i32", "align": "i32"},
+        {"EP": 2, "NUM_EXPERTS": 128, "LOCAL": 64, "EP_POW2": 2, "E_POW2": 128, "BLOCK": 128}, 16),
+    ("moe_lab.moe.fused.kernels", "row_experts_kernel"): (
+        {"m_indices_ptr": "*i32", "offs_ptr": "*i32", "row_src_ptr": "*i64", "rows": "i32"}, {"LOCAL": 64, "L_POW2": 64, "BLOCK": 128}, 4),
     ("moe_lab.host_read_kernel", "store_bytes_kernel"): (
         {"src_ptr": "*u8", "dst_address": "i64", "nbytes": "i64"}, {"BLOCK": 1024}, 4),
 }  # fmt: skip

@@ -24,11 +24,46 @@ import torch.distributed as dist
 import triton
 
 from moe_lab.moe.fused import kernels
-from moe_lab.moe.fused.layout import routing_layout, workspace_rows
+from moe_lab.moe.fused.layout import Layout, gather_counts, receive_rows, workspace_rows
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
+LAYOUT_BLOCK = 128  # slots (rows) per program of the layout kernels: each holds a [128, experts] or [128, 128] tile
 IDLE_PROGRAMS_PER_EXPERT = 16
+
+
+def kernel_layout(topk_ids, num_experts: int, align: int, group: dist.ProcessGroup | None) -> Layout:
+    """``moe_lab.moe.fused.layout.routing_layout`` in two kernels and a cumsum instead of a sort and some thirty
+    small ops: the host spends less time before the layer's sync (the GPU waits through it)."""
+    rank = 0 if group is None else dist.get_rank(group)
+    block_counts, block_cum = slot_counts(topk_ids, num_experts)
+    return layout_from_block_counts(topk_ids, block_counts, block_cum, gather_counts(block_cum[-1], group), rank, align)
+
+
+def slot_counts(topk_ids, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> each block of ``LAYOUT_BLOCK`` slots' count per expert [B, E], and its inclusive prefix over blocks (its
+    last row: this rank's count per expert)."""
+    flat = topk_ids.reshape(-1).contiguous()
+    blocks = max(triton.cdiv(flat.numel(), LAYOUT_BLOCK), 1)  # one program at least: program 0 writes seg_end
+    block_counts = torch.empty(blocks, num_experts, dtype=torch.int64, device=flat.device)
+    kernels.block_expert_counts_kernel[(blocks,)](
+        flat, block_counts, flat.numel(), num_experts, triton.next_power_of_2(num_experts), BLOCK=LAYOUT_BLOCK
+    )
+    return block_counts, block_counts.cumsum(0)
+
+
+def layout_from_block_counts(topk_ids, block_counts, block_cum, all_counts, rank: int, align: int) -> Layout:
+    """``moe_lab.moe.fused.layout.layout_from_counts`` from ``slot_counts``'s blocks: each slot's row in one kernel."""
+    ep, num_experts = all_counts.shape
+    flat = topk_ids.reshape(-1).contiguous()
+    pos = torch.empty_like(flat)
+    seg_end = torch.empty(ep, num_experts // ep, dtype=torch.int32, device=flat.device)
+    kernels.slot_positions_kernel[(block_counts.shape[0],)](
+        flat, block_cum, block_counts, all_counts, pos, seg_end, flat.numel(), rank, align, ep, num_experts,
+        num_experts // ep, triton.next_power_of_2(ep), triton.next_power_of_2(num_experts), BLOCK=LAYOUT_BLOCK,
+        num_warps=16,  # its [128, 128] tiles fit in registers without spilling (ptxas, sm_90)
+    )
+    return Layout(pos.view(topk_ids.shape), seg_end[rank], *receive_rows(seg_end, rank, align))
 
 
 # --- grouped GEMMs -------------------------------------------------------------------------------------------------
@@ -42,9 +77,10 @@ class _Gemms:
             import deep_gemm
 
             self.dg = deep_gemm
-            rows = torch.arange(row_src.numel(), device=offs.device, dtype=torch.int32)
-            expert = torch.searchsorted(offs, rows, right=True).to(torch.int32)
-            self.m_indices = torch.where(row_src >= 0, expert, -1).to(torch.int32)
+            self.m_indices = torch.empty(row_src.numel(), dtype=torch.int32, device=offs.device)
+            kernels.row_experts_kernel[(triton.cdiv(row_src.numel(), LAYOUT_BLOCK),)](
+                self.m_indices, offs, row_src, row_src.numel(), offs.numel(), triton.next_power_of_2(offs.numel()), BLOCK=LAYOUT_BLOCK
+            )
 
     def nt(self, a, w):
         """a [C, K] @ w[e].T for w [L, N, K]: the forward projections, weights as stored."""
@@ -155,7 +191,7 @@ class _Exchange:
         local.copy_(tensor)
         return local, ptrs
 
-    def route(self, pos, dest, weights, rows, num_tokens):
+    def route(self, pos, ids, local_experts, weights, rows, num_tokens):
         """Each slot writes (source rank, token) and its weight into its owner's row. -> row_src, row_weight."""
         top_k = pos.shape[1]
         with_weight = weights is not None
@@ -171,8 +207,8 @@ class _Exchange:
             src_ptrs = weight_ptrs = row_src
         num_slots = pos.numel()
         kernels.push_slots_kernel[(triton.cdiv(num_slots, SLOT_BLOCK),)](
-            row_src, src_ptrs, row_weight, weight_ptrs, pos, dest, weights if with_weight else pos,
-            num_slots, top_k, num_tokens, self.rank, PEER=self.peer, WITH_WEIGHT=with_weight, BLOCK=SLOT_BLOCK,
+            row_src, src_ptrs, row_weight, weight_ptrs, pos, ids, weights if with_weight else pos,
+            num_slots, top_k, num_tokens, self.rank, local_experts, PEER=self.peer, WITH_WEIGHT=with_weight, BLOCK=SLOT_BLOCK,
         )
         if self.peer:
             self.barrier()  # all slots have arrived
@@ -191,8 +227,9 @@ class _Exchange:
         )
         return out
 
-    def combine(self, name, buf, pos, dest, out_dtype):
-        """Gather-sum by slot group: out[i] = sum_j buf_{dest[i, j]}[pos[i, j]] for pos [N, J]; ``buf`` [rows, D] is
+    def combine(self, name, buf, pos, ids, local_experts, out_dtype):
+        """Gather-sum by slot group: out[i] = sum_j buf_{owner}[pos[i, j]] for pos [N, J], the owner of expert
+        ids[i, j] being ids[i, j] // local_experts; ``buf`` [rows, D] is
         receive-side, published to peers through the workspace buffer ``name``."""
         if self.peer:
             local, ptrs = self.workspace(name, buf.shape[0], buf.shape[1:], buf.dtype)
@@ -203,7 +240,7 @@ class _Exchange:
         out = torch.empty(pos.shape[0], buf.shape[1], dtype=out_dtype, device=buf.device)
         grid = (pos.shape[0], triton.cdiv(buf.shape[1], ROW_BLOCK))
         kernels.combine_kernel[grid](
-            out, local, ptrs, pos, dest, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
+            out, local, ptrs, pos, ids, local_experts, buf.shape[1], TOP_K=pos.shape[1], PEER=self.peer, BLOCK=ROW_BLOCK
         )
         if self.peer:
             self.barrier()  # peers are done reading this rank's buffer before anyone reuses it
@@ -220,11 +257,11 @@ def _swiglu_block(inter: int) -> int:
 def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
     num_tokens, top_k = topk_ids.shape
     inter = down_proj.shape[2]
-    layout = routing_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
-    dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
+    layout = kernel_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
+    ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, x.device)
     ex.reserve(layout.max_rows, x.shape[1], x.dtype)
-    row_src, row_weight = ex.route(layout.pos, dest, topk_weights.contiguous(), layout.rows, num_tokens)
+    row_src, row_weight = ex.route(layout.pos, ids, local_experts, topk_weights.contiguous(), layout.rows, num_tokens)
     gemms = _Gemms(backend, layout.offs, row_src)
     x_routed = ex.gather_rows("x", x.contiguous(), row_src, layout.offs)
     gate_up = gemms.nt(x_routed, gate_up_proj)
@@ -234,16 +271,16 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
         act, gate_up, row_weight, row_src, layout.offs, layout.offs.numel(), inter, BLOCK=block
     )
     out = gemms.nt(act, down_proj)
-    y = ex.combine("out", out, layout.pos, dest, x.dtype)
+    y = ex.combine("out", out, layout.pos, ids, local_experts, x.dtype)
     return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
 
 
 def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
     num_tokens, top_k = pos.shape
     rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
-    dest = (topk_ids // gate_up_proj.shape[0]).to(torch.int32)
+    ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, dy.device)
-    row_src, _ = ex.route(pos, dest, None, rows, num_tokens)
+    row_src, _ = ex.route(pos, ids, local_experts, None, rows, num_tokens)
     gemms = _Gemms(backend, offs, row_src)
     dy_routed = ex.gather_rows("dy", dy, row_src, offs)
     d_act_weighted = gemms.nn(dy_routed, down_proj)
@@ -257,6 +294,6 @@ def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_pro
     d_down_proj = gemms.wgrad(dy_routed, act_weighted)
     dx_routed = gemms.nn(d_gate_up, gate_up_proj)
     d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
-    dx = ex.combine("out", dx_routed, pos, dest, dy.dtype)
-    d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), dest.view(-1, 1), torch.float32)
+    dx = ex.combine("out", dx_routed, pos, ids, local_experts, dy.dtype)
+    d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), ids.view(-1, 1), local_experts, torch.float32)
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj

@@ -23,8 +23,8 @@ def _peer_base(local_ptr, peer_ptrs, rank, PEER: tl.constexpr):
 
 @triton.jit
 def push_slots_kernel(
-    row_src_ptr, row_src_peers, row_weight_ptr, row_weight_peers, pos_ptr, dest_ptr, weight_ptr,
-    num_slots, top_k, rows_per_rank, my_rank,
+    row_src_ptr, row_src_peers, row_weight_ptr, row_weight_peers, pos_ptr, ids_ptr, weight_ptr,
+    num_slots, top_k, rows_per_rank, my_rank, local_experts,
     PEER: tl.constexpr, WITH_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Tell each slot's owner where the row comes from: row_src[pos] = rank * T + token (and its routing weight)."""
@@ -33,7 +33,7 @@ def push_slots_kernel(
     pos = tl.load(pos_ptr + slots, mask=mask, other=0)
     code = my_rank * rows_per_rank + slots // top_k
     if PEER:
-        dest = tl.load(dest_ptr + slots, mask=mask, other=0)
+        dest = tl.load(ids_ptr + slots, mask=mask, other=0) // local_experts  # the expert's owner
         # Each slot may go to another GPU: one pointer per lane.
         src_base = tl.load(row_src_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_src_ptr.dtype.element_ty))
         tl.store(src_base + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
@@ -66,9 +66,11 @@ def gather_rows_kernel(
 
 @triton.jit
 def combine_kernel(
-    out_ptr, buf_ptr, buf_peers, pos_ptr, dest_ptr, width, TOP_K: tl.constexpr, PEER: tl.constexpr, BLOCK: tl.constexpr
+    out_ptr, buf_ptr, buf_peers, pos_ptr, ids_ptr, local_experts, width,
+    TOP_K: tl.constexpr, PEER: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Combine as a gather-sum by token: out[t] = sum_k buf_{dest[t, k]}[pos[t, k]], accumulated in fp32."""
+    """Combine as a gather-sum by token: out[t] = sum_k buf_{owner}[pos[t, k]], accumulated in fp32, the owner of
+    expert ids[t, k] being ids[t, k] // local_experts."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -77,7 +79,7 @@ def combine_kernel(
         slot = token.to(tl.int64) * TOP_K + k
         pos = tl.load(pos_ptr + slot)
         if PEER:
-            base = _peer_base(buf_ptr, buf_peers, tl.load(dest_ptr + slot), PEER)
+            base = _peer_base(buf_ptr, buf_peers, tl.load(ids_ptr + slot) // local_experts, PEER)
         else:
             base = buf_ptr
         acc += tl.load(base + pos * width + cols, mask=mask, other=0.0).to(tl.float32)
@@ -147,3 +149,68 @@ def zero_idle_experts_kernel(out_ptr, offs_ptr, SLAB: tl.constexpr, PER_PROGRAM:
             cols = i + tl.arange(0, BLOCK)
             mask = (cols < PER_PROGRAM) & (tl.program_id(1) * PER_PROGRAM + cols < SLAB)
             tl.store(base + cols, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=mask)
+
+
+# --- routing layout (``moe_lab.moe.fused.layout`` computes the same with torch ops: the reference) ------------------
+
+
+@triton.jit
+def block_expert_counts_kernel(ids_ptr, counts_ptr, num_slots, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
+                               BLOCK: tl.constexpr):  # fmt: skip
+    """counts[b, e] = slots of block b (BLOCK consecutive (token, k) slots) routed to expert e."""
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1)
+    experts = tl.arange(0, E_POW2)
+    hits = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + tl.program_id(0).to(tl.int64) * NUM_EXPERTS + experts, hits.to(tl.int64), mask=experts < NUM_EXPERTS)
+
+
+@triton.jit
+def slot_positions_kernel(
+    ids_ptr, block_cum_ptr, block_counts_ptr, all_counts_ptr, pos_ptr, seg_end_ptr, num_slots, my_rank, align,
+    EP: tl.constexpr, NUM_EXPERTS: tl.constexpr, LOCAL: tl.constexpr, EP_POW2: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Each slot's row on its expert's owner, without a sort: the owner's segment start of the expert (segments
+    padded to ``align``, from every rank's counts ``all_counts`` [EP, E]), plus the rows earlier source ranks put
+    there, plus the slots of this rank routed to the expert before it (earlier blocks: ``block_cum`` - ``block_counts``,
+    the inclusive per-block prefix less the block's own; then earlier slots of its own block). Program 0 also stores
+    every owner's segment ends ``seg_end`` [EP * LOCAL] (int32). Rows fit int32: the pairwise tiles are int32."""
+    experts = tl.arange(0, E_POW2)
+    ranks = tl.arange(0, EP_POW2)
+    in_range = (ranks[:, None] < EP) & (experts[None, :] < NUM_EXPERTS)
+    counts = tl.load(all_counts_ptr + ranks[:, None] * NUM_EXPERTS + experts[None, :], mask=in_range, other=0).to(tl.int32)
+    padded = (tl.sum(counts, axis=0) + align - 1) // align * align
+    # segment end of expert e on its owner: the padded rows of all experts up to e, less those of earlier owners
+    owner = experts // LOCAL
+    owner_rows = tl.sum(tl.where(owner[None, :] == ranks[:, None], padded[None, :], 0), axis=1)
+    seg_end = tl.cumsum(padded, axis=0) - tl.sum(tl.where(ranks[None, :] < owner[:, None], owner_rows[None, :], 0), axis=1)
+    earlier_sources = tl.sum(tl.where(ranks[:, None] < my_rank, counts, 0), axis=0)
+    base = seg_end - padded + earlier_sources
+    if tl.program_id(0) == 0:
+        tl.store(seg_end_ptr + experts, seg_end.to(tl.int32), mask=experts < NUM_EXPERTS)
+
+    block = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    slots = block * BLOCK + lanes
+    mask = slots < num_slots
+    ids = tl.load(ids_ptr + slots, mask=mask, other=-1)
+    row = block * NUM_EXPERTS + tl.maximum(ids, 0)
+    earlier_blocks = tl.load(block_cum_ptr + row, mask=mask, other=0) - tl.load(block_counts_ptr + row, mask=mask, other=0)
+    earlier_in_block = tl.sum(((ids[None, :] == ids[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+    slot_base = tl.sum(tl.where(ids[:, None] == experts[None, :], base[None, :], 0), axis=1)
+    tl.store(pos_ptr + slots, (slot_base + earlier_in_block).to(tl.int64) + earlier_blocks, mask=mask)
+
+
+@triton.jit
+def row_experts_kernel(m_indices_ptr, offs_ptr, row_src_ptr, rows, LOCAL: tl.constexpr, L_POW2: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    """DeepGEMM's row map: the local expert of each receive-buffer row (the segments ending at or before it), -1
+    for a padding row (``row_src`` -1), which the GEMM skips."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = r < rows
+    experts = tl.arange(0, L_POW2)
+    ends = tl.load(offs_ptr + experts, mask=experts < LOCAL, other=2**31 - 1)
+    expert = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
+    valid = tl.load(row_src_ptr + r, mask=mask, other=-1) >= 0
+    tl.store(m_indices_ptr + r, tl.where(valid, expert, -1), mask=mask)

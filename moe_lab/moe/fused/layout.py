@@ -29,11 +29,8 @@ class Layout:
     max_rows: int  # the largest receive buffer over the EP group (what a buffer peers write into must hold)
 
 
-def gather_counts(topk_ids: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """-> [EP, E] int64: slots each rank of the group routes to each expert (device to device: no host sync)."""
-    flat = topk_ids.reshape(-1)
-    # scatter_add rather than bincount: CUDA's bincount reads the max id back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's slots per expert [E] -> every rank's [EP, E] (device to device: no host sync)."""
     if group is None:
         return counts.unsqueeze(0)
     gathered = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
@@ -57,13 +54,23 @@ def layout_from_counts(topk_ids: torch.Tensor, all_counts: torch.Tensor, rank: i
     rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[sorted_ids]
     pos = torch.empty_like(flat)
     pos[order] = seg_start[sorted_ids] + src_offset[sorted_ids] + rank_in_expert
-    rows = [max(r, align) for r in to_host(seg_end[:, -1]).tolist()]  # the host sync
-    return Layout(pos.view(topk_ids.shape), seg_end[rank].to(torch.int32), rows[rank], max(rows))
+    return Layout(pos.view(topk_ids.shape), seg_end[rank].to(torch.int32), *receive_rows(seg_end, rank, align))
 
 
 def routing_layout(topk_ids: torch.Tensor, num_experts: int, align: int, group: dist.ProcessGroup | None) -> Layout:
+    """The reference backend's layout, in torch ops (the gpu backend computes the same in two kernels:
+    ``moe_lab.moe.fused.gpu.kernel_layout``)."""
     rank = 0 if group is None else dist.get_rank(group)
-    return layout_from_counts(topk_ids, gather_counts(topk_ids, num_experts, group), rank, align)
+    flat = topk_ids.reshape(-1)
+    # scatter_add rather than bincount: CUDA's bincount reads the max id back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return layout_from_counts(topk_ids, gather_counts(counts, group), rank, align)
+
+
+def receive_rows(seg_end: torch.Tensor, rank: int, align: int) -> tuple[int, int]:
+    """Every owner's segment ends [EP, L] -> (this rank's receive-buffer rows, the group's largest): the host sync."""
+    rows = [max(r, align) for r in to_host(seg_end[:, -1]).tolist()]
+    return rows[rank], max(rows)
 
 
 def workspace_rows(rows: int) -> int:
