@@ -82,7 +82,7 @@ def layout_kernels_check() -> str:
     for ep, kind, align in itertools.product((1, 8), ROUTINGS, (1, 8, 128)):
         all_ids = [routing(kind, r, tokens, experts, top_k) for r in range(ep)]
         blocks = [gpu.slot_counts(ids, experts) for ids in all_ids]
-        all_counts = torch.stack([cum[-1] for _, cum in blocks])
+        all_counts = torch.stack([cum[:, -1] for _, cum in blocks])
         layouts = [gpu.layout_from_block_counts(all_ids[r], *blocks[r], all_counts, r, align) for r in range(ep)]
         for rank, actual in enumerate(layouts):
             expected = layout_from_counts(all_ids[rank], all_counts, rank, align)

@@ -37,19 +37,19 @@ def kernel_layout(topk_ids, num_experts: int, align: int, group: dist.ProcessGro
     small ops: the host spends less time before the layer's sync (the GPU waits through it)."""
     rank = 0 if group is None else dist.get_rank(group)
     block_counts, block_cum = slot_counts(topk_ids, num_experts)
-    return layout_from_block_counts(topk_ids, block_counts, block_cum, gather_counts(block_cum[-1], group), rank, align)
+    return layout_from_block_counts(topk_ids, block_counts, block_cum, gather_counts(block_cum[:, -1].contiguous(), group), rank, align)
 
 
 def slot_counts(topk_ids, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> each block of ``LAYOUT_BLOCK`` slots' count per expert [B, E], and its inclusive prefix over blocks (its
-    last row: this rank's count per expert)."""
+    """-> each block of ``LAYOUT_BLOCK`` slots' count per expert [E, B], and its inclusive prefix over blocks (its
+    last column: this rank's count per expert)."""
     flat = topk_ids.reshape(-1).contiguous()
     blocks = max(triton.cdiv(flat.numel(), LAYOUT_BLOCK), 1)  # one program at least: program 0 writes seg_end
-    block_counts = torch.empty(blocks, num_experts, dtype=torch.int64, device=flat.device)
+    block_counts = torch.empty(num_experts, blocks, dtype=torch.int64, device=flat.device)
     kernels.block_expert_counts_kernel[(blocks,)](
         flat, block_counts, flat.numel(), num_experts, triton.next_power_of_2(num_experts), BLOCK=LAYOUT_BLOCK
     )
-    return block_counts, block_counts.cumsum(0)
+    return block_counts, block_counts.cumsum(1)
 
 
 def layout_from_block_counts(topk_ids, block_counts, block_cum, all_counts, rank: int, align: int) -> Layout:
@@ -58,7 +58,7 @@ def layout_from_block_counts(topk_ids, block_counts, block_cum, all_counts, rank
     flat = topk_ids.reshape(-1).contiguous()
     pos = torch.empty_like(flat)
     seg_end = torch.empty(ep, num_experts // ep, dtype=torch.int32, device=flat.device)
-    kernels.slot_positions_kernel[(block_counts.shape[0],)](
+    kernels.slot_positions_kernel[(block_counts.shape[1],)](
         flat, block_cum, block_counts, all_counts, pos, seg_end, flat.numel(), rank, align, ep, num_experts,
         num_experts // ep, triton.next_power_of_2(ep), triton.next_power_of_2(num_experts), BLOCK=LAYOUT_BLOCK,
         num_warps=16,  # its [128, 128] tiles fit in registers without spilling (ptxas, sm_90)

@@ -157,12 +157,13 @@ def zero_idle_experts_kernel(out_ptr, offs_ptr, SLAB: tl.constexpr, PER_PROGRAM:
 @triton.jit
 def block_expert_counts_kernel(ids_ptr, counts_ptr, num_slots, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
                                BLOCK: tl.constexpr):  # fmt: skip
-    """counts[b, e] = slots of block b (BLOCK consecutive (token, k) slots) routed to expert e."""
+    """counts[e, b] = slots of block b (BLOCK consecutive (token, k) slots) routed to expert e: expert-major, so
+    the prefix over blocks is a scan along the inner dimension (a fast one; over the outer it took 0.2 ms)."""
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1)
     experts = tl.arange(0, E_POW2)
     hits = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(counts_ptr + tl.program_id(0).to(tl.int64) * NUM_EXPERTS + experts, hits.to(tl.int64), mask=experts < NUM_EXPERTS)
+    tl.store(counts_ptr + experts.to(tl.int64) * tl.num_programs(0) + tl.program_id(0), hits.to(tl.int64), mask=experts < NUM_EXPERTS)
 
 
 @triton.jit
@@ -174,7 +175,7 @@ def slot_positions_kernel(
     """Each slot's row on its expert's owner, without a sort: the owner's segment start of the expert (segments
     padded to ``align``, from every rank's counts ``all_counts`` [EP, E]), plus the rows earlier source ranks put
     there, plus the slots of this rank routed to the expert before it (earlier blocks: ``block_cum`` - ``block_counts``,
-    the inclusive per-block prefix less the block's own; then earlier slots of its own block). Program 0 also stores
+    the inclusive per-block prefix less the block's own, both [E, blocks]; then earlier slots of its own block). Program 0 also stores
     every owner's segment ends ``seg_end`` [EP * LOCAL] (int32). Rows fit int32: the pairwise tiles are int32."""
     experts = tl.arange(0, E_POW2)
     ranks = tl.arange(0, EP_POW2)
@@ -195,7 +196,7 @@ def slot_positions_kernel(
     slots = block * BLOCK + lanes
     mask = slots < num_slots
     ids = tl.load(ids_ptr + slots, mask=mask, other=-1)
-    row = block * NUM_EXPERTS + tl.maximum(ids, 0)
+    row = tl.maximum(ids, 0) * tl.num_programs(0) + block
     earlier_blocks = tl.load(block_cum_ptr + row, mask=mask, other=0) - tl.load(block_counts_ptr + row, mask=mask, other=0)
     earlier_in_block = tl.sum(((ids[None, :] == ids[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
     slot_base = tl.sum(tl.where(ids[:, None] == experts[None, :], base[None, :], 0), axis=1)
