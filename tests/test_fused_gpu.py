@@ -174,7 +174,7 @@ def _ep_worker(rank, ep, port, queue):
                     for _ in range(2):  # the second call reuses the symmetric buffers
                         got = run_op(backend, *problem, group_name=name)
                     out[f"{shape}/{routing}/{backend}"] = rel_errors(got, ref)
-                    residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[1:4]
+                    residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[1:5]
                     expected = received_rows([i.cpu() for i in all_ids], rank, ep, ALIGN[backend], E)[1]
                     rows[f"{shape}/{routing}/{backend}"] = ({t.shape[0] for t in residuals}, expected)
         queue.put((rank, {"errors": out, "rows": rows}))

@@ -142,7 +142,8 @@ EP_TOKENS = 16  # per rank: every interpreted program costs milliseconds
 
 def compare_ep_rank(ep: int, directory: str) -> list[dict]:
     """Per routing, on this rank: the gpu backend's forward and backward (called directly, as the op does) against
-    the reference backend's op, and the sizes of what it made."""
+    the reference backend's op, the sizes of what it made, and whether each backend's received rows are the rows
+    its ``row_src`` names, each received slot once (every rank's x drawn again from its seed)."""
     import moe_lab.moe.fused.gpu as gpu
     from moe_lab.moe.fused.layout import workspace_rows
     from moe_lab.moe.fused.ops import ALIGN
@@ -163,18 +164,24 @@ def compare_ep_rank(ep: int, directory: str) -> list[dict]:
         all_ids = [routing(kind, r, EP_TOKENS, E, K) for r in range(ep)]
         ids = all_ids[rank]
         inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group.group_name, "reference")[0]
+        y, *ref_residuals = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group.group_name, "reference")
         expected = [y, *torch.autograd.grad(y, inputs, grad_out)]
         allocated = len(memory.shapes)
         with RowCounter() as counter:
-            y, x_routed, gate_up, row_weight, pos, offs = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
-            grads = gpu.backward(grad_out, x_routed, gate_up, row_weight, pos, offs, ids, gate_up_proj, down_proj, group, "gpu")
+            y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
+            grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, "gpu")
+        x_routed, gate_up, row_weight, row_src = residuals[:4]
         errors = [(g - r).abs().max().item() / (r.abs().max().item() + 1e-6) for g, r in zip([y, *grads], expected)]
         received, rows = received_rows(all_ids, rank, ep, ALIGN["gpu"], E)
+        all_x = torch.cat([torch.randn(EP_TOKENS, H, generator=torch.Generator().manual_seed(r)) for r in range(ep)])
+        sources_named = all(
+            torch.equal(routed[src >= 0], all_x[src[src >= 0]]) and int((src >= 0).sum()) == received
+            for routed, src in ((x_routed, row_src), (ref_residuals[0].detach(), ref_residuals[3]))
+        )
         largest = max(largest, *(received_rows(all_ids, r, ep, ALIGN["gpu"], E)[1] for r in range(ep)))
         results.append({
-            "kind": kind, "errors": errors, "received": received, "rows": rows, "held": counter.max_rows,
-            "residual_rows": {x_routed.shape[0], gate_up.shape[0], row_weight.shape[0]},
+            "kind": kind, "errors": errors, "sources_named": sources_named, "received": received, "rows": rows, "held": counter.max_rows,
+            "residual_rows": {x_routed.shape[0], gate_up.shape[0], row_weight.shape[0], row_src.shape[0]},
             "workspace": gpu._Exchange._workspace_rows[(x.device, group.group_name)], "expected_workspace": workspace_rows(largest),
             "allocated": memory.shapes[allocated:],
         })
@@ -197,6 +204,7 @@ def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
         for step, r in enumerate(results):
             case = f"rank {rank} step {step} ({r['kind']})"
             assert max(r["errors"]) < 1e-5, f"{case}: relative errors y, dx, dweights, dgate_up, ddown = {r['errors']}"
+            assert r["sources_named"], f"{case}: a received row is not x[row_src]"
             assert r["residual_rows"] == {r["rows"]} and r["rows"] <= max(8, r["received"] + (E // ep) * 7), case
             assert r["held"] <= max(r["rows"], EP_TOKENS * K), f"{case}: a tensor of {r['held']} rows"
             assert r["workspace"] == r["expected_workspace"], case

@@ -256,12 +256,12 @@ def test_fake_op_gives_the_residuals_one_unbacked_size():
     with FakeTensorMode(shape_env=ShapeEnv()):
         x, ids, weights = torch.empty(T, H), torch.zeros(T, K, dtype=torch.int64), torch.empty(T, K)
         local = E // 8  # the stacks of one of eight ranks
-        y, x_routed, gate_up, row_weight, pos, offs = torch.ops.moe_lab.fused_moe(
+        y, x_routed, gate_up, row_weight, row_src, pos, offs = torch.ops.moe_lab.fused_moe(
             x, ids, weights, torch.empty(local, 2 * I, H), torch.empty(local, H, I), E, "", "gpu_deep_gemm"
         )
     rows = x_routed.shape[0]
     assert isinstance(rows, torch.SymInt)
-    assert row_weight.shape == (rows,) and gate_up.shape == (rows, 2 * I) and y.shape == (T, H)
+    assert row_weight.shape == row_src.shape == (rows,) and gate_up.shape == (rows, 2 * I) and y.shape == (T, H)
     assert pos.shape == (T, K) and offs.shape == (local,)
     assert rows.node.shape_env.var_to_range[rows.node.expr].lower == 0
 

@@ -18,7 +18,7 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
         {"row_src_ptr": "*i64", "row_src_peers": "*i64", "row_weight_ptr": "*fp32", "row_weight_peers": "*i64", "pos_ptr": "*i64",
          "ids_ptr": "*i64", "weight_ptr": "*bf16", "num_slots": "i32", "top_k": "i32", "rows_per_rank": "i32", "my_rank": "i32",
          "local_experts": "i32"},
-        {**PEERS, "WITH_WEIGHT": True, "BLOCK": 1024}, 4),
+        {**PEERS, "BLOCK": 1024}, 4),
     ("moe_lab.moe.fused.kernels", "gather_rows_kernel"): (
         {"out_ptr": "*bf16", "src_ptr": "*bf16", "src_peers": "*i64", "row_src_ptr": "*i64", "offs_ptr": "*i32",
          "num_local_experts": "i32", "rows_per_rank": "i32", "width": "i32"},

@@ -136,7 +136,7 @@ def op_outputs(step: Step) -> dict:
     if step.dispatcher == "fused":
         fused_rows = fused_receive_rows(step)
         inter = c.moe_intermediate_size
-        outputs[torch.ops.moe_lab.fused_moe.default] = [2 * t * c.hidden_size + fused_rows * (2 * c.hidden_size + 4 * inter + 4) + 8 * t * k]
+        outputs[torch.ops.moe_lab.fused_moe.default] = [2 * t * c.hidden_size + fused_rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k]
     else:
         outputs[_aten.sort.stable] = [16 * t * k]
         outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]

@@ -194,7 +194,6 @@ class _Exchange:
     def route(self, pos, ids, local_experts, weights, rows, num_tokens):
         """Each slot writes (source rank, token) and its weight into its owner's row. -> row_src, row_weight."""
         top_k = pos.shape[1]
-        with_weight = weights is not None
         if self.peer:
             row_src, src_ptrs = self.workspace("row_src", rows, (), torch.int64)
             row_weight, weight_ptrs = self.workspace("row_weight", rows, (), torch.float32)
@@ -207,8 +206,8 @@ class _Exchange:
             src_ptrs = weight_ptrs = row_src
         num_slots = pos.numel()
         kernels.push_slots_kernel[(triton.cdiv(num_slots, SLOT_BLOCK),)](
-            row_src, src_ptrs, row_weight, weight_ptrs, pos, ids, weights if with_weight else pos,
-            num_slots, top_k, num_tokens, self.rank, local_experts, PEER=self.peer, WITH_WEIGHT=with_weight, BLOCK=SLOT_BLOCK,
+            row_src, src_ptrs, row_weight, weight_ptrs, pos, ids, weights,
+            num_slots, top_k, num_tokens, self.rank, local_experts, PEER=self.peer, BLOCK=SLOT_BLOCK,
         )
         if self.peer:
             self.barrier()  # all slots have arrived
@@ -272,15 +271,14 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     )
     out = gemms.nt(act, down_proj)
     y = ex.combine("out", out, layout.pos, ids, local_experts, x.dtype)
-    return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
+    return y, x_routed, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
+def backward(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
     num_tokens, top_k = pos.shape
     rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, dy.device)
-    row_src, _ = ex.route(pos, ids, local_experts, None, rows, num_tokens)
     gemms = _Gemms(backend, offs, row_src)
     dy_routed = ex.gather_rows("dy", dy, row_src, offs)
     d_act_weighted = gemms.nn(dy_routed, down_proj)

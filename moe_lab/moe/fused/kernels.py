@@ -25,7 +25,7 @@ def _peer_base(local_ptr, peer_ptrs, rank, PEER: tl.constexpr):
 def push_slots_kernel(
     row_src_ptr, row_src_peers, row_weight_ptr, row_weight_peers, pos_ptr, ids_ptr, weight_ptr,
     num_slots, top_k, rows_per_rank, my_rank, local_experts,
-    PEER: tl.constexpr, WITH_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    PEER: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Tell each slot's owner where the row comes from: row_src[pos] = rank * T + token (and its routing weight)."""
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -37,13 +37,11 @@ def push_slots_kernel(
         # Each slot may go to another GPU: one pointer per lane.
         src_base = tl.load(row_src_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_src_ptr.dtype.element_ty))
         tl.store(src_base + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
-        if WITH_WEIGHT:
-            w_base = tl.load(row_weight_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_weight_ptr.dtype.element_ty))
-            tl.store(w_base + pos, tl.load(weight_ptr + slots, mask=mask).to(tl.float32), mask=mask)
+        w_base = tl.load(row_weight_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_weight_ptr.dtype.element_ty))
+        tl.store(w_base + pos, tl.load(weight_ptr + slots, mask=mask).to(tl.float32), mask=mask)
     else:
         tl.store(row_src_ptr + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
-        if WITH_WEIGHT:
-            tl.store(row_weight_ptr + pos, tl.load(weight_ptr + slots, mask=mask).to(tl.float32), mask=mask)
+        tl.store(row_weight_ptr + pos, tl.load(weight_ptr + slots, mask=mask).to(tl.float32), mask=mask)
 
 
 @triton.jit

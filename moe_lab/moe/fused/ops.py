@@ -3,7 +3,8 @@ second custom op, fake implementations and registered autograd, so a decoder blo
 ``fullgraph=True`` and selective activation checkpointing can save its outputs.
 
 ``fused_moe`` returns y and, as extra outputs, what backward needs (the routed rows, the gate/up pre-activations,
-each row's routing weight, the layout), so saving the op's outputs means nothing is re-dispatched in recompute.
+each row's routing weight and source, the layout), so saving the op's outputs means nothing is re-dispatched in
+recompute, and backward starts at its first GEMM's inputs (no slot exchange: at EP > 1 that is two barriers less).
 Those residuals have as many rows as this rank receives (each local expert's rows padded to ``ALIGN``; see
 ``moe_lab.moe.fused.layout``), a number only the routing decides: the fake implementation gives them an unbacked
 size, as the torch dispatcher's all-to-all does (``moe_lab.moe.collectives``), and the op reads it back to the host
@@ -43,9 +44,10 @@ def fused_moe(
     num_experts: int,
     group_name: str,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> y [T, H], x_routed [R, H], gate_up [R, 2I], row_weight [R] fp32, pos [T, K] int64, offs [L] int32, with R
-    the rows this rank receives (padded per expert)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> y [T, H], x_routed [R, H], gate_up [R, 2I], row_weight [R] fp32, row_src [R] int64 (source rank * T +
+    token, -1 for padding), pos [T, K] int64, offs [L] int32, with R the rows this rank receives (padded per
+    expert)."""
     return _impl(backend).forward(
         x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, _group(group_name), ALIGN[backend], backend
     )
@@ -60,6 +62,7 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_nam
         x.new_empty(rows, x.shape[1]),
         x.new_empty(rows, gate_up_proj.shape[1]),
         x.new_empty(rows, dtype=torch.float32),
+        x.new_empty(rows, dtype=torch.int64),
         topk_ids.new_empty(topk_ids.shape, dtype=torch.int64),
         topk_ids.new_empty(gate_up_proj.shape[0], dtype=torch.int32),
     )
@@ -71,6 +74,7 @@ def fused_moe_backward(
     x_routed: Tensor,
     gate_up: Tensor,
     row_weight: Tensor,
+    row_src: Tensor,
     pos: Tensor,
     offs: Tensor,
     topk_ids: Tensor,
@@ -81,12 +85,12 @@ def fused_moe_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj."""
     return _impl(backend).backward(
-        dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name), backend
+        dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name), backend
     )
 
 
 @fused_moe_backward.register_fake
-def _(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend):
+def _(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend):
     return (
         dy.new_empty(dy.shape),
         dy.new_empty(pos.shape, dtype=torch.float32),
@@ -97,8 +101,8 @@ def _(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend = inputs
-    _, x_routed, gate_up, row_weight, pos, offs = output
-    ctx.save_for_backward(x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj)
+    _, *residuals = output
+    ctx.save_for_backward(*residuals, topk_ids, gate_up_proj, down_proj)
     ctx.group_name, ctx.backend, ctx.weights_dtype = group_name, backend, topk_weights.dtype
     ctx.set_materialize_grads(False)  # the residual outputs get no gradient: don't allocate zeros for them
 

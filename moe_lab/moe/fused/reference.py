@@ -69,6 +69,9 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]
     x_routed = scatter_to_owners(x.repeat_interleave(top_k, 0), pos, dest, layout.rows, group)
     row_weight = scatter_to_owners(topk_weights.reshape(-1, 1).float(), pos, dest, layout.rows, group).view(-1)
+    rank = 0 if group is None else dist.get_rank(group)
+    source = rank * num_tokens + torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+    row_src = scatter_to_owners(source.view(-1, 1) + 1, pos, dest, layout.rows, group).view(-1) - 1  # padding: 0 - 1
     gate_up = x.new_zeros(layout.rows, gate_up_proj.shape[1])
     out = x.new_zeros(layout.rows, x.shape[1])
     for j, (s, e) in enumerate(_segments(layout.offs)):
@@ -77,10 +80,11 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
         act = F.silu(gate) * up * row_weight[s:e, None]
         out[s:e] = act.to(x.dtype) @ down_proj[j].T
     y = gather_from_owners(out, pos, dest, group).view(num_tokens, top_k, -1).float().sum(1).to(x.dtype)
-    return y, x_routed, gate_up, row_weight, layout.pos, layout.offs
+    return y, x_routed, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
+def backward(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
+    del row_src  # the gpu backend's shortcut; this oracle routes dy from the slots, as forward routed x
     num_tokens, top_k = pos.shape
     flat_pos = pos.reshape(-1)
     dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]
