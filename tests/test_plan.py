@@ -242,7 +242,7 @@ def test_host_memory_of_offload_points(point):
     assert planned == pytest.approx(record["metrics"]["peak_host_rss_gib"], rel=0.10)
 
 
-MOE_LAYER = {1: "experiments/moe_layer/records/h200_ep1/2026-12-01_08-03.json", 2: "experiments/moe_layer/records/h200_ep2/2026-11-30_09-45.json"}
+MOE_LAYER = {1: "experiments/moe_layer/records/h200_ep1/2026-12-01_10-56.json", 2: "experiments/moe_layer/records/h200_ep2/2026-11-30_09-45.json"}
 
 
 @pytest.mark.parametrize("ep", [1, 2])
