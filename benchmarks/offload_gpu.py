@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
+from moe_lab.optim.offload.host import usable_host_bytes
 from moe_lab.results.record import git_state
 
 BASE = [
@@ -184,8 +184,7 @@ def main() -> None:
     start = time.time()
     free, total = torch.cuda.mem_get_info(0)
     args.gpu_gib = total / 2**30
-    memory = psutil.virtual_memory()
-    args.host_gib = (memory.available - memory.total // 20) / 2**30  # the reserve moe_lab.optim.offload.host keeps
+    args.host_gib = usable_host_bytes() / 2**30
     per_layer, outside = params_per_layer()
 
     record = json.loads(args.out.read_text()) if args.out.exists() else {"points": [], "search": {}, "environment": {}}

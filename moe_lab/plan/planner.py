@@ -21,6 +21,7 @@ from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.moe.fused.ops import ALIGN
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
+from moe_lab.optim.offload.host import HOST_RESERVE
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel.checkpointing import GENERIC_SAVED_OPS, FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
 from moe_lab.plan.hardware import GIB, Hardware
@@ -149,9 +150,6 @@ ALLOCATOR_SLACK = 0.025  # reserved but unallocated: the caching allocator's fra
 
 def usable_device_bytes(hw: Hardware) -> float:
     return (hw.hbm_gib - hw.context_gib) * GIB
-
-
-HOST_RESERVE = 0.05  # of a node's RAM, which offload's host check keeps free (``moe_lab.optim.offload.host``)
 
 
 def usable_host_bytes(hw: Hardware) -> float:

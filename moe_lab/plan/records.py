@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from moe_lab.metrics.flops import hardware_option
 from moe_lab.plan.config import compose
-from moe_lab.plan.planner import HOST_RESERVE, plan
+from moe_lab.optim.offload.host import HOST_RESERVE
+from moe_lab.plan.planner import plan
 
 
 def _hardware(gpu: str | None, world: int) -> list[str]:

@@ -12,17 +12,24 @@ import contextlib
 import psutil
 import torch
 
+HOST_RESERVE = 0.05  # of the host's RAM, kept free of offload's buffers (the planner plans with the same share)
+
+
+def usable_host_bytes() -> int:
+    """The host memory offload may take now: what is available less ``HOST_RESERVE`` of the total."""
+    memory = psutil.virtual_memory()
+    return memory.available - int(memory.total * HOST_RESERVE)
+
 
 def check_host_memory(nbytes: int, what: str) -> None:
     """Fail with ``torch.OutOfMemoryError`` (recorded as an ``oom`` point) when the host has not ``nbytes``
-    available, less a reserve of 5 % of its RAM, instead of leaving the kernel's OOM killer (or a crawl through
+    available, less ``HOST_RESERVE`` of its RAM, instead of leaving the kernel's OOM killer (or a crawl through
     reclaim at the very edge) to end the run later."""
-    memory = psutil.virtual_memory()
-    usable = memory.available - memory.total // 20
+    usable = usable_host_bytes()
     if nbytes > usable:
         raise torch.OutOfMemoryError(
             f"host memory: {what} needs {nbytes / 2**30:.1f} GiB, {usable / 2**30:.1f} GiB available "
-            f"(keeping 5 % of {memory.total / 2**30:.0f} GiB in reserve)"
+            f"(keeping {HOST_RESERVE:.0%} of {psutil.virtual_memory().total / 2**30:.0f} GiB in reserve)"
         )
 
 
