@@ -46,6 +46,22 @@ def test_grid_point_within_tolerance(record, sitting):
         assert planned["s_per_step"] == pytest.approx(measured["s_per_step"], rel=0.15)
 
 
+GRID_235B = ROOT / "experiments" / "grid_235b" / "records"
+
+
+@pytest.mark.parametrize("result", sorted(GRID_235B.glob("*/*/*/result.json")), ids=lambda p: str(p.parent.relative_to(GRID_235B)))
+def test_235b_point_within_tolerance(result):
+    """The 235B proxy (2 layers; one GPU so far), a shape the planner was not fitted on: s/step within 15 %. Memory is
+    planned high, by 10-16 % in the one-GPU sitting: the plan counts a layer's bf16 weight casts, their bf16
+    gradients and its fp32 gradients as present together through its backward, which at this layer's 2.5 B
+    parameters (4.6 GiB in bf16) they are not (experiments/plan/README.md); held here to that side, within 20 %."""
+    record = read(result)
+    assert record["status"] == "ok"
+    planned, measured = plan_record(record)["metrics"], record["metrics"]
+    assert planned["s_per_step"] == pytest.approx(measured["s_per_step"], rel=0.15)
+    assert measured["peak_gpu_mem_gib"] <= planned["peak_gpu_mem_gib"] <= 1.2 * measured["peak_gpu_mem_gib"]
+
+
 def skewed_points():
     for result in sorted((ROOT / "experiments" / "routing_skew" / "records").glob("*/*/*/result.json")):
         record = read(result)
