@@ -37,7 +37,8 @@ def kernel_layout(topk_ids, num_experts: int, align: int, group: dist.ProcessGro
     small ops: the host spends less time before the layer's sync (the GPU waits through it)."""
     rank = 0 if group is None else dist.get_rank(group)
     block_counts, block_cum = slot_counts(topk_ids, num_experts)
-    return layout_from_block_counts(topk_ids, block_counts, block_cum, gather_counts(block_cum[:, -1].contiguous(), group), rank, align)
+    all_counts = gather_counts(block_cum[:, -1].contiguous(), group)
+    return layout_from_block_counts(topk_ids, block_counts, block_cum, all_counts, rank, align)
 
 
 def slot_counts(topk_ids, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +79,9 @@ class _Gemms:
 
             self.dg = deep_gemm
             self.m_indices = torch.empty(row_src.numel(), dtype=torch.int32, device=offs.device)
-            kernels.row_experts_kernel[(triton.cdiv(row_src.numel(), LAYOUT_BLOCK),)](
-                self.m_indices, offs, row_src, row_src.numel(), offs.numel(), triton.next_power_of_2(offs.numel()), BLOCK=LAYOUT_BLOCK
+            rows, local = row_src.numel(), offs.numel()
+            kernels.row_experts_kernel[(triton.cdiv(rows, LAYOUT_BLOCK),)](
+                self.m_indices, offs, row_src, rows, local, triton.next_power_of_2(local), BLOCK=LAYOUT_BLOCK
             )
 
     def nt(self, a, w):

@@ -161,7 +161,8 @@ def block_expert_counts_kernel(ids_ptr, counts_ptr, num_slots, NUM_EXPERTS: tl.c
     ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1)
     experts = tl.arange(0, E_POW2)
     hits = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(counts_ptr + experts.to(tl.int64) * tl.num_programs(0) + tl.program_id(0), hits.to(tl.int64), mask=experts < NUM_EXPERTS)
+    column = experts.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(counts_ptr + column, hits.to(tl.int64), mask=experts < NUM_EXPERTS)
 
 
 @triton.jit
@@ -172,9 +173,10 @@ def slot_positions_kernel(
 ):
     """Each slot's row on its expert's owner, without a sort: the owner's segment start of the expert (segments
     padded to ``align``, from every rank's counts ``all_counts`` [EP, E]), plus the rows earlier source ranks put
-    there, plus the slots of this rank routed to the expert before it (earlier blocks: ``block_cum`` - ``block_counts``,
-    the inclusive per-block prefix less the block's own, both [E, blocks]; then earlier slots of its own block). Program 0 also stores
-    every owner's segment ends ``seg_end`` [EP * LOCAL] (int32). Rows fit int32: the pairwise tiles are int32."""
+    there, plus the slots of this rank routed to the expert before it (earlier blocks: ``block_cum`` -
+    ``block_counts``, the inclusive per-block prefix less the block's own, both [E, blocks]; then earlier slots of its
+    own block). Program 0 also stores every owner's segment ends ``seg_end`` [EP * LOCAL] (int32). Rows fit int32:
+    the pairwise tiles are int32."""
     experts = tl.arange(0, E_POW2)
     ranks = tl.arange(0, EP_POW2)
     in_range = (ranks[:, None] < EP) & (experts[None, :] < NUM_EXPERTS)
