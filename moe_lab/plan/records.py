@@ -11,8 +11,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from moe_lab.metrics.flops import hardware_option
-from moe_lab.plan.config import compose
 from moe_lab.optim.offload.host import HOST_RESERVE
+from moe_lab.plan.config import compose
 from moe_lab.plan.planner import plan
 
 

@@ -5,7 +5,8 @@ Forward, per rank: the routing layout (counts gathered device to device at EP > 
 where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's buffer); the owner pulls
 each routed row into its expert-contiguous, GEMM-aligned receive buffer (``gather_rows``); gate/up GEMM; SwiGLU with
 the routing weight folded in; down GEMM; each token sums its K rows from wherever they were computed (``combine``).
-Backward mirrors it: dy is pulled like x, dx and the routing-weight gradients are gathered like y.
+Backward mirrors it from forward's saved ``row_src`` (no second slot exchange): dy is pulled like x, dx and the
+routing-weight gradients are gathered like y.
 
 Every receive-side buffer (the routed rows, gate/up, the activations, the GEMM outputs, what is saved for backward)
 holds exactly this rank's received rows plus per-expert alignment. At EP > 1 the buffers that peers read or write
@@ -78,8 +79,8 @@ class _Gemms:
             import deep_gemm
 
             self.dg = deep_gemm
-            self.m_indices = torch.empty(row_src.numel(), dtype=torch.int32, device=offs.device)
             rows, local = row_src.numel(), offs.numel()
+            self.m_indices = torch.empty(rows, dtype=torch.int32, device=offs.device)
             kernels.row_experts_kernel[(triton.cdiv(rows, LAYOUT_BLOCK),)](
                 self.m_indices, offs, row_src, rows, local, triton.next_power_of_2(local), BLOCK=LAYOUT_BLOCK
             )
