@@ -62,7 +62,7 @@ def raw(path: str) -> dict:
 
 
 def _torchtitan_ac_settings() -> tuple[str, ...]:
-    spec = importlib.util.spec_from_file_location("torchtitan_baseline", ROOT / "benchmarks" / "torchtitan_baseline.py")
+    spec = importlib.util.spec_from_file_location("torchtitan_baseline", ROOT / "experiments" / "torchtitan_baseline" / "torchtitan_baseline.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return tuple(module.AC_SETTINGS)
@@ -72,7 +72,7 @@ TORCHTITAN_AC_SETTINGS = _torchtitan_ac_settings()  # every AC setting torchtita
 
 
 def titan_setting(point: dict) -> str:
-    """A torchtitan point's AC setting as benchmarks/torchtitan_baseline.py names it (none, full, op-selective,
+    """A torchtitan point's AC setting as experiments/torchtitan_baseline/torchtitan_baseline.py names it (none, full, op-selective,
     layer-selective); files written before it ran all four call op-level selective AC "selective"."""
     if point["ac"] != "selective":
         return point["ac"]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moe_lab.checkpoint import directory as ckpt_dir
-from moe_lab.models.checkpoint import SafetensorsWriter, published_tensors
+from moe_lab.models.hf_weights import SafetensorsWriter, published_tensors
 from moe_lab.optim.offload.full import MASTER
 
 log = logging.getLogger("moe_lab")

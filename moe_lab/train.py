@@ -1,5 +1,5 @@
-"""The Hydra entry point: compose -> validate -> hand over to the job (``moe_lab.job``), which trains
-(``moe_lab.trainer``) and records.
+"""The Hydra entry point: compose -> validate -> hand over to the job (``moe_lab.job.lifecycle``), which trains
+(``moe_lab.job.trainer``) and records.
 
     python -m moe_lab.train                                   # tiny model on CPU, about a minute
     python -m moe_lab.train model=qwen3_30b model.num_layers=4 data.seq_len=8192 trainer.nproc_per_node=2 parallel.ep=2
@@ -18,14 +18,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from moe_lab import config
-from moe_lab.job import run_job
-from moe_lab.launch.launcher import rank_hydra_overrides
+from moe_lab.job.lifecycle import run_job
+from moe_lab.job.launcher import rank_hydra_overrides
 from moe_lab.results.record import job_meta
+from moe_lab.runtime.paths import CONF_DIR
 
 config.register()
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN

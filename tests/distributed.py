@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_lab.launch.launcher import free_port
+from moe_lab.job.launcher import free_port
 
 
 def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue) -> None:

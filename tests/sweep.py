@@ -80,6 +80,6 @@ def _inject() -> None:
 
 if __name__ == "__main__":
     _inject()
-    # Run the entry point as `python -m moe_lab.train` would (Hydra finds moe_lab/conf/ relative to the main file); it binds
+    # Run the entry point as `python -m moe_lab.train` would (Hydra finds conf/ relative to the main file); it binds
     # the patched parallelize when it imports it.
     runpy.run_module("moe_lab.train", run_name="__main__", alter_sys=True)

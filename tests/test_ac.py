@@ -21,16 +21,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_lab import config
 from moe_lab.data.synthetic import SyntheticData
-from moe_lab.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from moe_lab.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.moe.router import Router
 from moe_lab.parallel import parallelize
-from moe_lab.parallel.checkpointing import SelectiveCheckpoint
+from moe_lab.parallel.ac import SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from tests.distributed import run_world
+from moe_lab.runtime.paths import CONF_DIR
 
-CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
+CONF = CONF_DIR
 MODES = ("none", "full", "selective")
 SEQ, GLOBAL_BATCH = 16, 4  # tokens per sample, samples per step over all ranks
 # Namespaces of the ops selective checkpointing must save rather than re-run: functional collectives and this

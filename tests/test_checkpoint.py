@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from moe_lab.models.checkpoint import INDEX, SINGLE, CheckpointError, load_hf_checkpoint, save_hf_checkpoint
+from moe_lab.models.hf_weights import INDEX, SINGLE, CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import TorchDispatcher
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
@@ -72,12 +72,12 @@ def test_unknown_tensors_are_named_in_a_warning_and_model_tensors_are_not(tmp_pa
     with torch.device("meta"):
         model = TINY.build()
     model.to_empty(device="cpu")
-    with caplog.at_level("WARNING", logger="moe_lab.models.checkpoint"):
+    with caplog.at_level("WARNING", logger="moe_lab.models.hf_weights"):
         load_hf_checkpoint(model, tmp_path)
     assert "model.layers.9.mlp.gate.weight, optimizer.exp_avg" in caplog.text
     caplog.clear()
     write_checkpoint(tmp_path / "published")  # per-expert names of every expert are model tensors
-    with caplog.at_level("WARNING", logger="moe_lab.models.checkpoint"):
+    with caplog.at_level("WARNING", logger="moe_lab.models.hf_weights"):
         load_hf_checkpoint(model, tmp_path / "published")
     assert caplog.text == ""
 

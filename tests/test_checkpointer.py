@@ -11,13 +11,14 @@ import shutil
 import pytest
 import torch
 
-from moe_lab import config, job
+from moe_lab import config
+from moe_lab.job import lifecycle as job
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.checkpoint.checkpointer import CheckpointMismatch
 from moe_lab.config import ConfigError
 from moe_lab.moe.router import Router
 from moe_lab.optim.schedule import warmup_cosine
-from moe_lab.trainer import build_checkpointer, build_model, train
+from moe_lab.job.trainer import build_checkpointer, build_model, train
 from tests.distributed import run_world
 from tests.test_offload import compose_train
 

@@ -20,11 +20,12 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from moe_lab import config
-from moe_lab.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from moe_lab.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.parallel import parallelize
 from tests.distributed import run_world
+from moe_lab.runtime.paths import CONF_DIR
 
-CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
+CONF = CONF_DIR
 LAYERS = 2  # the tiny model
 MODES = (("none", False), ("none", True), ("selective", True), ("full", True))  # (ac, compiled)
 
@@ -89,7 +90,7 @@ def train_all(dispatcher: str, checkpoint: str) -> dict:
 
 
 def config_model():
-    """The default (tiny) model's config, as moe_lab/conf/ composes it."""
+    """The default (tiny) model's config, as conf/ composes it."""
     config.register()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return instantiate(compose("train").model)
@@ -126,7 +127,7 @@ def test_compiled_loss_equals_eager():
     if reason := can_compile():
         pytest.skip(reason)
     from moe_lab.parallel import compile_loss
-    from moe_lab.trainer import lm_loss
+    from moe_lab.job.trainer import lm_loss
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 16, 300, generator=gen).to(torch.bfloat16).requires_grad_()

@@ -15,8 +15,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from moe_lab import config
 from moe_lab.config import ConfigError
+from moe_lab.runtime.paths import CONF_DIR
 
-CONF = Path(__file__).resolve().parents[1] / "moe_lab" / "conf"
+CONF = CONF_DIR
 # Groups are those of train.yaml's defaults list; their options are whatever yamls their folders hold.
 GROUPS = [
     group

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lab.models.checkpoint import save_hf_checkpoint
+from moe_lab.models.hf_weights import save_hf_checkpoint
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from moe_lab.runtime.paths import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 4
@@ -78,10 +79,10 @@ def _first_expert_rows(device_type: str, world: int) -> list[float]:
 
     from moe_lab import config
     from moe_lab.parallel.sharding import local_shard
-    from moe_lab.trainer import build_model
+    from moe_lab.job.trainer import build_model
 
     config.register()
-    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"parallel.ep={world}"])
     rank = torch.distributed.get_rank()
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")

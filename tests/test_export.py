@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 
 from moe_lab import config
 from moe_lab.checkpoint.checkpointer import Checkpointer
-from moe_lab.models.checkpoint import INDEX, CheckpointReader
+from moe_lab.models.hf_weights import INDEX, CheckpointReader
 from moe_lab.optim.schedule import warmup_cosine
-from moe_lab.trainer import build_model
+from moe_lab.job.trainer import build_model
 from tests.test_checkpointer import train_in_process
 from tests.test_offload import compose_train
 

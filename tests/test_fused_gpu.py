@@ -113,7 +113,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     fp32), so compiled and eager bf16 are each compared with fp32 rather than with each other."""
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
     from moe_lab.moe.router import Router
-    from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
+    from moe_lab.parallel.ac import FullCheckpoint, SelectiveCheckpoint
     from moe_lab.parallel.compile import apply_compile
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 

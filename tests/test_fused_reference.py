@@ -22,7 +22,7 @@ from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
 from moe_lab.moe.router import Router
-from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
+from moe_lab.parallel.ac import FullCheckpoint, SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel, keep_local_experts
 from tests.distributed import run_world
 from tests.fused_cases import ROUTINGS, buffer_rows, received_rows, routing, saved_shapes
@@ -171,7 +171,7 @@ def test_block_compiles_fullgraph_under_ac(ac, monkeypatch):
 def _validation_error(dispatcher) -> str | None:
     from omegaconf import OmegaConf
 
-    from moe_lab.config.errors import ConfigError
+    from moe_lab.runtime.errors import ConfigError
 
     cfg = OmegaConf.create({"trainer": {"device": "auto"}, "parallel": {"ep": 1}, "model": {"hidden_size": 64, "moe_intermediate_size": 32}})
     try:

@@ -1,7 +1,7 @@
 """Gradient accumulation (issue 18): batch B x accumulation A trains like batch A*B in one step.
 
 For every offload mode, at world 1 and at world 2 (FSDP2 + EP 2, gloo), the training loop's own micro-batch step
-(``moe_lab.trainer.accumulate_gradients`` with the loop's FSDP2 and offload calls) is compared with an independent
+(``moe_lab.job.trainer.accumulate_gradients`` with the loop's FSDP2 and offload calls) is compared with an independent
 reference: the unparallelised model and plain torch AdamW (for-loop kernel) on the step's whole batch in one
 backward. Per step: the loss, and the gradient each optimizer steps with (read by a step pre-hook on the torch
 optimizers it is made of: the model's, offload=optimizer's chunk optimizers' shards, offload=full's host step's
@@ -35,7 +35,7 @@ from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel import set_micro_batch
 from moe_lab.parallel.sharding import local_rows, local_shard
-from moe_lab.trainer import accumulate_gradients, build_model, lm_loss
+from moe_lab.job.trainer import accumulate_gradients, build_model, lm_loss
 from tests.distributed import run_world
 from tests.test_offload import SMALL_CHUNKS, compose_train
 
@@ -121,7 +121,7 @@ def accumulated_run(overrides: list[str]) -> dict:
         out = model(batch.inputs, batch.documents)
         return lm_loss(out.logits, batch.labels), out.router_stats
 
-    def before_micro_batch(final):  # what moe_lab.trainer.train does
+    def before_micro_batch(final):  # what moe_lab.job.trainer.train does
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
         options.offload.before_micro_batch(optimizer, final)
 

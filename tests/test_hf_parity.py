@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from moe_lab.models.checkpoint import INDEX, load_hf_checkpoint, save_hf_checkpoint
+from moe_lab.models.hf_weights import INDEX, load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from moe_lab.runtime.paths import CONF_DIR
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,7 +107,7 @@ def compose_model(*overrides: str):
     from tests.sweep import ROOT
 
     config.register()
-    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=list(overrides))
 
 

@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 
-from moe_lab.host_read import to_host
+from moe_lab.runtime.host_read import to_host
 
 
 def store_bytes_cases() -> list:
     """``store_bytes`` against ``copy_`` on CPU tensors (run under Triton's interpreter): sizes 0, 1, odd, about and
     past one block, several blocks; bytes past the destination untouched; a non-contiguous float tensor, a bool and
     a bf16 one in their shapes. The failing cases."""
-    from moe_lab.host_read_kernel import BLOCK, store_bytes
+    from moe_lab.runtime.host_read_kernel import BLOCK, store_bytes
 
     generator = torch.Generator().manual_seed(0)
     failing = []

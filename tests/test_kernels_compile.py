@@ -45,7 +45,7 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
         {"EP": 2, "NUM_EXPERTS": 128, "LOCAL": 64, "EP_POW2": 2, "E_POW2": 128, "BLOCK": 128}, 16),
     ("moe_lab.moe.fused.kernels", "row_experts_kernel"): (
         {"m_indices_ptr": "*i32", "offs_ptr": "*i32", "row_src_ptr": "*i64", "rows": "i32"}, {"LOCAL": 64, "L_POW2": 64, "BLOCK": 128}, 4),
-    ("moe_lab.host_read_kernel", "store_bytes_kernel"): (
+    ("moe_lab.runtime.host_read_kernel", "store_bytes_kernel"): (
         {"src_ptr": "*u8", "dst_address": "i64", "nbytes": "i64"}, {"BLOCK": 1024}, 4),
 }  # fmt: skip
 

@@ -16,8 +16,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from moe_lab import config
-from moe_lab.launch import launcher
+from moe_lab.job import launcher
 from moe_lab.results.table import load
+from moe_lab.runtime.paths import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.device=cpu"]
@@ -73,7 +74,7 @@ def slurm_cfg():
     GlobalHydra.instance().clear()
     config.register()
     overrides = ["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=h200", "hydra.launcher.timeout_min=90", "model=qwen3_30b", "parallel.ep=8"]
-    with initialize_config_dir(str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         yield compose("train", overrides=overrides, return_hydra_config=True)
     GlobalHydra.instance().clear()
 

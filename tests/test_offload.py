@@ -37,11 +37,12 @@ from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
-from moe_lab.trainer import build_model, train
+from moe_lab.job.trainer import build_model, train
 from tests.distributed import run_world
 from tests.test_schedule import expected_factor
+from moe_lab.runtime.paths import CONF_DIR
 
-CONF = str(Path(__file__).resolve().parents[1] / "moe_lab" / "conf")
+CONF = str(CONF_DIR)
 STEPS = 4
 # Several chunks and fewer transfer buffers than chunks, so chunking and buffer reuse are exercised.
 SMALL_CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
@@ -803,7 +804,7 @@ def test_collected_optimizer_ends_its_worker_and_frees_its_host_state():
 
 
 def test_each_sweep_point_reports_its_own_peak_host_memory():
-    from moe_lab.trainer import peak_host_rss_gib, reset_peak_host_rss
+    from moe_lab.job.trainer import peak_host_rss_gib, reset_peak_host_rss
 
     ballast = torch.ones(2**28, dtype=torch.uint8)  # 256 MiB touched
     del ballast

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tests.sweep import ROOT
 
-# What a source distribution of the project holds: the package, its build settings, the studies' presets.
-SOURCE = ["pyproject.toml", "README.md", "moe_lab", "experiments", "hydra_plugins"]
+# What a source distribution of the project holds: the package, its build settings, the config tree, the studies' presets.
+SOURCE = ["pyproject.toml", "README.md", "moe_lab", "conf", "experiments", "hydra_plugins"]
 IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "records")
 
 

@@ -263,7 +263,7 @@ MOE_LAYER = {1: "experiments/moe_layer/records/h200_ep1/2026-12-01_10-56.json", 
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_moe_layer_within_tolerance(ep):
-    """One MoE layer's forward + backward (benchmarks/moe_layer.py: the dispatcher and experts alone, 16,384 tokens
+    """One MoE layer's forward + backward (experiments/moe_layer/moe_layer.py: the dispatcher and experts alone, 16,384 tokens
     per GPU, balanced routing) against the plan's MoE part of a one-layer step, both shapes, both dispatchers: the
     grouped GEMMs' shape factor, the glue and the exchange, checked where they were not fitted (the 235B shape)."""
     from moe_lab.plan.step_time import moe_seconds

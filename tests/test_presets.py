@@ -1,5 +1,5 @@
 """Every preset under experiments/ composes through the package's config dir (the experiments:// search path of
-moe_lab/conf/train.yaml), validates at the scale it was written for, records which preset it is, and runs once: on
+conf/train.yaml), validates at the scale it was written for, records which preset it is, and runs once: on
 the tiny model, on CPU, for 2 steps, on one rank or on two gloo ranks with EP 2 where the preset shards experts."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from moe_lab import config
 from tests.sweep import ROOT
+from moe_lab.runtime.paths import CONF_DIR
 
 EXPERIMENTS = ROOT / "experiments"
 # +experiment=<name>: experiments/<name>.yaml (shared), <study>/preset.yaml, <study>/<variant>.yaml
@@ -52,7 +53,7 @@ def compose_preset(tokens):
         return compose("train", overrides=[f"+experiment={name}", *overrides, *path], return_hydra_config=True)
 
     config.register()
-    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield compose_it
 
 
@@ -82,7 +83,7 @@ def distinct_tiny_runs() -> list[str]:
     model, the sequence length) would run the same job, and each of them still composes and validates above."""
     config.register()
     runs, names = [], []
-    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for name in PRESETS:
             ranks = ranks_for(compose("train", overrides=[f"+experiment={name}", *TINY]))
             run = OmegaConf.to_container(compose("train", overrides=[f"+experiment={name}", *TINY, *ranks]))

@@ -17,9 +17,9 @@ from moe_lab.metrics.routing import ExpertLoad, describe
 from moe_lab.models.qwen3_moe import Documents, Qwen3MoeConfig
 from moe_lab.moe.dispatcher import FusedDispatcher
 from moe_lab.moe.router import AuxLoss, ExpertBias, Router, routing_stats, split_stats
-from moe_lab.parallel.checkpointing import FullCheckpoint, SelectiveCheckpoint
+from moe_lab.parallel.ac import FullCheckpoint, SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
-from moe_lab.trainer import train
+from moe_lab.job.trainer import train
 from tests.distributed import run_world
 from tests.test_offload import compose_train
 

@@ -20,6 +20,7 @@ from moe_lab.data.prepare import write_token_dir
 from moe_lab.data.tokens import TokenData
 from moe_lab.models.qwen3_moe import Documents, Qwen3MoeConfig
 from tests.sweep import ROOT
+from moe_lab.runtime.paths import CONF_DIR
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -240,7 +241,7 @@ def test_bad_token_configs_fail_naming_their_key(overrides, key, prepared, monke
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     config.register()
-    with initialize_config_dir(config_dir=str(ROOT / "moe_lab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["data=tokens", *(o.replace("OUT", str(prepared[2])) for o in overrides)])
     with pytest.raises(config.ConfigError) as e:
         config.validate(cfg)
@@ -253,7 +254,7 @@ def test_flex_document_mask_on_gpu_equals_documents_alone_and_compiles(ac, hf_ti
     """On a GPU the document mask is a FlexAttention block mask: eager (flex compiled on its own) it gives each
     document's own logits in fp32; blocks compiled with fullgraph=True under each AC mode give eager's logits and
     gradients in bf16, as trainer.compile=true runs them."""
-    from moe_lab.parallel.checkpointing import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
+    from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
     from moe_lab.parallel.compile import apply_compile
 
     model = hf_tiny_model.cuda()

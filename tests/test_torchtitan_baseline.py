@@ -1,4 +1,4 @@
-"""benchmarks/torchtitan_baseline.py on CPU: its log parser and summary, its tokenizer and dataset, and (where
+"""experiments/torchtitan_baseline/torchtitan_baseline.py on CPU: its log parser and summary, its tokenizer and dataset, and (where
 torchtitan 0.2.2 is installed) the proxy flavours, the argument list and the FLOP count against torchtitan's own."""
 
 import importlib.util
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "experiments" / "torchtitan_baseline"
 
 
 def _load(name):

@@ -1,7 +1,7 @@
 """The PCIe bound of offload=optimizer's state traffic: host -> device alone, device -> host alone, and both at once on
 two streams (the ring's loads and the new state going home overlap in backward), pinned host memory; and how long a
 4-byte read to the host takes issued right after a copy home on another stream, by the copy engine (``.item()``)
-and by ``moe_lab.host_read.to_host``'s kernel, as JSON.
+and by ``moe_lab.runtime.host_read.to_host``'s kernel, as JSON.
 
     python experiments/offload_accum/pcie_duplex.py --gib 2 --out records/<machine>_1gpu/<UTC>_pcie.json
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moe_lab.host_read import to_host
+from moe_lab.runtime.host_read import to_host
 
 
 def seconds(fn, repeats: int) -> float:

@@ -5,7 +5,7 @@
 #   bash experiments/real_routing/run.sh two_gpu   the same on 2 GPUs (dp_shard 2 x ep 2)
 # The GPU parts prepare the data first when it is missing. Overrides after the part narrow the sweep:
 #   bash experiments/real_routing/run.sh one_gpu dispatcher=fused model.routing=learned
-# On the GPU machines the prepare step needs the `datasets` wheel (benchmarks/fetch_wheels.sh; transformers and
+# On the GPU machines the prepare step needs the `datasets` wheel (scripts/fetch_wheels.sh; transformers and
 # tokenizers are in their image). Records: records/<machine>_1gpu|2gpu/<UTC start>/ (see ../common.sh).
 source "$(dirname "$0")/../common.sh"
 DATA=experiments/real_routing/data/shakespeare

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# torchtitan 0.2.2 on grid_30b's and grid_235b's proxies (benchmarks/torchtitan_baseline.py) in each of its AC
+# torchtitan 0.2.2 on grid_30b's and grid_235b's proxies (experiments/torchtitan_baseline/torchtitan_baseline.py) in each of its AC
 # settings (none, full, op-selective, layer-selective every 2nd block), one part per 10-minute device call:
 #   bash experiments/torchtitan_baseline/run.sh one_gpu|two_gpu|seq8192   30B, 4 layers: 1 GPU, 2 GPUs, 2 GPUs at seq 8192
 #   bash experiments/torchtitan_baseline/run.sh one_gpu_235b|two_gpu_235b 235B, 2 layers: 1 GPU, 2 GPUs
 #   bash experiments/torchtitan_baseline/run.sh four_gpu|four_gpu_235b   4 GPUs (nvidia-h200-x4): 30B and 235B, 4 layers
-# torchtitan and its wheels must be importable (bash benchmarks/fetch_wheels.sh, docs/performance.md "Reproduce").
+# torchtitan and its wheels must be importable (bash scripts/fetch_wheels.sh, docs/performance.md "Reproduce").
 # Each job gets its own timeout (a job past it is recorded as `timeout` and the next one starts); the part's own
 # timeout, above the jobs' sum, only guards the asset building. Records: records/<machine>_<part's label>/<UTC
 # start>.json (see ../common.sh).
@@ -12,7 +12,7 @@ source "$(dirname "$0")/../common.sh"
 settings() { local gpus=$1 ac points=(); for ac in none full op-selective layer-selective; do points+=("$gpus:$ac"); done; (IFS=,; echo "${points[*]}"); }
 baseline() {  # baseline LABEL SEQ GPUS JOB_TIMEOUT [ARGS...]
   out=$(record "$1").json
-  timeout $((4 * $4 + 40)) python3 benchmarks/torchtitan_baseline.py --seq-lens "$2" --points "$(settings "$3")" \
+  timeout $((4 * $4 + 40)) python3 experiments/torchtitan_baseline/torchtitan_baseline.py --seq-lens "$2" --points "$(settings "$3")" \
     --timeout "$4" --out "$out" "${@:5}"
 }
 case "${1:-}" in

@@ -1,6 +1,6 @@
 """Hydra config source serving the studies in ``experiments/`` as the ``experiment`` group.
 
-``moe_lab/conf/train.yaml`` puts ``experiments://moe_lab`` on the search path; this source then answers
+``conf/train.yaml`` puts ``experiments://moe_lab`` on the search path; this source then answers
 
     experiment/<study>.yaml            from experiments/<study>/preset.yaml   (+experiment=grid_30b)
     experiment/<study>/<variant>.yaml  from experiments/<study>/<variant>.yaml (+experiment=grid_30b/seq8192)

@@ -1,4 +1,4 @@
-from moe_lab.config.errors import ConfigError
+from moe_lab.runtime.errors import ConfigError
 from moe_lab.config.help import register_help
 from moe_lab.config.options import Options, build_options
 from moe_lab.config.schema import register

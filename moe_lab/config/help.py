@@ -12,10 +12,9 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_object
 
+from moe_lab.runtime.paths import CONF_DIR, EXPERIMENTS_DIR
 from moe_lab.config.schema import GROUPS, ParallelConfig, ProfileConfig, TrainerConfig
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"  # the studies (a link to the checkout's experiments/)
 SECTIONS = {"trainer": TrainerConfig, "parallel": ParallelConfig, "profile": ProfileConfig}
 
 
@@ -54,10 +53,10 @@ def help_text() -> str:
         lines.append(f"{group}: {what}")
         lines += [f"    {p.stem:<12} {option_line(p)}" for p in options]
     lines += ["", "== Study presets (+experiment=NAME; experiments/<study>/README.md says what each answers) =="]
-    presets = sorted(EXPERIMENTS.glob("*/preset.yaml")) + sorted(EXPERIMENTS.glob("*.yaml"))
-    presets += sorted(p for p in EXPERIMENTS.glob("*/*.yaml") if p.name != "preset.yaml")
+    presets = sorted(EXPERIMENTS_DIR.glob("*/preset.yaml")) + sorted(EXPERIMENTS_DIR.glob("*.yaml"))
+    presets += sorted(p for p in EXPERIMENTS_DIR.glob("*/*.yaml") if p.name != "preset.yaml")
     for path in presets:
-        name = path.parent.name if path.name == "preset.yaml" else path.relative_to(EXPERIMENTS).with_suffix("").as_posix()
+        name = path.parent.name if path.name == "preset.yaml" else path.relative_to(EXPERIMENTS_DIR).with_suffix("").as_posix()
         lines.append(f"    {name:<24} {option_line(path)}")
     lines += ["", "== Keys (key=value; the default shown) =="]
     for section, schema in SECTIONS.items():

@@ -10,7 +10,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from moe_lab.config.errors import ConfigError
+from moe_lab.runtime.errors import ConfigError
 
 
 @dataclass

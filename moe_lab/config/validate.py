@@ -24,9 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moe_lab.checkpoint import directory as checkpoint_directory
-from moe_lab.config.errors import ConfigError
+from moe_lab.runtime.errors import ConfigError
 from moe_lab.config.options import Options, build_options
-from moe_lab.config.runtime import world_size
+from moe_lab.runtime.device import world_size
 from moe_lab.config.schema import GROUPS, TrainConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -248,7 +248,7 @@ def check_init_checkpoint(path, model: DictConfig) -> None:
     contradict it (shape-preserving differences such as rope_theta would otherwise load into another model)."""
     if path is None:
         return
-    from moe_lab.models.checkpoint import INDEX, SINGLE  # (moe_lab.models imports this package's errors)
+    from moe_lab.models.hf_weights import INDEX, SINGLE  # (moe_lab.models imports this package's errors)
     from moe_lab.models.hf_config import CONFIG, check_agrees
 
     _require(

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from moe_lab.config.errors import ConfigError
+from moe_lab.runtime.errors import ConfigError
 from moe_lab.data.batch import Batch
 
 

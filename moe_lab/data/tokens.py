@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_lab.config.errors import ConfigError
+from moe_lab.runtime.errors import ConfigError
 from moe_lab.data.batch import Batch
 from moe_lab.models.qwen3_moe import Documents
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 import yaml
 
+from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
 
 # The hardware group's option of a GPU, by a fragment of its name: its yaml holds the GPU's dense bf16 peak
 # (vendor datasheet, no sparsity), which MFU divides by here and the planner (moe_lab.plan) plans with.
 HARDWARE_OF_GPU = {"H200": "h200", "H100": "h100", "B200": "b200", "B300": "b300"}
-HARDWARE_CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+HARDWARE_CONF = CONF_DIR / "hardware"
 
 
 def hardware_option(gpu_name: str | None) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_lab.host_read import to_host
+from moe_lab.runtime.host_read import to_host
 from moe_lab.moe.router import split_stats
 
 

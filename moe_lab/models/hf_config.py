@@ -1,4 +1,4 @@
-"""A Hugging Face Qwen3-MoE ``config.json`` in this project's model keys (``moe_lab/conf/model/*.yaml``), and the check
+"""A Hugging Face Qwen3-MoE ``config.json`` in this project's model keys (``conf/model/*.yaml``), and the check
 that a model config does not contradict one. Plain Python (json only): validation reads it before anything is built.
 
 Both spellings transformers has written are read: ``num_experts`` (transformers 4) or ``num_local_experts`` (5),
@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from moe_lab.config.errors import ConfigError
+from moe_lab.runtime.errors import ConfigError
 
 CONFIG = "config.json"
 # The keys that define what the model computes: a config that differs in one of them is another model, even where

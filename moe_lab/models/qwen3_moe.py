@@ -32,17 +32,18 @@ from moe_lab.models.init import fill_normal_rows
 from moe_lab.moe.dispatcher import TokenDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
 from moe_lab.moe.router import AuxLoss, ExpertBias, NoBalance, Router, RouterBalance
+from moe_lab.runtime.paths import CONF_DIR
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
+MODEL_CONFIGS = CONF_DIR / "model"
 
 
 @dataclass
 class Qwen3MoeConfig:
     """Shape of a Qwen3-MoE model; ``num_layers`` below the published depth builds a proxy with the same layers.
-    No field has a default: the values live once, in the ``model`` group's files (moe_lab/conf/model/*.yaml), which
+    No field has a default: the values live once, in the ``model`` group's files (conf/model/*.yaml), which
     ``preset`` reads outside Hydra."""
 
     name: str
@@ -95,7 +96,7 @@ class Qwen3MoeConfig:
 @dataclass
 class HfQwen3MoeConfig(Qwen3MoeConfig):
     """``model=hf``: the shape of a Hugging Face Qwen3-MoE checkpoint, read from ``path``/config.json by the option's
-    interpolations (``moe_lab/conf/model/hf.yaml``). A value set by an override that contradicts the file (any key
+    interpolations (``conf/model/hf.yaml``). A value set by an override that contradicts the file (any key
     of ``moe_lab.models.hf_config.ARCHITECTURE``) is refused, naming the key; ``num_layers`` may cut a proxy."""
 
     path: str

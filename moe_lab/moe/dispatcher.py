@@ -7,7 +7,7 @@ returns y[t] = sum_k w[t, k] * Expert_{id[t, k]}(x[t]), each expert evaluated on
 takes weights, never a module.
 
 Each class declares ``saved_ops``: the ops whose outputs ac=selective keeps, so that recompute never re-routes or
-re-communicates (``moe_lab.parallel.checkpointing``); and ``validate(cfg)`` rejects configurations it cannot run
+re-communicates (``moe_lab.parallel.ac``); and ``validate(cfg)`` rejects configurations it cannot run
 before anything is built.
 """
 
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from moe_lab.config.errors import ConfigError
-from moe_lab.config.runtime import computes_in_bf16, runs_on_cuda
-from moe_lab.host_read import to_host
+from moe_lab.runtime.errors import ConfigError
+from moe_lab.runtime.device import computes_in_bf16, runs_on_cuda
+from moe_lab.runtime.host_read import to_host
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 from moe_lab.moe.experts import compute_dtype, grouped_swiglu

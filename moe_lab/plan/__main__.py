@@ -27,6 +27,7 @@ from moe_lab.config import ConfigError
 from moe_lab.plan import config as plan_config
 from moe_lab.plan.planner import build_hardware, plan
 from moe_lab.results.record import RESULT, git_state, job_meta, point_config, write_json_atomic
+from moe_lab.runtime.paths import CONF_DIR
 
 log = logging.getLogger("moe_lab.plan")
 plan_config.register()
@@ -75,7 +76,7 @@ def summary(record: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")
 def main(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     return run(cfg, Path(hc.runtime.output_dir), job_meta(hc), multirun=hc.mode == RunMode.MULTIRUN)

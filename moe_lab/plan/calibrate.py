@@ -8,7 +8,7 @@ after the GPU, else h200); each ``*_efficiency`` is a measured rate over its pea
 base's value, and the file's header says which were. Without a GPU it runs the same code at tiny sizes on the CPU
 (``--size tiny``, the default there), which checks the program, not the machine.
 
-    python -m moe_lab.plan.calibrate --out moe_lab/conf/hardware/h200_measured.yaml          # one GPU
+    python -m moe_lab.plan.calibrate --out conf/hardware/h200_measured.yaml          # one GPU
     torchrun --nproc-per-node 2 -m moe_lab.plan.calibrate --out /tmp/h200x2.yaml              # + all-to-all
 """
 
@@ -106,7 +106,7 @@ def host_adamw_params_per_s(s) -> float:
 
 
 def host_memory_bytes_per_s(s) -> float:
-    """The host's memory bandwidth as benchmarks/host_optimizer.py takes its ceiling: the faster of two in-place
+    """The host's memory bandwidth as experiments/host_optimizer/host_optimizer.py takes its ceiling: the faster of two in-place
     streaming kernels (a scale, 8 bytes per element, and an add, 12), over tensors of the host step's size on torch's
     threads (as ``host_adamw_params_per_s``), so that the host step's share of it is taken like for like."""
     numel = s["adamw"]

@@ -1,5 +1,5 @@
-"""The planner's config: train's (``moe_lab/conf/train.yaml``: every group, preset and key ``moe_lab.train`` takes)
-plus the ``hardware`` group (``moe_lab/conf/hardware/``), which train's schema does not have. Stored as the primary
+"""The planner's config: train's (``conf/train.yaml``: every group, preset and key ``moe_lab.train`` takes)
+plus the ``hardware`` group (``conf/hardware/``), which train's schema does not have. Stored as the primary
 config ``plan`` from train.yaml's own defaults list, so the two never drift apart."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hydra.core.config_store import ConfigStore
 
 from moe_lab import config
 from moe_lab.config.schema import TrainConfig
+from moe_lab.runtime.paths import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DEFAULT_HARDWARE = "h200"
 
 

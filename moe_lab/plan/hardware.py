@@ -18,7 +18,7 @@ from typing import Optional
 
 import yaml
 
-from moe_lab.config.errors import ConfigError
+from moe_lab.runtime.errors import ConfigError
 
 GIB = 2**30
 

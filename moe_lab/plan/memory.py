@@ -12,7 +12,7 @@ Memory outside the caching allocator (the fused dispatcher's symmetric workspace
 not count towards that peak but does towards what fits.
 
 Activations follow the code: ac=full keeps each block's input; ac=selective keeps the outputs of the ops
-``moe_lab.parallel.checkpointing.GENERIC_SAVED_OPS`` and the router's and dispatcher's ``saved_ops`` name (the planner
+``moe_lab.parallel.ac.GENERIC_SAVED_OPS`` and the router's and dispatcher's ``saved_ops`` name (the planner
 reads those declarations, so a dispatcher that saves more or less is planned as it is); ac=none keeps those and the
 elementwise outputs backward reads too.
 """

@@ -23,7 +23,7 @@ from moe_lab.moe.router import Router
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.offload.host import HOST_RESERVE
 from moe_lab.optim.optimizers import SignSGD
-from moe_lab.parallel.checkpointing import GENERIC_SAVED_OPS, FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
+from moe_lab.parallel.ac import GENERIC_SAVED_OPS, FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.memory import Step, plan_memory
 from moe_lab.plan.shapes import Mesh, Shapes

@@ -87,7 +87,7 @@ ADAMW_FUSED = "8ae07e6"
 
 
 def depth_search_plans(record: dict) -> dict[str, int]:
-    """The deepest proxy the planner fits per mode for an offload depth search (``benchmarks/offload_gpu.py``'s
+    """The deepest proxy the planner fits per mode for an offload depth search (``experiments/offload_depth/offload_gpu.py``'s
     record): each mode's 4-layer command planned on the record's GPU and on the host the search saw (its total, and
     in use whatever leaves the search's available memory; without the total, the GPU's hardware profile)."""
     env = next(iter(record["environment"].values()))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_lab.host_read import to_host
+from moe_lab.runtime.host_read import to_host
 
 
 @dataclass

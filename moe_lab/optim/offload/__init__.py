@@ -27,8 +27,8 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig
 
-from moe_lab.config.errors import ConfigError
-from moe_lab.config.runtime import runs_on_cuda
+from moe_lab.runtime.errors import ConfigError
+from moe_lab.runtime.device import runs_on_cuda
 from moe_lab.optim.offload import numa
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
@@ -119,7 +119,7 @@ class FullOffload:
     sysfs topology fails validation. A CPU-only run has no GPU and so no node: it keeps the process's affinity.
     The host step runs on ``threads`` CPU threads; by default one fewer than the rank has CPUs, leaving one to the
     training thread: with every CPU in the step, each of its parallel regions waits for whichever thread the training
-    thread has just displaced (``benchmarks/host_optimizer.py``, case ``full_chunk_adamw_beside_busy_thread``).
+    thread has just displaced (``experiments/host_optimizer/host_optimizer.py``, case ``full_chunk_adamw_beside_busy_thread``).
 
     chunk_mib: fp32 master bytes per chunk (a chunk steps as soon as all its gradients are in); max_inflight:
     pinned transfer buffers, each one chunk; timeout_s: how long backward or step() waits for the CPU worker

@@ -32,7 +32,7 @@ from moe_lab.optim.optimizers import SignSGD
 # How soon Python hands its GIL to a thread that waits for it (its default is 5 ms). The worker comes back to Python
 # after each master's kernel call and then queues the new weights' copies, a few small calls per parameter, each of
 # which needs the GIL; beside a thread that runs Python (in backward the compiled blocks' wrappers and the hooks)
-# each may wait the whole interval. ``benchmarks/host_optimizer.py``'s ``full_chunk_adamw_beside_python_thread``
+# each may wait the whole interval. ``experiments/host_optimizer/host_optimizer.py``'s ``full_chunk_adamw_beside_python_thread``
 # rows measure the host step beside such a thread at this interval and at the default.
 HOST_STEP_SWITCH_INTERVAL_S = 1e-4
 

@@ -2,7 +2,7 @@
 
 Same proxy as moe_lab's runs: torchtitan's own Qwen3-30B-A3B (``--flavour 235B-A22B``: Qwen3-235B-A22B) with
 ``--layers`` layers (a flavour added at run time by
-benchmarks/torchtitan_proxy.py), one packed sample of ``seq`` tokens per GPU, forced balanced routing
+experiments/torchtitan_baseline/torchtitan_proxy.py), one packed sample of ``seq`` tokens per GPU, forced balanced routing
 (``debug.moe_force_load_balance``), compile on, FSDP2 over all GPUs with EP over all GPUs (EP2 on two), in each of
 torchtitan's activation-checkpointing settings (``AC_SETTINGS``: none, full, op-level selective and its default
 layer-level selective, every 2nd block; its ``memory_budget`` mode, a compiler partitioner knob with a budget to
@@ -22,14 +22,14 @@ shapes, so ratios to moe_lab's results use identical FLOP counts; torchtitan's o
 ``mfu_torchtitan`` to cross-check), and peak GPU memory as torchtitan logs it: ``max_reserved`` of the caching
 allocator (moe_lab reports ``max_memory_allocated``, which is lower or equal).
 
-Device command (nvidia-h200-x2; rebuild .whl/ first with ``bash benchmarks/fetch_wheels.sh``), one call per
+Device command (nvidia-h200-x2; rebuild .whl/ first with ``bash scripts/fetch_wheels.sh``), one call per
 sequence length, so that each call stays inside the 10-minute limit (a job's length is unmeasured yet: model build
 and compile come before its 12 steps; ``--timeout`` cuts a job at 270 s)::
 
     run(kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600, command="python3 -m pip install -q --no-index --no-deps
       --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1;
-      python3 benchmarks/torchtitan_baseline.py --seq-lens 16384 --out $OUT/torchtitan_h200_seq16384.json")
+      python3 experiments/torchtitan_baseline/torchtitan_baseline.py --seq-lens 16384 --out $OUT/torchtitan_h200_seq16384.json")
 
 then the same with ``--seq-lens 8192`` (``bash experiments/torchtitan_baseline/run.sh one_gpu|two_gpu|seq8192`` runs
 the study's points into its records/, a part per call). The full default grid (seq 16384 and 8192 x 1 GPU and 2 GPUs
@@ -59,7 +59,7 @@ from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.results.record import git_state
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent
 # torchtitan's base flavour -> moe_lab's model conf with the same shapes (for the shared FLOP count)
 MOE_LAB_MODEL = {"30B-A3B": "qwen3_30b", "235B-A22B": "qwen3_235b"}
 # torchtitan's MetricsProcessor.log console line, colours off:
@@ -227,7 +227,7 @@ def main() -> None:
     data = build_dataset(args.work_dir / "data", vocab_size, max_tokens)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
         "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(args.work_dir / "hf"),
         "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONUNBUFFERED": "1",
     }  # fmt: skip

@@ -1,7 +1,7 @@
 """Offload modes on one GPU, on a Qwen3-30B-A3B proxy (seq 4096, batch 1, balanced routing, full AC).
 
-    python benchmarks/offload_gpu.py --phase compare --out /tmp/offload_gpu.json
-    python benchmarks/offload_gpu.py --phase search --out /tmp/offload_gpu.json --budget-s 200
+    python experiments/offload_depth/offload_gpu.py --phase compare --out /tmp/offload_gpu.json
+    python experiments/offload_depth/offload_gpu.py --phase search --out /tmp/offload_gpu.json --budget-s 200
     bash experiments/offload_depth/run.sh          # the study's search, resumed from its latest record
 
 ``compare``: offload=none|optimizer|full side by side at ``--layers`` layers: s/step (median after the first
@@ -197,7 +197,7 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **git_state(),
-        "command": "python benchmarks/offload_gpu.py " + " ".join(sys.argv[1:]),
+        "command": "python experiments/offload_depth/offload_gpu.py " + " ".join(sys.argv[1:]),
         "base_overrides": BASE,
         "params_per_layer": per_layer,
         "params_outside_layers": outside,

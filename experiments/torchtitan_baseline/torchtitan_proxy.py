@@ -1,7 +1,7 @@
-"""Layer-count proxies of torchtitan's Qwen3-MoE flavours, for the torchtitan baseline (benchmarks/torchtitan_baseline.py).
+"""Layer-count proxies of torchtitan's Qwen3-MoE flavours, for the torchtitan baseline (experiments/torchtitan_baseline/torchtitan_baseline.py).
 
 torchtitan 0.2.2's qwen3 flavours fix n_layers. Its trainer imports this module through
-``--experimental.custom_import torchtitan_proxy`` (with benchmarks/ on PYTHONPATH) before it looks the flavour up,
+``--experimental.custom_import torchtitan_proxy`` (with its folder on PYTHONPATH) before it looks the flavour up,
 and the qwen3 TrainSpec reads flavours from the very dict extended here, so ``--model.flavor 30B-A3B-4L`` is torchtitan's
 own "30B-A3B" with 4 layers and nothing else changed.
 """

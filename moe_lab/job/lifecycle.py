@@ -34,13 +34,13 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from moe_lab import config
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config import ConfigError, Options
-from moe_lab.config.runtime import runs_on_cuda
-from moe_lab.interrupt import Interrupted, StopRequest
-from moe_lab.launch.launcher import adopt_slurm_environment, launch_local, shared_run_dir, started_by_outer_launcher
+from moe_lab.runtime.device import runs_on_cuda
+from moe_lab.job.interrupt import Interrupted, StopRequest
+from moe_lab.job.launcher import adopt_slurm_environment, launch_local, shared_run_dir, started_by_outer_launcher
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.results.record import RESULT, environment, failure, point_config, read_result, write_json_atomic
-from moe_lab.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
+from moe_lab.job.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
 
 log = logging.getLogger("moe_lab")
 

@@ -22,7 +22,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     pinned buffer (``host_read_kernel``, which imports Triton: only a CUDA run needs it), not by the copy engine."""
     if not t.is_cuda:
         return t.cpu()
-    from moe_lab.host_read_kernel import store_bytes
+    from moe_lab.runtime.host_read_kernel import store_bytes
 
     nbytes = t.numel() * t.element_size()
     with _staging_lock, torch.cuda.device(t.device):  # Triton launches on the current device

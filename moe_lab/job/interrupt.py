@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from moe_lab.host_read import to_host
+from moe_lab.runtime.host_read import to_host
 
 log = logging.getLogger("moe_lab")
 

@@ -1,8 +1,8 @@
 """MoE layer forward+backward on GPU: torch dispatcher vs fused dispatcher, at Qwen3-30B-A3B and Qwen3-235B-A22B
 expert shapes (128 experts, top-8), several token counts per GPU, balanced and skewed routing.
 
-    python benchmarks/moe_layer.py --out /tmp/moe_layer_ep1.json                         # EP=1, one GPU
-    torchrun --nproc_per_node 2 benchmarks/moe_layer.py --out /tmp/moe_layer_ep2.json    # EP=2
+    python experiments/moe_layer/moe_layer.py --out /tmp/moe_layer_ep1.json                         # EP=1, one GPU
+    torchrun --nproc_per_node 2 experiments/moe_layer/moe_layer.py --out /tmp/moe_layer_ep2.json    # EP=2
     bash experiments/moe_layer/run.sh ep1|ep2                    # the study's runs, into its records/
 
 Writes one JSON file: per point the median ms of forward+backward (CUDA events, max over ranks), TFLOP/s (FLOPs
@@ -158,7 +158,7 @@ def main():
 
     if rank == 0:
         record = {
-            "command": "benchmarks/moe_layer.py " + " ".join(f"--{k}={v}" for k, v in vars(args).items()),
+            "command": "experiments/moe_layer/moe_layer.py " + " ".join(f"--{k}={v}" for k, v in vars(args).items()),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **git_state(),
             "gpu": torch.cuda.get_device_name(),

@@ -27,14 +27,14 @@ from tqdm import tqdm
 
 from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
 from moe_lab.config import Options
-from moe_lab.config.runtime import computes_in_bf16
-from moe_lab.host_read import to_host
-from moe_lab.interrupt import Interrupted, StopRequest
+from moe_lab.runtime.device import computes_in_bf16
+from moe_lab.runtime.host_read import to_host
+from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.routing import ExpertLoad
 from moe_lab.metrics.trace import StepProfiler
-from moe_lab.models.checkpoint import load_hf_checkpoint
+from moe_lab.models.hf_weights import load_hf_checkpoint
 from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel import compile_loss, parallelize, set_micro_batch

@@ -1,7 +1,7 @@
 """Host optimizer step (full offload's CPU work) against the host's memory bandwidth.
 
-    python benchmarks/host_optimizer.py                     # writes experiments/host_optimizer/records/<host>/<UTC time>.json
-    python benchmarks/host_optimizer.py --numel 16777216 --out /tmp/x.json
+    python experiments/host_optimizer/host_optimizer.py                     # writes experiments/host_optimizer/records/<host>/<UTC time>.json
+    python experiments/host_optimizer/host_optimizer.py --numel 16777216 --out /tmp/x.json
 
 For each thread count (1, half, all but one, all of this process's CPUs) it times:
 - the bandwidth ceiling: the best of two in-place streaming kernels over large fp32 tensors, ``a.mul_(s)``
@@ -188,7 +188,7 @@ def main() -> None:
 
     host = platform.node()
     record = {
-        "command": "python benchmarks/host_optimizer.py " + " ".join(sys.argv[1:]),
+        "command": "python experiments/host_optimizer/host_optimizer.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **git_state(),
         "host": host,

@@ -1,4 +1,4 @@
-"""The kernel behind ``moe_lab.host_read.to_host``: a tensor's bytes stored at a host address.
+"""The kernel behind ``moe_lab.runtime.host_read.to_host``: a tensor's bytes stored at a host address.
 
 CUDA maps memory from cudaHostAlloc (torch's pinned memory) into every device's address space at the host's
 address in a process with unified addressing, as every 64-bit one has (CUDA Runtime API, "Unified Addressing":

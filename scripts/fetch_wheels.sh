@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds .whl/ (git-ignored): every wheel the offline GPU machines (Python 3.12, x86-64, torch 2.11 image; package
-# list in the device KINDS.md) lack, for moe_lab and for the torchtitan baseline (benchmarks/torchtitan_baseline.py).
+# list in the device KINDS.md) lack, for moe_lab and for the torchtitan baseline (experiments/torchtitan_baseline/torchtitan_baseline.py).
 # On the device: carry=[".whl"] and start the command with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
 # Versions are pinned (one version of each: two stop the --no-deps install). About 10 MiB in all, well under the

@@ -3,7 +3,7 @@
 # 10-minute device call. Each phase runs studies' experiments/<study>/run.sh: their records land in the studies'
 # records/ folders and, with OUT_DIR, also as OUT_DIR/<study>-<stamp>.tgz (unpack each with `tar -xzf` in the
 # checkout's root, then regenerate the docs' tables with `python experiments/doc_tables.py`).
-#   bash benchmarks/performance_suite.sh PHASE [OUT_DIR]
+#   bash experiments/performance_suite.sh PHASE [OUT_DIR]
 #   two_gpu          grid_30b two_gpu
 #   torchtitan       torchtitan_baseline two_gpu (its four AC settings)
 #   one_gpu          grid_30b one_gpu on GPU 0 while GPU 1 runs torchtitan_baseline one_gpu
