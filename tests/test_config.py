@@ -11,6 +11,8 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
+from hydra.utils import get_object
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_lab import config
@@ -100,8 +102,28 @@ def test_every_combination_composes_and_validates(choice):
 
 @pytest.mark.parametrize("choice", SINGLE_OPTIONS, ids=lambda c: ",".join(f"{g}={o}" for g, o in c.items()))
 def test_every_option_validates_at_world2_ep2(choice):
-    cfg = compose_train([f"{g}={o}" for g, o in choice.items()] + ["trainer.nproc_per_node=2", "parallel.ep=2"])
-    config.validate(cfg)
+    """At world 2, EP 2, validation hands back the option its yaml names, built with the yaml's values."""
+    ((group, option),) = choice.items()
+    cfg = compose_train([f"{group}={option}", "trainer.nproc_per_node=2", "parallel.ep=2"])
+    built = getattr(config.validate(cfg), OPTION_FIELD.get(group, group))
+    values = OmegaConf.to_container(cfg[group], resolve=True)
+    cls = get_object(values.pop("_target_"))
+    if values.pop("_partial_", False):  # the optimizer: a factory over the parameters
+        built = built([torch.nn.Parameter(torch.zeros(1))])
+        assert isinstance(built, cls) and {k: built.defaults[k] for k in values} == {k: _as(built.defaults[k], v) for k, v in values.items()}
+        return
+    assert type(built) is cls
+    kept = {k: v for k, v in values.items() if hasattr(built, k)}  # the keys the option keeps as attributes
+    assert {k: getattr(built, k) for k in kept} == {k: _as(getattr(built, k), v) for k, v in kept.items()}
+    assert kept or not values, f"{group}={option} keeps none of its keys {sorted(values)}"
+
+
+OPTION_FIELD = {"optimizer": "make_optimizer"}  # the Options field of a group named otherwise
+
+
+def _as(built, value):
+    """A yaml value as the option keeps it (a list as a tuple, a path as a Path)."""
+    return type(built)(value) if isinstance(built, (tuple, Path)) else value
 
 
 # (overrides, extra environment, key the message must name)
@@ -125,8 +147,8 @@ BAD = [
     (["model.num_experts_per_tok=9"], {}, "model.num_experts_per_tok"),
     (["data.seq_len=4096"], {}, "data.seq_len"),
     (["model=qwen3_30b", "data.seq_len=65536"], {}, "data.seq_len"),
-    (["trainer.nproc_per_node=2", "parallel.dp_shard=4"], {}, "parallel.dp_shard"),
-    (["parallel.dp_shard=2"], {"WORLD_SIZE": "4"}, "parallel.dp_shard"),  # under an outer torchrun
+    (["parallel.dp_shard=2"], {}, "parallel.dp_shard"),  # no such key: FSDP2 shards the dense weights over all ranks
+    (["parallel.ep=8"], {"WORLD_SIZE": "4"}, "parallel.ep"),  # under an outer torchrun: its world, not nproc_per_node
     (["trainer.steps=abc"], {}, "trainer.steps"),
     (["trainer.dry_run=maybe"], {}, "trainer.dry_run"),
     (["model.num_experts=abc"], {}, "model.num_experts"),

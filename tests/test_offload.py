@@ -654,10 +654,31 @@ def test_rules_fail_with_their_key(overrides, key):
     assert e.value.key == key and key in str(e.value)
 
 
-def test_full_offload_accepts_its_optimizers_with_clipping_off():
-    for optimizer in ("adamw", "signsgd"):
-        config.validate(compose_train(["offload=full", f"optimizer={optimizer}"]))
-    config.validate(compose_train(["offload=optimizer", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"]))
+@pytest.mark.parametrize(
+    "overrides, plain_class",
+    [
+        (["offload=full", "optimizer=adamw"], torch.optim.AdamW),
+        (["offload=full", "optimizer=signsgd"], SignSGD),
+        (["offload=optimizer", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"], torch.optim.SGD),  # any torch optimizer
+    ],
+)
+def test_offload_accepts_its_optimizers_with_clipping_off(overrides, plain_class):
+    """With gradient clipping off (the default) each pair validates, and the offload optimizer it builds from the
+    validated options steps like the plain optimizer the same options make."""
+    cfg = compose_train(overrides)
+    assert cfg.trainer.grad_clip is None
+    options = config.validate(cfg)
+    model, reference = _small_model(), _small_model()
+    optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
+    plain = options.make_optimizer(reference.parameters())
+    assert type(plain) is plain_class
+    for step in range(3):
+        _loss(reference, step).backward()
+        plain.step()
+        plain.zero_grad()
+        optimizer.step(lambda step=step: _loss(model, step).backward())
+        optimizer.zero_grad()
+    assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
 
 
 # ---- NUMA binding, on a fake sysfs tree ----

@@ -66,8 +66,8 @@ def test_presets_found():
 def test_preset_composes_and_validates(name, compose_preset, monkeypatch):
     cfg = compose_preset(name, *(["model=qwen3_30b"] if name in SHARED else []))
     assert cfg.hydra.runtime.choices.experiment == name  # what a record's choices.experiment holds
-    if cfg.parallel.dp_shard > 0:  # a mesh for an outer launcher's ranks (srun): validate at that world size
-        monkeypatch.setenv("WORLD_SIZE", str(cfg.parallel.dp_shard))
+    if cfg.parallel.ep > cfg.trainer.nproc_per_node:  # EP over an outer launcher's ranks (srun): the fewest it takes
+        monkeypatch.setenv("WORLD_SIZE", str(cfg.parallel.ep))
     else:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     config.validate(cfg)
@@ -75,7 +75,7 @@ def test_preset_composes_and_validates(name, compose_preset, monkeypatch):
 
 def ranks_for(composed) -> list[str]:
     """One rank, or two gloo ranks with EP 2 where the preset shards experts."""
-    return ["trainer.nproc_per_node=2", "parallel.ep=2", "parallel.dp_shard=-1"] if composed.parallel.ep > 1 else []
+    return ["trainer.nproc_per_node=2", "parallel.ep=2"] if composed.parallel.ep > 1 else []
 
 
 def distinct_tiny_runs() -> list[str]:

@@ -57,8 +57,7 @@ class TrainerConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_shard: int = _key(-1, "ranks the dense weights are sharded over (FSDP2); -1 means all ranks")
-    ep: int = _key(1, "expert-parallel degree, borrowed from dp_shard (EP groups are consecutive ranks)")
+    ep: int = _key(1, "expert-parallel degree: EP groups are consecutive ranks; FSDP2 shards dense weights over all ranks")
     grad_sync: str = _key(
         "step",
         "with trainer.grad_accum > 1, when FSDP2 reduce-scatters gradients: step (once, after the last micro-batch; "

@@ -215,18 +215,11 @@ def check_rules(cfg: DictConfig) -> None:
         f"the profile window (wait + warmup + active = {window}) must fit in trainer.steps={t.steps}",
     )
 
-    world = world_size(cfg)
-    dp_shard = world if p.dp_shard == -1 else p.dp_shard
-    _require(dp_shard >= 1, "parallel.dp_shard", f"must be -1 (all ranks) or >= 1, got {p.dp_shard}")
+    world = world_size(cfg)  # FSDP2 shards the dense weights over all of them
     _require(
-        dp_shard == world,
-        "parallel.dp_shard",
-        f"the mesh (dp_shard={dp_shard}) must use all {world} ranks (trainer.nproc_per_node or WORLD_SIZE)",
-    )
-    _require(
-        p.ep >= 1 and dp_shard % p.ep == 0,
+        p.ep >= 1 and world % p.ep == 0,
         "parallel.ep",
-        f"must be >= 1 and divide the job's {dp_shard} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
+        f"must be >= 1 and divide the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
     )
     _require(p.grad_sync in GRAD_SYNCS, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {p.grad_sync!r}")
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")

@@ -57,14 +57,6 @@ class SyntheticData:
         tokens = torch.stack([self.sample(step, first + j) for j in range(self.batch_size)])
         return Batch(tokens[:, :-1], tokens[:, 1:])
 
-    def state_dict(self) -> dict:
-        """The data position a checkpoint keeps, beside the step. None here: a batch is a function of the step (a
-        dataset read in order would return where each rank's reader stands)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a position ``state_dict`` returned, at the same world size."""
-
     def sample(self, step: int, index: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step * 10_007 + index) % 2**63)
         n = self.seq_len + 1

@@ -62,16 +62,6 @@ def read(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def newest_sittings(records_dir: str | Path) -> list[Path]:
-    """The newest sitting (the latest ``<UTC start>`` directory) of each machine folder of a study's records."""
-    out = []
-    for machine in sorted(p for p in Path(records_dir).iterdir() if p.is_dir()):
-        sittings = sorted(p for p in machine.iterdir() if p.is_dir())
-        if sittings:
-            out.append(sittings[-1])
-    return out
-
-
 # shared/DESIGN.md, "Facts to build on": prime-rl's docs/performance.md, Qwen3-235B-A22B SFT on 32 B300, FSDP 32 x
 # EP 8, seq 16384, one packed sample per GPU, forced round-robin routing.
 PUBLISHED_235B = {"torchtitan": 5.04, "torch dispatch": 4.39, "fused full AC": 4.10, "fused selective AC": 3.93}
