@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
@@ -29,9 +28,8 @@ from moe_lab.parallel import parallelize
 from moe_lab.parallel.ac import SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from tests.distributed import run_world
-from moe_lab.runtime.paths import CONF_DIR
+from tests.configs import compose_train
 
-CONF = CONF_DIR
 MODES = ("none", "full", "selective")
 SEQ, GLOBAL_BATCH = 16, 4  # tokens per sample, samples per step over all ranks
 # Namespaces of the ops selective checkpointing must save rather than re-run: functional collectives and this
@@ -58,12 +56,10 @@ class OpCounter(TorchDispatchMode):
 
 
 def resolved_configs(routing: str, world: int, dispatcher: str = "torch") -> dict[str, str]:
-    config.register()
     overrides = [f"model.routing={routing}", f"data.seq_len={SEQ}", f"dispatcher={dispatcher}"]
     if world > 1:
         overrides += [f"trainer.nproc_per_node={world}", f"parallel.ep={world}"]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return {m: OmegaConf.to_yaml(compose("train", overrides=overrides + [f"ac={m}"]), resolve=True) for m in MODES}
+    return {m: OmegaConf.to_yaml(compose_train(*overrides, f"ac={m}"), resolve=True) for m in MODES}
 
 
 def write_checkpoint(directory: Path, yaml: str) -> None:
@@ -147,6 +143,7 @@ def test_ac_modes_agree_world1(routing, tmp_path):
 
 
 @pytest.mark.parametrize("dispatcher", ["torch", "fused"])
+@pytest.mark.slow
 def test_ac_modes_agree_world2_ep2(dispatcher, tmp_path):
     configs = resolved_configs("learned", world=2, dispatcher=dispatcher)
     write_checkpoint(tmp_path, configs["none"])

@@ -128,6 +128,7 @@ def _restored_expert_biases_world2(checkpoint: str, run_dir: str) -> list[list[f
     return restored_expert_biases(["trainer.nproc_per_node=2", "parallel.ep=2", f"trainer.resume={checkpoint}"], run_dir)
 
 
+@pytest.mark.slow
 def test_expert_bias_written_at_world1_restores_whole_at_world2_ep2(tmp_path, monkeypatch):
     """The biases are not sharded: a checkpoint of one rank gives both ranks of an EP 2 mesh the same, whole ones."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -146,6 +147,7 @@ def _background_save_world2(run_dir: str) -> list[float]:
     return [reference["losses"], resumed["losses"]]
 
 
+@pytest.mark.slow
 def test_background_save_at_world2_ep2_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for reference, resumed in run_world(2, _background_save_world2, str(tmp_path)):

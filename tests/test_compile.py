@@ -10,22 +10,19 @@ agree to bf16 rounding: relative 2e-3 over 3 steps (they differ by about 1e-5 in
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from moe_lab import config
 from moe_lab.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.parallel import parallelize
 from tests.distributed import run_world
-from moe_lab.runtime.paths import CONF_DIR
+from tests.configs import compose_train
 
-CONF = CONF_DIR
 LAYERS = 2  # the tiny model
 MODES = (("none", False), ("none", True), ("selective", True), ("full", True))  # (ac, compiled)
 
@@ -42,10 +39,8 @@ def can_compile() -> str | None:
 def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str) -> dict:
     """3 steps on this rank's share of the global batch; the loss (mean over ranks) and the all-to-alls run during
     each forward and each backward."""
-    config.register()
     overrides = [f"dispatcher={dispatcher}", f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2"]
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    cfg = compose_train(*overrides)
     with torch.device("meta"):
         model = instantiate(cfg.model).build()
     options = config.build_options(cfg)
@@ -91,12 +86,11 @@ def train_all(dispatcher: str, checkpoint: str) -> dict:
 
 def config_model():
     """The default (tiny) model's config, as conf/ composes it."""
-    config.register()
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return instantiate(compose("train").model)
+    return instantiate(compose_train().model)
 
 
 @pytest.mark.parametrize("dispatcher", ["torch", "fused"])
+@pytest.mark.slow
 def test_compiled_blocks_train_like_eager(dispatcher, tmp_path):
     if reason := can_compile():
         pytest.skip(reason)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import get_object
 from omegaconf import OmegaConf
@@ -18,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from moe_lab import config
 from moe_lab.config import ConfigError
 from moe_lab.runtime.paths import CONF_DIR
+from tests import configs
 
 CONF = CONF_DIR
 # Groups are those of train.yaml's defaults list; their options are whatever yamls their folders hold.
@@ -37,13 +37,6 @@ COMBINATIONS = [
 ] + [{group: NEEDS_PATH.get(group, OPTIONS[group][0]) for group in GROUPS}]
 # Each option once at world 2 with EP=2 (the other groups at their defaults): every option's validate hook sees a mesh.
 SINGLE_OPTIONS = [{group: option} for group in GROUPS for option in OPTIONS[group]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hydra_conf():
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,7 +75,7 @@ def no_outer_launcher(monkeypatch):
 def compose_train(overrides):
     """The composed config, with the required keys of the options chosen set (``REQUIRED``)."""
     overrides = list(overrides)
-    return compose(config_name="train", overrides=overrides + [REQUIRED[o] for o in overrides if o in REQUIRED])
+    return configs.compose_train(*overrides, *(REQUIRED[o] for o in overrides if o in REQUIRED))
 
 
 def test_every_group_has_options():

@@ -22,7 +22,8 @@ import torch
 
 from moe_lab.models.hf_weights import save_hf_checkpoint
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
-from moe_lab.runtime.paths import CONF_DIR
+
+pytestmark = pytest.mark.slow  # every mesh shape as gloo worlds of 2 and 4
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 4
@@ -75,15 +76,12 @@ def test_mesh_shapes_train_like_one_rank(tmp_path):
 
 
 def _first_expert_rows(device_type: str, world: int) -> list[float]:
-    from hydra import compose, initialize_config_dir
-
     from moe_lab import config
-    from moe_lab.parallel.sharding import local_shard
     from moe_lab.job.trainer import build_model
+    from moe_lab.parallel.sharding import local_shard
+    from tests.configs import compose_train
 
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"parallel.ep={world}"])
+    cfg = compose_train(f"parallel.ep={world}")
     rank = torch.distributed.get_rank()
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     model = build_model(cfg, config.build_options(cfg), device, torch.float32)

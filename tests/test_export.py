@@ -46,6 +46,7 @@ def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_the_trained_logits(tmp_path):
     overrides = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=2"]
     train_in_process(overrides, tmp_path / "run")
@@ -63,6 +64,7 @@ def test_export_loads_in_transformers_with_the_trained_logits(tmp_path):
         torch.testing.assert_close(hf(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_export_of_full_offload_in_bf16_holds_the_fp32_masters(tmp_path):
     overrides = ["trainer.steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=1", "offload=full",
                  "trainer.precision=bf16"]  # fmt: skip

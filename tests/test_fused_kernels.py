@@ -42,6 +42,7 @@ def compare_backends() -> list[float]:
     return [(g - r).abs().max().item() / r.abs().max().item() for g, r in zip(results["gpu"], results["reference"])]
 
 
+@pytest.mark.slow
 def test_gpu_backend_interpreted_matches_reference():
     code = "from tests.test_fused_kernels import compare_backends; print(max(compare_backends()))"
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -61,6 +62,7 @@ def zero_idle_experts_check() -> bool:
     return bool((out[[1, 3]] == 0).all() and (out[[0, 2]] == 1).all())
 
 
+@pytest.mark.slow
 def test_zero_idle_experts_interpreted():
     code = "from tests.test_fused_kernels import zero_idle_experts_check as f; print(f())"
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120)
@@ -104,6 +106,7 @@ def layout_kernels_check() -> str:
     return "ok"
 
 
+@pytest.mark.slow
 def test_layout_kernels_interpreted_match_torch_layout():
     code = "from tests.test_fused_kernels import layout_kernels_check as f; print(f())"
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
@@ -195,6 +198,7 @@ def compare_ep(ep: int, directory: str) -> list:
 
 
 @pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.slow
 def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
     code = f"from tests.test_fused_kernels import compare_ep; print(repr(compare_ep({ep}, {str(tmp_path)!r})))"
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)

@@ -130,6 +130,7 @@ def assert_sizes_follow_received_rows(kind: str, sizes: dict) -> None:
 
 
 @pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.slow
 def test_reference_expert_parallel_gloo(ep):
     for rank, results in enumerate(run_world(ep, _ep_rank, ep)):
         for kind, result in results.items():
@@ -151,6 +152,7 @@ def _tiny_model(ac):
 
 
 @pytest.mark.parametrize("ac", [FullCheckpoint, SelectiveCheckpoint])
+@pytest.mark.slow
 def test_block_compiles_fullgraph_under_ac(ac, monkeypatch):
     calls = []
     monkeypatch.setattr(reference, "forward", functools.partial(lambda f, *a: calls.append(1) or f(*a), reference.forward))

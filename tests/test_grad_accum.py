@@ -206,6 +206,7 @@ def _world2_differences() -> dict:
     return {name: max_differences(mesh + overrides) for name, overrides in WORLD2.items()}
 
 
+@pytest.mark.slow
 def test_accumulation_matches_one_big_batch_world2_fsdp_ep2(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for rank_differences in run_world(2, _world2_differences):
@@ -236,6 +237,7 @@ def _collectives_per_step() -> dict:
     return counts
 
 
+@pytest.mark.slow
 def test_fsdp_reduces_once_per_step_and_keeps_blocks_gathered(monkeypatch):
     """The tiny model at world 2, EP 2 has four FSDP2 groups over both ranks (embedding, two blocks, norm + head;
     the experts' shard group is one rank: no collective). Per micro-batch, forward gathers all four and backward

@@ -12,7 +12,7 @@ import torch
 
 from moe_lab.models.hf_weights import INDEX, load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
-from moe_lab.runtime.paths import CONF_DIR
+from tests.configs import compose_train
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,14 +101,7 @@ def test_aux_loss_equals_transformers(tmp_path):
 
 
 def compose_model(*overrides: str):
-    from hydra import compose, initialize_config_dir
-
-    from moe_lab import config
-    from tests.sweep import ROOT
-
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+    return compose_train(*overrides)
 
 
 def test_model_hf_reads_config_json_and_matches_transformers(tmp_path):

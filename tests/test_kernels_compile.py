@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow  # compiles each kernel for the H200 with Triton's ptxas
+
 triton = pytest.importorskip("triton")
 
 PEERS = {"PEER": True}  # the peer path: pointers read from a table, the larger kernel

@@ -11,19 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from moe_lab import config
 from moe_lab.job import launcher
 from moe_lab.results.table import load
-from moe_lab.runtime.paths import CONF_DIR
+from tests.configs import compose_train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.device=cpu"]
 
 
+@pytest.mark.slow
 def test_sweep_of_two_rank_jobs(tmp_path):
     """``-m trainer.nproc_per_node=2 ac=full,selective``: both points run as 2-rank jobs, one result.json each."""
     sweep = tmp_path / "sweep"
@@ -38,6 +38,7 @@ def test_sweep_of_two_rank_jobs(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["run", "multirun"])
+@pytest.mark.slow
 def test_outer_torchrun_only_rank0_leaves_files(mode, tmp_path):
     """Under ``torchrun`` each rank runs the Hydra app; only rank 0's run directory appears, with one record."""
     sweep = ["-m"] if mode == "multirun" else []
@@ -72,10 +73,8 @@ def test_slurm_task_becomes_a_rank(monkeypatch):
 @pytest.fixture
 def slurm_cfg():
     GlobalHydra.instance().clear()
-    config.register()
     overrides = ["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=h200", "hydra.launcher.timeout_min=90", "model=qwen3_30b", "parallel.ep=8"]
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        yield compose("train", overrides=overrides, return_hydra_config=True)
+    yield compose_train(*overrides, return_hydra_config=True)
     GlobalHydra.instance().clear()
 
 

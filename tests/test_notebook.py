@@ -7,6 +7,8 @@ import pytest
 
 from tests.sweep import ROOT, ensure_sweep
 
+pytestmark = pytest.mark.slow  # papermill runs the notebook
+
 papermill = pytest.importorskip("papermill")
 nbformat = pytest.importorskip("nbformat")
 

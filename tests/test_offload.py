@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch import nn
 
@@ -38,20 +37,17 @@ from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
 from moe_lab.job.trainer import build_model, train
+from tests import configs
 from tests.distributed import run_world
 from tests.test_schedule import expected_factor
-from moe_lab.runtime.paths import CONF_DIR
 
-CONF = str(CONF_DIR)
 STEPS = 4
 # Several chunks and fewer transfer buffers than chunks, so chunking and buffer reuse are exercised.
 SMALL_CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
 
 
 def compose_train(overrides: list[str]):
-    config.register()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+    return configs.compose_train(*overrides)
 
 
 def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> list[torch.Tensor]:
@@ -192,6 +188,7 @@ def _world2_max_differences(optimizer: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_offload_modes_match_none_world2_fsdp_ep2(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for differences in run_world(2, _world2_max_differences, "adamw"):

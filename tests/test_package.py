@@ -2,9 +2,9 @@
 a preset composes, from a directory outside the source), and an editable install still imports from the clone's
 parent directory, where the clone itself (a folder named moe_lab) would otherwise be imported as a namespace package.
 
-Each test installs into a fresh venv made with --system-site-packages (torch, hydra and the rest come from this
-interpreter's environment; moe_lab is installed with --no-deps) and runs with PYTHONPATH unset, so the worktree's
-code is not what gets imported.
+Each test installs into a fresh venv that also sees this interpreter's packages (torch, hydra and the rest come
+from the environment running the tests, a venv or not; moe_lab is installed with --no-deps) and runs with PYTHONPATH
+unset, so the worktree's code is not what gets imported.
 """
 
 from __future__ import annotations
@@ -12,12 +12,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.sweep import ROOT
+
+pytestmark = pytest.mark.slow  # builds a wheel and venvs, runs jobs from them
 
 # What a source distribution of the project holds: the package, its build settings, the config tree, the studies' presets.
 SOURCE = ["pyproject.toml", "README.md", "moe_lab", "conf", "experiments", "hydra_plugins"]
@@ -42,10 +47,24 @@ def run(cmd: list, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess
     return proc
 
 
+def site_dirs() -> list[str]:
+    """Where this interpreter's packages are: its site directories (a venv's own, when the tests run in one) and the
+    user's, if Python reads it."""
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    return [d for d in site.getsitepackages() + user if Path(d).is_dir()]
+
+
 def venv(path: Path) -> Path:
-    """A venv that sees this interpreter's packages (pip included); returns its python."""
-    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", path], cwd=path.parent)
-    return path / "bin" / "python"
+    """A venv that sees this interpreter's packages (pip included), after its own; returns its python.
+
+    Not ``--system-site-packages``: run from a venv, that shows the base interpreter's packages, not the venv's. A
+    ``.pth`` line in the new venv adds this interpreter's site directories as site directories (their own ``.pth``
+    files processed), behind the venv's own, so what is installed into the venv comes first."""
+    run([sys.executable, "-m", "venv", "--without-pip", path], cwd=path.parent)
+    python = path / "bin" / "python"
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=path.parent).stdout.strip())
+    (purelib / "_outer_site.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in site_dirs()))
+    return python
 
 
 def test_wheel_runs_the_default_job_from_another_directory(tmp_path):

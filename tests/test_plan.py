@@ -17,7 +17,7 @@ from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
 from moe_lab.plan.config import compose
 from moe_lab.plan.memory import busiest_rank_share, fused_receive_rows
 from moe_lab.plan.planner import plan, step_of, validated, build_hardware
-from moe_lab.plan.records import depth_search_plans, plan_command, plan_record, read, reference_235b
+from moe_lab.plan.records import depth_search_plans, plan_record, read, reference_235b
 from tests.sweep import ROOT
 
 GRID = ROOT / "experiments" / "grid_30b" / "records"

@@ -10,12 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from moe_lab import config
 from tests.sweep import ROOT
-from moe_lab.runtime.paths import CONF_DIR
+from tests.configs import TINY, compose_train
 
 EXPERIMENTS = ROOT / "experiments"
 # +experiment=<name>: experiments/<name>.yaml (shared), <study>/preset.yaml, <study>/<variant>.yaml
@@ -24,11 +23,6 @@ PRESETS = sorted(
     [*SHARED]
     + [p.parent.name if p.name == "preset.yaml" else f"{p.parent.name}/{p.stem}" for p in EXPERIMENTS.glob("*/*.yaml")]
 )
-TINY = [
-    "model=tiny", "trainer.device=cpu", "trainer.compile=false", "trainer.precision=fp32", "data.seq_len=32",
-    "data.batch_size=2", "trainer.steps=2", "trainer.warmup_steps=1", "trainer.timing_skip=0",
-    "profile.wait=1", "profile.warmup=0", "profile.active=1",
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +42,11 @@ def tokens(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def compose_preset(tokens):
     def compose_it(name, *overrides):
-        cfg = compose("train", overrides=[f"+experiment={name}", *overrides])
+        cfg = compose_train(f"+experiment={name}", *overrides)
         path = [f"data.path={tokens}"] if cfg.data._target_.endswith("TokenData") else []
-        return compose("train", overrides=[f"+experiment={name}", *overrides, *path], return_hydra_config=True)
+        return compose_train(f"+experiment={name}", *overrides, *path, return_hydra_config=True)
 
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        yield compose_it
+    return compose_it
 
 
 def test_presets_found():
@@ -81,19 +73,18 @@ def ranks_for(composed) -> list[str]:
 def distinct_tiny_runs() -> list[str]:
     """The presets whose tiny run differs from every earlier one's: presets that differ only in what TINY sets (the
     model, the sequence length) would run the same job, and each of them still composes and validates above."""
-    config.register()
     runs, names = [], []
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for name in PRESETS:
-            ranks = ranks_for(compose("train", overrides=[f"+experiment={name}", *TINY]))
-            run = OmegaConf.to_container(compose("train", overrides=[f"+experiment={name}", *TINY, *ranks]))
-            if run not in runs:
-                runs.append(run)
-                names.append(name)
+    for name in PRESETS:
+        ranks = ranks_for(compose_train(f"+experiment={name}", *TINY))
+        run = OmegaConf.to_container(compose_train(f"+experiment={name}", *TINY, *ranks))
+        if run not in runs:
+            runs.append(run)
+            names.append(name)
     return names
 
 
 @pytest.mark.parametrize("name", distinct_tiny_runs())
+@pytest.mark.slow
 def test_preset_runs_on_the_tiny_model(name, compose_preset, tmp_path):
     composed = compose_preset(name)
     ranks = ranks_for(composed)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from moe_lab import config as config_lib
 from moe_lab.runtime.device import world_size
@@ -21,7 +20,7 @@ from moe_lab.results import load
 from moe_lab.job.lifecycle import RunDirInUse, earlier_record, point_config
 from moe_lab.results.record import RESULT, write_json_atomic
 from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
-from moe_lab.runtime.paths import CONF_DIR
+from tests.configs import compose_train
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +32,7 @@ def _key(row) -> tuple:
     return (row["ac"], row["optimizer"], str(row["parallel.ep"]))
 
 
+@pytest.mark.slow
 def test_every_point_has_one_record_with_its_status(sweep_dir):
     points = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit())
     assert len(points) == len(EXPECTED) == 12
@@ -95,11 +95,9 @@ def test_rerun_skips_done_points_and_completes_the_rest(sweep_dir, tmp_path):
 
 
 def test_only_an_ok_record_of_the_same_configuration_is_skipped(tmp_path):
-    config_lib.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["ac=full"])
-        other = compose("train", overrides=["ac=full", "data.seq_len=32"])
-        resumed = compose("train", overrides=["ac=full", "trainer.skip_done=false"])
+    cfg = compose_train("ac=full")
+    other = compose_train("ac=full", "data.seq_len=32")
+    resumed = compose_train("ac=full", "trainer.skip_done=false")
     assert earlier_record(tmp_path, cfg, multirun=True) is None
     write_json_atomic(tmp_path / RESULT, {"status": "ok", "config": point_config(cfg)})
     assert earlier_record(tmp_path, cfg, multirun=True)["status"] == "ok"
@@ -148,9 +146,7 @@ def test_experiment_preset_composes_and_validates(name, monkeypatch):
     want = PRESETS[name]
     if want["world"] > 8:  # more ranks than one node: the outer launcher (srun) sets WORLD_SIZE
         monkeypatch.setenv("WORLD_SIZE", str(want["world"]))
-    config_lib.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"+experiment={name}"], return_hydra_config=True)
+    cfg = compose_train(f"+experiment={name}", return_hydra_config=True)
     assert cfg.model.name == want["model"] and cfg.data.seq_len == want["seq"] and cfg.data.batch_size == 1
     assert cfg.parallel.ep == want["ep"] and world_size(cfg) == want["world"]
     for key, values in (want["sweep"] or {}).items():
@@ -159,5 +155,4 @@ def test_experiment_preset_composes_and_validates(name, monkeypatch):
     # Every point of the preset's sweep is a valid configuration.
     axes = [[f"{key}={v}" for v in values.split(",")] for key, values in (want["sweep"] or {}).items()]
     for point in itertools.product(*axes):
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            config_lib.validate(compose("train", overrides=[f"+experiment={name}", *point]))
+        config_lib.validate(compose_train(f"+experiment={name}", *point))

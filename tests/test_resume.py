@@ -31,6 +31,8 @@ import pytest
 
 from tests.pausing_data import PAUSE
 
+pytestmark = pytest.mark.slow  # killed and resumed jobs, one and two ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 2  # per rank: GLOBAL_BATCH // ranks, so every mesh sees the same global batch
 BASE = ["trainer.steps=16", "trainer.warmup_steps=2", "data.seq_len=16", "data._target_=tests.pausing_data.PausingData",

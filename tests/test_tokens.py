@@ -20,7 +20,6 @@ from moe_lab.data.prepare import write_token_dir
 from moe_lab.data.tokens import TokenData
 from moe_lab.models.qwen3_moe import Documents, Qwen3MoeConfig
 from tests.sweep import ROOT
-from moe_lab.runtime.paths import CONF_DIR
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -234,15 +233,11 @@ def test_training_job_reads_prepared_tokens_and_records_eval_loss(prepared, tmp_
         (["data.path=OUT", "data.seq_len=400", "trainer.eval_every=5"], "trainer.eval_every"),  # the eval split is smaller
     ],
 )
-def test_bad_token_configs_fail_naming_their_key(overrides, key, prepared, monkeypatch):
-    from hydra import compose, initialize_config_dir
-
+def test_bad_token_configs_fail_naming_their_key(overrides, key, prepared, monkeypatch, compose_train):
     from moe_lab import config
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["data=tokens", *(o.replace("OUT", str(prepared[2])) for o in overrides)])
+    cfg = compose_train("data=tokens", *(o.replace("OUT", str(prepared[2])) for o in overrides))
     with pytest.raises(config.ConfigError) as e:
         config.validate(cfg)
     assert e.value.key == key, e.value

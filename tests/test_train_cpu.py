@@ -12,10 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from moe_lab import config
-from moe_lab.runtime.paths import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +81,10 @@ PUBLISHED = {"qwen3_30b": (30.5e9, 3.3e9, 29.9e9), "qwen3_235b": (235e9, 22e9, 2
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
-def test_dry_run_parameter_counts_match_model_cards(model, capsys, tmp_path):
+def test_dry_run_parameter_counts_match_model_cards(model, capsys, tmp_path, compose_train):
     from moe_lab.job.lifecycle import run_job
 
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={model}", "trainer.dry_run=true"])
+    cfg = compose_train(f"model={model}", "trainer.dry_run=true")
     summary = run_job(cfg, tmp_path, meta={})
     total, active, non_embedding = PUBLISHED[model]
     embeddings = 2 * cfg.model.vocab_size * cfg.model.hidden_size  # input table and untied LM head
