@@ -1,4 +1,5 @@
-"""The generated tables of README.md, docs/performance.md and the studies' READMEs, made from the committed records.
+"""The generated tables of README.md, docs/, experiments/README.md and the studies' READMEs, made from the committed
+records (and the key reference, from the config schema and conf/; the study index, from the studies' READMEs).
 
     python experiments/doc_tables.py           # rewrite every generated table
     python experiments/doc_tables.py --check   # exit 1 if a table differs from what its records give
@@ -26,9 +27,8 @@ from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.results import load
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "moe_lab" / "conf"  # a group's options: its yaml files
-DOCS = [ROOT / "README.md", ROOT / "docs" / "performance.md", *sorted(ROOT.glob("experiments/README.md")),
-        *sorted(ROOT.glob("experiments/*/README.md"))]  # fmt: skip
+CONF = ROOT / "conf"  # a group's options: its yaml files
+DOCS = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), ROOT / "experiments" / "README.md", *sorted(ROOT.glob("experiments/*/README.md"))]
 BLOCK = re.compile(r"(<!-- table: (?P<kind>[\w-]+)(?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
@@ -387,6 +387,74 @@ def planned(*paths: str) -> str:
     return markdown(rows, ["plans", "point", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB", "host GiB per rank", "fits"])
 
 
+def keys(*paths: str) -> str:
+    """The config reference: every group with its options (the default first), each option's own keys with the
+    values its yaml sets, and every schema key (trainer.*, parallel.*, profile.*) with its default: what
+    ``python -m moe_lab.train --help`` prints, from the same sources (``moe_lab.config.help``)."""
+    import yaml
+
+    from moe_lab.config.help import SECTIONS, key_rows, option_line
+    from moe_lab.config.schema import GROUPS
+
+    defaults = {k: v for d in yaml.safe_load((CONF / "train.yaml").read_text())["defaults"] if isinstance(d, dict) for k, v in d.items()}
+    rows = []
+    for group, what in GROUPS.items():
+        options = sorted((CONF / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))
+        for path in options:
+            node = yaml.safe_load(path.read_text()) or {}
+            own = ", ".join(f"`{k}={_yaml_value(v)}`" for k, v in node.items() if not k.startswith("_") and "${hf_config:" not in str(v))
+            rows.append([f"`{group}`" + (f" ({what})" if path == options[0] else ""), f"`{path.stem}`" + (" (default)" if path.stem == defaults.get(group) else ""),
+                         option_line(path, width=400).replace("|", "\\|"), own])  # fmt: skip
+    text = markdown(rows, ["group", "option", "what it is", "its keys (`<group>.<key>`), as its yaml sets them"])
+    key_table = [[f"`{key}.*`" if default is None else f"`{key}`", "" if default is None else f"`{default}`", what.replace("|", "\\|")]
+                 for section, schema in SECTIONS.items() for key, default, what in key_rows(section, schema)]  # fmt: skip
+    return text + "\n" + markdown(key_table, ["key", "default", "what it does"])
+
+
+def _yaml_value(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value).replace(" ", "")
+
+
+# A study README's paragraphs that the index reads: its question, and the headline its owner keeps beside its tables.
+STUDY_PARAGRAPH = re.compile(r"^\*\*(?P<name>Question|Headline)(?: \([^)]*\))?\.\*\* (?P<text>.*?)(?:\n\n|\Z)", re.M | re.S)
+
+
+def _first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    return re.split(r"(?<=[.?])\s", text, maxsplit=1)[0]
+
+
+def _sittings(study: Path) -> list[tuple[str, str]]:
+    """(machine folder, newest sitting's UTC start) per folder of a study's records/, newest first."""
+    out = []
+    for machine in sorted(p for p in (study / "records").glob("*") if p.is_dir()):
+        starts = sorted(re.match(r"\d{4}-\d\d-\d\d(_\d\d-\d\d)?", p.name)[0] for p in machine.iterdir() if re.match(r"\d{4}-\d\d-\d\d", p.name))
+        if starts:
+            out.append((machine.name, starts[-1]))
+    return sorted(out, key=lambda item: item[1], reverse=True)
+
+
+def _utc(start: str) -> str:
+    """A record's name as a time: 2026-12-01_10-41 -> 2026-12-01 10:41."""
+    date, _, time = start.partition("_")
+    return f"{date} {time.replace('-', ':')}".strip()
+
+
+def studies(path: str) -> str:
+    """The study index: each study's question (its README's **Question.**, else its title), what its records hold
+    (machine folders and their newest sitting, or not run) and its headline (its README's **Headline.**)."""
+    rows = []
+    for readme in sorted((ROOT / path).glob("*/README.md")):
+        study, text = readme.parent, readme.read_text()
+        paragraphs = {m["name"]: m["text"] for m in STUDY_PARAGRAPH.finditer(text)}
+        title = text.splitlines()[0].removeprefix("# ").split(": ", 1)[-1]
+        question = _first_sentence(paragraphs["Question"]) if "Question" in paragraphs else title
+        ran = "; ".join(f"{machine} ({_utc(start)})" for machine, start in _sittings(study))
+        rows.append([f"[{study.name}]({study.name}/README.md)", question.replace("|", "\\|"), ran or "not run",
+                     " ".join(paragraphs.get("Headline", "-").split()).replace("|", "\\|")])  # fmt: skip
+    return markdown(rows, ["study", "question", "records: machine (newest sitting, UTC)", "headline (the study's README)"])
+
+
 KINDS = {
     "grid": grid,
     "torchtitan": torchtitan_table,
@@ -403,6 +471,8 @@ KINDS = {
     "plan-breakdown": plan_breakdown,
     "plan-reference": plan_reference,
     "planned": planned,
+    "keys": keys,
+    "studies": studies,
 }
 
 
@@ -414,7 +484,8 @@ def table(kind: str, paths: list[str]) -> str:
         if not (ROOT / path).exists():
             raise FileNotFoundError(f"table {kind}: no record at {path}")
     body = KINDS[kind](*paths)
-    return body if body.splitlines()[0].endswith("| raw |") else body + "\nRaw: " + ", ".join(map(cite, paths)) + "\n"
+    cited = kind == "studies" or body.splitlines()[0].endswith("| raw |")  # the index links each study's README
+    return body if cited else body + "\nRaw: " + ", ".join(map(cite, paths)) + "\n"
 
 
 def render(doc: str) -> str:

@@ -1,9 +1,11 @@
-"""The generated tables of docs/performance.md and the studies' READMEs equal what experiments/doc_tables.py makes of
-the committed records they name, and every table cites its records."""
+"""The generated tables of README.md, docs/, experiments/README.md and the studies' READMEs equal what
+experiments/doc_tables.py makes of the committed records (the schema, the studies' READMEs) they name, and every
+table cites its records."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -41,7 +43,40 @@ def test_every_table_names_existing_records_and_cites_them(tables):
     for m in blocks:
         paths = m["args"].split()
         assert paths and all((ROOT / p).exists() for p in paths), m.group(1)
-        assert all(f"`{p}`" in m["body"] for p in paths), m.group(1)  # under the table or in its raw column
+        if m["kind"] != "studies":  # the index names each study's README instead
+            assert all(f"`{p}`" in m["body"] for p in paths), m.group(1)  # under the table or in its raw column
+
+
+def test_the_study_index_lists_every_study_with_what_its_records_hold(tables):
+    index = tables.studies("experiments")
+    studies = sorted(p.parent.name for p in (ROOT / "experiments").glob("*/README.md"))
+    assert [line.split("](")[0].removeprefix("| [") for line in index.splitlines()[2:]] == studies
+    for study in studies:
+        row = next(line for line in index.splitlines() if line.startswith(f"| [{study}]"))
+        ran = row.split(" | ")[2]
+        sittings = tables._sittings(ROOT / "experiments" / study)
+        assert ran == ("; ".join(f"{machine} ({tables._utc(start)})" for machine, start in sittings) or "not run"), row
+    assert "| [grid_235b](grid_235b/README.md) |" in index and "h200_1gpu (2026-12-01 11:19)" in index
+
+
+def test_every_headline_cites_records_that_exist(tables):
+    for readme in sorted((ROOT / "experiments").glob("*/README.md")):
+        for m in tables.STUDY_PARAGRAPH.finditer(readme.read_text()):
+            if m["name"] == "Headline":
+                cited = re.findall(r"`(experiments/[^`]+)`", m["text"])
+                assert cited and all((ROOT / p).exists() for p in cited), (readme, m["text"])
+
+
+def test_the_key_reference_lists_every_option_and_schema_key(tables):
+    from moe_lab.config.help import SECTIONS, key_rows
+
+    reference = tables.keys("moe_lab/config/schema.py", "conf")
+    for path in (ROOT / "conf").glob("*/*.yaml"):
+        if path.parent.name not in ("hydra", "hardware"):
+            assert f"| `{path.stem}`" in reference, path
+    for section, schema in SECTIONS.items():
+        assert all(f"`{key}" in reference for key, _, _ in key_rows(section, schema))
+    assert "| `parallel.ep` | `1` |" in reference
 
 
 def test_a_table_naming_a_missing_record_fails(tables):

@@ -65,17 +65,24 @@ def help_text() -> str:
     return "\n".join(lines).replace("${", "$${") + "\n"
 
 
-def key_lines(prefix: str, schema) -> list[str]:
-    """One line per key of a schema section, a nested section's keys under its own prefix."""
-    lines = []
+def key_rows(prefix: str, schema) -> list[tuple[str, str | None, str]]:
+    """(key, default as yaml spells it, what it does) per key of a schema section, a nested section's keys after its
+    own row (default None) under its own prefix."""
+    rows = []
     for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(f.default_factory):  # a nested section
-            lines.append(f"  {prefix}.{f.name}.*".ljust(40) + f" {f.metadata['help']}:")
-            lines += key_lines(f"{prefix}.{f.name}", f.default_factory)
+            rows.append((f"{prefix}.{f.name}", None, f.metadata["help"]))
+            rows += key_rows(f"{prefix}.{f.name}", f.default_factory)
             continue
-        default = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
-        lines.append(f"  {prefix}.{f.name}={default}".ljust(40) + f" {f.metadata['help']}")
-    return lines
+        default = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+        rows.append((f"{prefix}.{f.name}", default, f.metadata["help"]))
+    return rows
+
+
+def key_lines(prefix: str, schema) -> list[str]:
+    """One line per key of a schema section, a nested section's keys under its own prefix."""
+    return [f"  {key}.*".ljust(40) + f" {what}:" if default is None else f"  {key}={default}".ljust(40) + f" {what}"
+            for key, default, what in key_rows(prefix, schema)]  # fmt: skip
 
 
 def register_help() -> str:
