@@ -420,7 +420,7 @@ STUDY_PARAGRAPH = re.compile(r"^\*\*(?P<name>Question|Headline)(?: \([^)]*\))?\.
 
 
 def _first_sentence(text: str) -> str:
-    text = " ".join(text.split())
+    text = " ".join(text.split()).replace("](../", "](")  # a study's links to its neighbours, from the index
     return re.split(r"(?<=[.?])\s", text, maxsplit=1)[0]
 
 
@@ -451,7 +451,7 @@ def studies(path: str) -> str:
         question = _first_sentence(paragraphs["Question"]) if "Question" in paragraphs else title
         ran = "; ".join(f"{machine} ({_utc(start)})" for machine, start in _sittings(study))
         rows.append([f"[{study.name}]({study.name}/README.md)", question.replace("|", "\\|"), ran or "not run",
-                     " ".join(paragraphs.get("Headline", "-").split()).replace("|", "\\|")])  # fmt: skip
+                     " ".join(paragraphs.get("Headline", "-").split()).replace("](../", "](").replace("|", "\\|")])  # fmt: skip
     return markdown(rows, ["study", "question", "records: machine (newest sitting, UTC)", "headline (the study's README)"])
 
 

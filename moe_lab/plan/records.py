@@ -62,8 +62,8 @@ def read(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-# shared/DESIGN.md, "Facts to build on": prime-rl's docs/performance.md, Qwen3-235B-A22B SFT on 32 B300, FSDP 32 x
-# EP 8, seq 16384, one packed sample per GPU, forced round-robin routing.
+# The published reference (prime-rl's docs/performance.md, github.com/PrimeIntellect-ai/prime-rl): Qwen3-235B-A22B SFT
+# on 32 B300, FSDP 32 x EP 8, seq 16384, one packed sample per GPU, forced round-robin routing.
 PUBLISHED_235B = {"torchtitan": 5.04, "torch dispatch": 4.39, "fused full AC": 4.10, "fused selective AC": 3.93}
 REFERENCE_235B = ["+experiment=reference_235b", "hardware=b300", "hardware.nodes=4", "hardware.gpus_per_node=8"]
 # torchtitan is no moe_lab option: its plan is moe_lab's torch dispatcher's, times torchtitan's step over moe_lab's
