@@ -28,7 +28,12 @@ from moe_lab.results import load
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"  # a group's options: its yaml files
-DOCS = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), ROOT / "experiments" / "README.md", *sorted(ROOT.glob("experiments/*/README.md"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted(ROOT.glob("docs/*.md")),
+    ROOT / "experiments" / "README.md",
+    *sorted(ROOT.glob("experiments/*/README.md")),
+]
 BLOCK = re.compile(r"(<!-- table: (?P<kind>[\w-]+)(?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
@@ -62,7 +67,9 @@ def raw(path: str) -> dict:
 
 
 def _torchtitan_ac_settings() -> tuple[str, ...]:
-    spec = importlib.util.spec_from_file_location("torchtitan_baseline", ROOT / "experiments" / "torchtitan_baseline" / "torchtitan_baseline.py")
+    spec = importlib.util.spec_from_file_location(
+        "torchtitan_baseline", ROOT / "experiments" / "torchtitan_baseline" / "torchtitan_baseline.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return tuple(module.AC_SETTINGS)
@@ -72,8 +79,8 @@ TORCHTITAN_AC_SETTINGS = _torchtitan_ac_settings()  # every AC setting torchtita
 
 
 def titan_setting(point: dict) -> str:
-    """A torchtitan point's AC setting as experiments/torchtitan_baseline/torchtitan_baseline.py names it (none, full, op-selective,
-    layer-selective); files written before it ran all four call op-level selective AC "selective"."""
+    """A torchtitan point's AC setting as experiments/torchtitan_baseline/torchtitan_baseline.py names it (none, full,
+    op-selective, layer-selective); files written before it ran all four call op-level selective AC "selective"."""
     if point["ac"] != "selective":
         return point["ac"]
     if "--activation_checkpoint.selective_ac_option op" not in point["command"]:
@@ -102,7 +109,11 @@ def value(point, key: str):
 
 
 def ratio(ours: dict | None, theirs: dict | None) -> str:
-    return f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x" if ours is not None and theirs is not None else ""
+    return (
+        f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x"
+        if ours is not None and theirs is not None
+        else ""
+    )
 
 
 def grid(path: str, baseline: str | None = None) -> str:
@@ -111,12 +122,33 @@ def grid(path: str, baseline: str | None = None) -> str:
     titan_ac, titan_best = fastest(torchtitan(baseline)) if baseline else (None, None)
     rows = []
     for _, r in sweep(path).iterrows():
-        rows.append([r["offload"], r["dispatcher"], r["ac"], r["status"], num(r.get("s_per_step"), ".3f"),
-                     num(r.get("tokens_per_s_per_gpu")), pct(r.get("mfu")), pct(r.get("mfu_executed")),
-                     num(r.get("peak_gpu_mem_gib"), ".1f"), num(r.get("peak_host_rss_gib"), ".1f"),
-                     ratio(r if r["status"] == "ok" else None, titan_best)])  # fmt: skip
-    header = ["offload", "dispatcher", "ac", "status", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB",
-              "peak host GiB"] + ([f"vs torchtitan's fastest ({titan_ac})"] if baseline else [])  # fmt: skip
+        rows.append(
+            [
+                r["offload"],
+                r["dispatcher"],
+                r["ac"],
+                r["status"],
+                num(r.get("s_per_step"), ".3f"),
+                num(r.get("tokens_per_s_per_gpu")),
+                pct(r.get("mfu")),
+                pct(r.get("mfu_executed")),
+                num(r.get("peak_gpu_mem_gib"), ".1f"),
+                num(r.get("peak_host_rss_gib"), ".1f"),
+                ratio(r if r["status"] == "ok" else None, titan_best),
+            ]
+        )
+    header = [
+        "offload",
+        "dispatcher",
+        "ac",
+        "status",
+        "s/step",
+        "tokens/s/GPU",
+        "MFU",
+        "MFU executed",
+        "peak GPU GiB",
+        "peak host GiB",
+    ] + ([f"vs torchtitan's fastest ({titan_ac})"] if baseline else [])
     return markdown([row[: len(header)] for row in rows], header)
 
 
@@ -125,15 +157,42 @@ def torchtitan_table(*paths: str) -> str:
     for path in paths:
         for ac, p in torchtitan_points(path).items():
             ok = p["status"] == "ok"
-            rows.append([p["gpus"], num(p["seq_len"]), ac, p["status"], num(p["s_per_step"], ".3f") if ok else "",
-                         num(p.get("tokens_per_s_per_gpu")), pct(p.get("mfu")), pct(p.get("mfu_executed")),
-                         num(p.get("peak_gpu_mem_reserved_gib"), ".1f"), cite(path)])  # fmt: skip
-    header = ["GPUs", "seq", "ac", "status", "s/step", "tokens/s/GPU", "MFU", "MFU executed", "peak GPU GiB (reserved)", "raw"]
+            rows.append(
+                [
+                    p["gpus"],
+                    num(p["seq_len"]),
+                    ac,
+                    p["status"],
+                    num(p["s_per_step"], ".3f") if ok else "",
+                    num(p.get("tokens_per_s_per_gpu")),
+                    pct(p.get("mfu")),
+                    pct(p.get("mfu_executed")),
+                    num(p.get("peak_gpu_mem_reserved_gib"), ".1f"),
+                    cite(path),
+                ]
+            )
+    header = [
+        "GPUs",
+        "seq",
+        "ac",
+        "status",
+        "s/step",
+        "tokens/s/GPU",
+        "MFU",
+        "MFU executed",
+        "peak GPU GiB (reserved)",
+        "raw",
+    ]
     return markdown(rows, header)
 
 
 # A proxy's name from either side: moe_lab's model option or torchtitan's flavour, with the layers kept.
-PROXY_NAMES = {"qwen3_30b": "Qwen3-30B-A3B", "qwen3_235b": "Qwen3-235B-A22B", "30B-A3B": "Qwen3-30B-A3B", "235B-A22B": "Qwen3-235B-A22B"}
+PROXY_NAMES = {
+    "qwen3_30b": "Qwen3-30B-A3B",
+    "qwen3_235b": "Qwen3-235B-A22B",
+    "30B-A3B": "Qwen3-30B-A3B",
+    "235B-A22B": "Qwen3-235B-A22B",
+}
 
 
 def sweep_setup(path: str) -> tuple[str, int, int]:
@@ -141,8 +200,13 @@ def sweep_setup(path: str) -> tuple[str, int, int]:
     setups = set()
     for run_dir in sweep(path)["run_dir"]:
         cfg = json.loads((Path(run_dir) / "result.json").read_text())["config"]
-        setups.add((f"{PROXY_NAMES[cfg['model']['name']]}, {cfg['model']['num_layers']} layers",
-                    cfg["trainer"]["nproc_per_node"], cfg["data"]["seq_len"]))  # fmt: skip
+        setups.add(
+            (
+                f"{PROXY_NAMES[cfg['model']['name']]}, {cfg['model']['num_layers']} layers",
+                cfg["trainer"]["nproc_per_node"],
+                cfg["data"]["seq_len"],
+            )
+        )
     if len(setups) != 1:
         raise ValueError(f"{path}: points of more than one proxy / GPU count / seq: {sorted(setups)}")
     return setups.pop()
@@ -151,7 +215,9 @@ def sweep_setup(path: str) -> tuple[str, int, int]:
 def titan_setup(path: str) -> tuple[str, int, int]:
     data = raw(path)
     base = data["proxy"]["torchtitan_flavour"].removesuffix(f"-{data['proxy']['layers']}L")
-    setups = {(f"{PROXY_NAMES[base]}, {data['proxy']['layers']} layers", p["gpus"], p["seq_len"]) for p in data["points"]}
+    setups = {
+        (f"{PROXY_NAMES[base]}, {data['proxy']['layers']} layers", p["gpus"], p["seq_len"]) for p in data["points"]
+    }
     if len(setups) != 1:
         raise ValueError(f"{path}: points of more than one GPU count / seq: {sorted(setups)}")
     return setups.pop()
@@ -171,9 +237,16 @@ def grid_covered(points: pd.DataFrame) -> str:
     if len(points.drop_duplicates(list(axes))) != len(points) or len(points) != math.prod(map(len, axes.values())):
         raise ValueError(f"not a grid of {', '.join(axes)}: {points[list(axes)].values.tolist()}")
     text = "; ".join(f"{axis} {', '.join(values)}" for axis, values in axes.items())
-    text += "".join(f"; {r['dispatcher']} + {r['ac']}, offload {r['offload']}: {r['status']}" for _, r in points[points["status"] != "ok"].iterrows())
-    missing = [f"{axis} {option.stem}" for axis in ("dispatcher", "ac") for option in sorted((CONF / axis).glob("*.yaml"))
-               if option.stem not in axes[axis]]  # fmt: skip
+    text += "".join(
+        f"; {r['dispatcher']} + {r['ac']}, offload {r['offload']}: {r['status']}"
+        for _, r in points[points["status"] != "ok"].iterrows()
+    )
+    missing = [
+        f"{axis} {option.stem}"
+        for axis in ("dispatcher", "ac")
+        for option in sorted((CONF / axis).glob("*.yaml"))
+        if option.stem not in axes[axis]
+    ]
     return text + (f"; not run: {', '.join(missing)}" if missing else "")
 
 
@@ -189,18 +262,47 @@ def best_vs_best(*paths: str) -> str:
         if titan_setup(titan_path) != setup:
             raise ValueError(f"best-vs-best: {ours_path} is {setup}, {titan_path} is {titan_setup(titan_path)}")
         points = sweep(ours_path)
-        name = lambda r: f"{r['dispatcher']} + {r['ac']} AC" + (f", offload {r['offload']}" if r["offload"] != "none" else "")  # noqa: E731
+        name = lambda r: (
+            f"{r['dispatcher']} + {r['ac']} AC" + (f", offload {r['offload']}" if r["offload"] != "none" else "")
+        )  # noqa: E731
         ours = {name(r): r for _, r in points.iterrows()}
         ours_ac, ours_best = fastest({n: r for n, r in ours.items() if r["status"] == "ok"})
         titan_ac, titan_best = fastest(torchtitan(titan_path))
         proxy, gpus, seq = setup
-        rows.append([proxy, gpus, num(seq), ours_ac, num(value(ours_best, "tokens_per_s_per_gpu")), pct(value(ours_best, "mfu")),
-                     num(value(ours_best, "peak_gpu_mem_gib"), ".1f"), titan_ac, num(value(titan_best, "tokens_per_s_per_gpu")),
-                     pct(value(titan_best, "mfu")), num(value(titan_best, "peak_gpu_mem_reserved_gib"), ".1f"),
-                     ratio(ours_best, titan_best), grid_covered(points),
-                     titan_covered(torchtitan_points(titan_path))])  # fmt: skip
-    header = ["proxy", "GPUs", "seq", "moe_lab fastest", "tokens/s/GPU", "MFU", "peak GPU GiB", "torchtitan fastest",
-              "tokens/s/GPU", "MFU", "peak GPU GiB (reserved)", "fastest / fastest", "moe_lab ran", "torchtitan ran"]  # fmt: skip
+        rows.append(
+            [
+                proxy,
+                gpus,
+                num(seq),
+                ours_ac,
+                num(value(ours_best, "tokens_per_s_per_gpu")),
+                pct(value(ours_best, "mfu")),
+                num(value(ours_best, "peak_gpu_mem_gib"), ".1f"),
+                titan_ac,
+                num(value(titan_best, "tokens_per_s_per_gpu")),
+                pct(value(titan_best, "mfu")),
+                num(value(titan_best, "peak_gpu_mem_reserved_gib"), ".1f"),
+                ratio(ours_best, titan_best),
+                grid_covered(points),
+                titan_covered(torchtitan_points(titan_path)),
+            ]
+        )
+    header = [
+        "proxy",
+        "GPUs",
+        "seq",
+        "moe_lab fastest",
+        "tokens/s/GPU",
+        "MFU",
+        "peak GPU GiB",
+        "torchtitan fastest",
+        "tokens/s/GPU",
+        "MFU",
+        "peak GPU GiB (reserved)",
+        "fastest / fastest",
+        "moe_lab ran",
+        "torchtitan ran",
+    ]
     return markdown(rows, header)
 
 
@@ -214,12 +316,22 @@ def changes(before: str, now: str, titan_before: str, titan_now: str) -> str:
     for _, r in both[both["offload"] == "none"].iterrows():
         a, b = r["tokens_per_s_per_gpu_before"], r["tokens_per_s_per_gpu_now"]
         ratio = "" if pd.isna(a) or pd.isna(b) else f"{b / a:.2f}x"
-        rows.append([gpus, "moe_lab", r["dispatcher"], r["ac"], num(a) or r["status_before"], num(b) or r["status_now"], ratio])
+        rows.append(
+            [gpus, "moe_lab", r["dispatcher"], r["ac"], num(a) or r["status_before"], num(b) or r["status_now"], ratio]
+        )
     titan_old, titan_new = torchtitan(titan_before), torchtitan(titan_now)
     for ac in [ac for ac in titan_new if ac in titan_old]:
         a, b = titan_old[ac]["tokens_per_s_per_gpu"], titan_new[ac]["tokens_per_s_per_gpu"]
         rows.append([gpus, "torchtitan", "", ac, num(a), num(b), f"{b / a:.2f}x"])
-    header = ["GPUs", "framework", "dispatcher", "ac", f"tokens/s/GPU {Path(before).name}", f"tokens/s/GPU {Path(now).name}", "later / earlier"]
+    header = [
+        "GPUs",
+        "framework",
+        "dispatcher",
+        "ac",
+        f"tokens/s/GPU {Path(before).name}",
+        f"tokens/s/GPU {Path(now).name}",
+        "later / earlier",
+    ]
     return markdown(rows, header)
 
 
@@ -233,8 +345,17 @@ def breakdown(*paths: str) -> str:
     for _, r in points.iterrows():
         parts = [r[f"time.{c}"] for c in categories]
         total = sum(p for p in parts if not pd.isna(p))
-        rows.append([int(r["env.world_size"]), r["offload"], r["dispatcher"], r["ac"], *(num(1e3 * p, ".1f") for p in parts),
-                     num(1e3 * r["time.step_s"], ".1f"), num(1e3 * total, ".1f")])  # fmt: skip
+        rows.append(
+            [
+                int(r["env.world_size"]),
+                r["offload"],
+                r["dispatcher"],
+                r["ac"],
+                *(num(1e3 * p, ".1f") for p in parts),
+                num(1e3 * r["time.step_s"], ".1f"),
+                num(1e3 * total, ".1f"),
+            ]
+        )
     header = ["GPUs", "offload", "dispatcher", "ac", *categories, "profiled step", "sum of parts"]
     return markdown(rows, header)
 
@@ -244,9 +365,13 @@ def routing(balanced: str, *skewed: str) -> str:
     one sweep and ran in a later one shows once, as run), with each dispatcher's expert GEMM and EP all-to-all time
     and fused over torch at each routing."""
     grid_points = sweep(balanced).assign(raw=balanced)
-    points = grid_points[(grid_points["offload"] == "none") & (grid_points["ac"] == "selective")].assign(routing="balanced")
+    points = grid_points[(grid_points["offload"] == "none") & (grid_points["ac"] == "selective")].assign(
+        routing="balanced"
+    )
     for path in skewed:
-        points = pd.concat([points, sweep(path).assign(raw=path, routing=lambda d: "Zipf " + d["model.routing_skew"].astype(str))])
+        points = pd.concat(
+            [points, sweep(path).assign(raw=path, routing=lambda d: "Zipf " + d["model.routing_skew"].astype(str))]
+        )
     points = points.sort_values("status", key=lambda s: s != "ok").drop_duplicates(["routing", "dispatcher"])
     rows = []
     for name in points["routing"].unique():
@@ -254,11 +379,34 @@ def routing(balanced: str, *skewed: str) -> str:
         speed = pair["tokens_per_s_per_gpu"]
         ratio = speed.get("fused", float("nan")) / speed.get("torch", float("nan"))
         for dispatcher, r in pair.sort_index(ascending=False).iterrows():
-            rows.append([name, dispatcher, r["status"], num(r.get("s_per_step"), ".3f"), num(r.get("tokens_per_s_per_gpu")),
-                         pct(r.get("mfu")), num(1e3 * r.get("time.expert_gemm"), ".1f"), num(1e3 * r.get("time.ep_all_to_all"), ".1f"),
-                         num(r.get("peak_gpu_mem_gib"), ".1f"), "" if pd.isna(ratio) else f"{ratio:.2f}x", cite(r["raw"])])  # fmt: skip
-    header = ["routing", "dispatcher", "status", "s/step", "tokens/s/GPU", "MFU", "expert GEMM ms", "EP all-to-all ms",
-              "peak GPU GiB", "fused / torch", "raw"]  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    dispatcher,
+                    r["status"],
+                    num(r.get("s_per_step"), ".3f"),
+                    num(r.get("tokens_per_s_per_gpu")),
+                    pct(r.get("mfu")),
+                    num(1e3 * r.get("time.expert_gemm"), ".1f"),
+                    num(1e3 * r.get("time.ep_all_to_all"), ".1f"),
+                    num(r.get("peak_gpu_mem_gib"), ".1f"),
+                    "" if pd.isna(ratio) else f"{ratio:.2f}x",
+                    cite(r["raw"]),
+                ]
+            )
+    header = [
+        "routing",
+        "dispatcher",
+        "status",
+        "s/step",
+        "tokens/s/GPU",
+        "MFU",
+        "expert GEMM ms",
+        "EP all-to-all ms",
+        "peak GPU GiB",
+        "fused / torch",
+        "raw",
+    ]
     return markdown(rows, header)
 
 
@@ -266,8 +414,18 @@ def moe_layer(path: str) -> str:
     rows = []
     for p in raw(path)["points"]:
         if "speedup" in p:
-            rows.append([p["model"].removeprefix("qwen3_").upper(), num(p["tokens_per_gpu"]), p["routing"], num(p["torch_ms"], ".2f"),
-                         num(p["fused_ms"], ".2f"), num(p["torch_tflops"]), num(p["fused_tflops"]), f"{p['speedup']:.2f}x"])  # fmt: skip
+            rows.append(
+                [
+                    p["model"].removeprefix("qwen3_").upper(),
+                    num(p["tokens_per_gpu"]),
+                    p["routing"],
+                    num(p["torch_ms"], ".2f"),
+                    num(p["fused_ms"], ".2f"),
+                    num(p["torch_tflops"]),
+                    num(p["fused_tflops"]),
+                    f"{p['speedup']:.2f}x",
+                ]
+            )
     header = ["shape", "tokens/GPU", "routing", "torch ms", "fused ms", "torch TFLOP/s", "fused TFLOP/s", "speedup"]
     return markdown(rows, header)
 
@@ -280,15 +438,33 @@ def offload_depth(path: str) -> str:
         search = data["search"].get(mode, {})
         fits, fails = search.get("largest_fitting_num_layers"), search.get("smallest_failing_num_layers")
         deepest = f"{fits} (fails at {fails})" if search.get("exact") else f">= {fits} (not searched further)"
-        rows.append([mode, num(at4["s_per_step"], ".3f"), num(at4["peak_gpu_mem_gib"], ".1f"), num(at4["peak_host_rss_gib"], ".1f"), deepest])
-    return markdown(rows, ["offload", "s/step (4 layers)", "peak GPU GiB", "peak host GiB", "deepest proxy that fits one H200"])
+        rows.append(
+            [
+                mode,
+                num(at4["s_per_step"], ".3f"),
+                num(at4["peak_gpu_mem_gib"], ".1f"),
+                num(at4["peak_host_rss_gib"], ".1f"),
+                deepest,
+            ]
+        )
+    return markdown(
+        rows, ["offload", "s/step (4 layers)", "peak GPU GiB", "peak host GiB", "deepest proxy that fits one H200"]
+    )
 
 
 def host_optimizer(path: str) -> str:
     """Each case at each thread count of the file: parameters/s where the case steps parameters, bytes/s, share of
     the in-place bandwidth ceiling at that thread count."""
-    rows = [[r["case"], r["threads"], num(r.get("params_per_s", float("nan")) / 1e9, ".2f"), num(r["bytes_per_s"] / 1e9, ".1f"),
-             pct(r["fraction_of_ceiling"])] for r in raw(path)["rows"]]  # fmt: skip
+    rows = [
+        [
+            r["case"],
+            r["threads"],
+            num(r.get("params_per_s", float("nan")) / 1e9, ".2f"),
+            num(r["bytes_per_s"] / 1e9, ".1f"),
+            pct(r["fraction_of_ceiling"]),
+        ]
+        for r in raw(path)["rows"]
+    ]
     return markdown(rows, ["case", "threads", "G params/s", "GB/s", "of ceiling"])
 
 
@@ -296,10 +472,22 @@ def points(*paths: str) -> str:
     """Single runs (result.json-shaped files or sweep directories), one row each."""
     rows = []
     for path in paths:
-        df = sweep(path) if (ROOT / path).is_dir() else pd.DataFrame([raw(path)["metrics"] | {"status": raw(path)["status"]}])
+        df = (
+            sweep(path)
+            if (ROOT / path).is_dir()
+            else pd.DataFrame([raw(path)["metrics"] | {"status": raw(path)["status"]}])
+        )
         for _, r in df.iterrows():
-            rows.append([cite(path), r["status"], num(r.get("s_per_step"), ".3f"), num(r.get("tokens_per_s_per_gpu")),
-                         pct(r.get("mfu")), num(r.get("peak_gpu_mem_gib"), ".1f")])  # fmt: skip
+            rows.append(
+                [
+                    cite(path),
+                    r["status"],
+                    num(r.get("s_per_step"), ".3f"),
+                    num(r.get("tokens_per_s_per_gpu")),
+                    pct(r.get("mfu")),
+                    num(r.get("peak_gpu_mem_gib"), ".1f"),
+                ]
+            )
     return markdown(rows, ["raw", "status", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB"])
 
 
@@ -315,14 +503,41 @@ def plan(*paths: str) -> str:
                 continue
             m, p = record["metrics"], plan_record(record)["metrics"]
             choices = record["choices"]
-            err = lambda key: f"{100 * (p[key] / m[key] - 1):+.0f} %"  # noqa: E731
-            rows.append([cite(str(result.parent.relative_to(ROOT / path.split("/records/")[0]))), record["world_size"],
-                         choices["offload"], choices["dispatcher"], choices["ac"], record["config"]["trainer"].get("grad_accum", 1),
-                         num(m["s_per_step"], ".3f"), num(p["s_per_step"], ".3f"), err("s_per_step"),
-                         num(m["peak_gpu_mem_gib"], ".1f"), num(p["peak_gpu_mem_gib"], ".1f"), err("peak_gpu_mem_gib"),
-                         num(m["peak_host_rss_gib"], ".1f"), num(p["peak_host_rss_gib"], ".1f")])  # fmt: skip
-    header = ["point", "GPUs", "offload", "dispatcher", "ac", "micro-batches", "s/step measured", "planned", "error",
-              "peak GPU GiB measured", "planned", "error", "peak host GiB measured", "planned"]  # fmt: skip
+            err = lambda key, m=m, p=p: f"{100 * (p[key] / m[key] - 1):+.0f} %"  # noqa: E731
+            rows.append(
+                [
+                    cite(str(result.parent.relative_to(ROOT / path.split("/records/")[0]))),
+                    record["world_size"],
+                    choices["offload"],
+                    choices["dispatcher"],
+                    choices["ac"],
+                    record["config"]["trainer"].get("grad_accum", 1),
+                    num(m["s_per_step"], ".3f"),
+                    num(p["s_per_step"], ".3f"),
+                    err("s_per_step"),
+                    num(m["peak_gpu_mem_gib"], ".1f"),
+                    num(p["peak_gpu_mem_gib"], ".1f"),
+                    err("peak_gpu_mem_gib"),
+                    num(m["peak_host_rss_gib"], ".1f"),
+                    num(p["peak_host_rss_gib"], ".1f"),
+                ]
+            )
+    header = [
+        "point",
+        "GPUs",
+        "offload",
+        "dispatcher",
+        "ac",
+        "micro-batches",
+        "s/step measured",
+        "planned",
+        "error",
+        "peak GPU GiB measured",
+        "planned",
+        "error",
+        "peak host GiB measured",
+        "planned",
+    ]
     return markdown(rows, header)
 
 
@@ -343,8 +558,15 @@ def plan_breakdown(*paths: str) -> str:
             used |= {c for c, (m, p) in parts.items() if m > 5e-4 or p > 5e-4}
             rows.append((record, parts))
     categories = [c for c in CATEGORIES if c in used]
-    table = [[record["world_size"], record["choices"]["dispatcher"], record["choices"]["ac"],
-              *(f"{1e3 * m:.0f} / {1e3 * p:.0f}" for m, p in (parts[c] for c in categories))] for record, parts in rows]  # fmt: skip
+    table = [
+        [
+            record["world_size"],
+            record["choices"]["dispatcher"],
+            record["choices"]["ac"],
+            *(f"{1e3 * m:.0f} / {1e3 * p:.0f}" for m, p in (parts[c] for c in categories)),
+        ]
+        for record, parts in rows
+    ]
     return markdown(table, ["GPUs", "dispatcher", "ac", *categories])
 
 
@@ -355,8 +577,15 @@ def plan_depth(path: str) -> str:
 
     data = raw(path)
     planned = depth_search_plans(data)
-    rows = [[mode, data["search"][mode]["largest_fitting_num_layers"], data["search"][mode]["smallest_failing_num_layers"],
-             planned[mode]] for mode in ("none", "optimizer", "full")]  # fmt: skip
+    rows = [
+        [
+            mode,
+            data["search"][mode]["largest_fitting_num_layers"],
+            data["search"][mode]["smallest_failing_num_layers"],
+            planned[mode],
+        ]
+        for mode in ("none", "optimizer", "full")
+    ]
     return markdown(rows, ["offload", "deepest measured", "fails at", "deepest planned"])
 
 
@@ -364,11 +593,33 @@ def plan_reference(*paths: str) -> str:
     """The published Qwen3-235B-A22B reference (32 B300) beside the plans of the matching moe_lab configurations."""
     from moe_lab.plan.records import reference_235b
 
-    rows = [[r["reference"], r["dispatcher"], r["ac"], num(r["published_s"], ".2f"), num(r["planned_s"], ".2f"),
-             f"{100 * (r['planned_s'] / r['published_s'] - 1):+.0f} %", pct(r["planned_mfu"]), num(r["peak_gpu_mem_gib"], ".0f"),
-             "yes" if r["fits"] else "no", "yes" if r["compared"] else "no (shown)"] for r in reference_235b()]  # fmt: skip
-    header = ["reference row", "planned dispatcher", "ac", "published s/step", "planned s/step", "error", "planned MFU",
-              "planned peak GiB", "fits 268 GiB", "held to 20 %"]  # fmt: skip
+    rows = [
+        [
+            r["reference"],
+            r["dispatcher"],
+            r["ac"],
+            num(r["published_s"], ".2f"),
+            num(r["planned_s"], ".2f"),
+            f"{100 * (r['planned_s'] / r['published_s'] - 1):+.0f} %",
+            pct(r["planned_mfu"]),
+            num(r["peak_gpu_mem_gib"], ".0f"),
+            "yes" if r["fits"] else "no",
+            "yes" if r["compared"] else "no (shown)",
+        ]
+        for r in reference_235b()
+    ]
+    header = [
+        "reference row",
+        "planned dispatcher",
+        "ac",
+        "published s/step",
+        "planned s/step",
+        "error",
+        "planned MFU",
+        "planned peak GiB",
+        "fits 268 GiB",
+        "held to 20 %",
+    ]
     return markdown(rows, header)
 
 
@@ -381,10 +632,21 @@ def planned(*paths: str) -> str:
             record = json.loads(result.read_text())
             m, p = record["metrics"], record["plan"]
             swept = " ".join(o for o in record["overrides"] if not o.startswith(("+experiment=", "hardware.")))
-            rows.append([cite(path), swept, num(m["s_per_step"], ".3f"), num(m["tokens_per_s_per_gpu"]), pct(m["mfu"]),
-                         num(m["peak_gpu_mem_gib"], ".1f"), num(p["memory"]["host_total_gib"], ".0f"),
-                         "yes" if p["fits"] else f"no: {p['fits_why']}"])  # fmt: skip
-    return markdown(rows, ["plans", "point", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB", "host GiB per rank", "fits"])
+            rows.append(
+                [
+                    cite(path),
+                    swept,
+                    num(m["s_per_step"], ".3f"),
+                    num(m["tokens_per_s_per_gpu"]),
+                    pct(m["mfu"]),
+                    num(m["peak_gpu_mem_gib"], ".1f"),
+                    num(p["memory"]["host_total_gib"], ".0f"),
+                    "yes" if p["fits"] else f"no: {p['fits_why']}",
+                ]
+            )
+    return markdown(
+        rows, ["plans", "point", "s/step", "tokens/s/GPU", "MFU", "peak GPU GiB", "host GiB per rank", "fits"]
+    )
 
 
 def keys(*paths: str) -> str:
@@ -396,18 +658,40 @@ def keys(*paths: str) -> str:
     from moe_lab.config.help import SECTIONS, key_rows, option_line
     from moe_lab.config.schema import GROUPS
 
-    defaults = {k: v for d in yaml.safe_load((CONF / "train.yaml").read_text())["defaults"] if isinstance(d, dict) for k, v in d.items()}
+    defaults = {
+        k: v
+        for d in yaml.safe_load((CONF / "train.yaml").read_text())["defaults"]
+        if isinstance(d, dict)
+        for k, v in d.items()
+    }
     rows = []
     for group, what in GROUPS.items():
         options = sorted((CONF / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))
         for path in options:
             node = yaml.safe_load(path.read_text()) or {}
-            own = ", ".join(f"`{k}={_yaml_value(v)}`" for k, v in node.items() if not k.startswith("_") and "${hf_config:" not in str(v))
-            rows.append([f"`{group}`" + (f" ({what})" if path == options[0] else ""), f"`{path.stem}`" + (" (default)" if path.stem == defaults.get(group) else ""),
-                         option_line(path, width=400).replace("|", "\\|"), own])  # fmt: skip
+            own = ", ".join(
+                f"`{k}={_yaml_value(v)}`"
+                for k, v in node.items()
+                if not k.startswith("_") and "${hf_config:" not in str(v)
+            )
+            rows.append(
+                [
+                    f"`{group}`" + (f" ({what})" if path == options[0] else ""),
+                    f"`{path.stem}`" + (" (default)" if path.stem == defaults.get(group) else ""),
+                    option_line(path, width=400).replace("|", "\\|"),
+                    own,
+                ]
+            )
     text = markdown(rows, ["group", "option", "what it is", "its keys (`<group>.<key>`), as its yaml sets them"])
-    key_table = [[f"`{key}.*`" if default is None else f"`{key}`", "" if default is None else f"`{default}`", what.replace("|", "\\|")]
-                 for section, schema in SECTIONS.items() for key, default, what in key_rows(section, schema)]  # fmt: skip
+    key_table = [
+        [
+            f"`{key}.*`" if default is None else f"`{key}`",
+            "" if default is None else f"`{default}`",
+            what.replace("|", "\\|"),
+        ]
+        for section, schema in SECTIONS.items()
+        for key, default, what in key_rows(section, schema)
+    ]
     return text + "\n" + markdown(key_table, ["key", "default", "what it does"])
 
 
@@ -416,7 +700,9 @@ def _yaml_value(value) -> str:
 
 
 # A study README's paragraphs that the index reads: its question, and the headline its owner keeps beside its tables.
-STUDY_PARAGRAPH = re.compile(r"^\*\*(?P<name>Question|Headline)(?: \([^)]*\))?\.\*\* (?P<text>.*?)(?:\n\n|\Z)", re.M | re.S)
+STUDY_PARAGRAPH = re.compile(
+    r"^\*\*(?P<name>Question|Headline)(?: \([^)]*\))?\.\*\* (?P<text>.*?)(?:\n\n|\Z)", re.M | re.S
+)
 
 
 def _first_sentence(text: str) -> str:
@@ -428,7 +714,11 @@ def _sittings(study: Path) -> list[tuple[str, str]]:
     """(machine folder, newest sitting's UTC start) per folder of a study's records/, newest first."""
     out = []
     for machine in sorted(p for p in (study / "records").glob("*") if p.is_dir()):
-        starts = sorted(re.match(r"\d{4}-\d\d-\d\d(_\d\d-\d\d)?", p.name)[0] for p in machine.iterdir() if re.match(r"\d{4}-\d\d-\d\d", p.name))
+        starts = sorted(
+            re.match(r"\d{4}-\d\d-\d\d(_\d\d-\d\d)?", p.name)[0]
+            for p in machine.iterdir()
+            if re.match(r"\d{4}-\d\d-\d\d", p.name)
+        )
         if starts:
             out.append((machine.name, starts[-1]))
     return sorted(out, key=lambda item: item[1], reverse=True)
@@ -450,9 +740,17 @@ def studies(path: str) -> str:
         title = text.splitlines()[0].removeprefix("# ").split(": ", 1)[-1]
         question = _first_sentence(paragraphs["Question"]) if "Question" in paragraphs else title
         ran = "; ".join(f"{machine} ({_utc(start)})" for machine, start in _sittings(study))
-        rows.append([f"[{study.name}]({study.name}/README.md)", question.replace("|", "\\|"), ran or "not run",
-                     " ".join(paragraphs.get("Headline", "-").split()).replace("](../", "](").replace("|", "\\|")])  # fmt: skip
-    return markdown(rows, ["study", "question", "records: machine (newest sitting, UTC)", "headline (the study's README)"])
+        rows.append(
+            [
+                f"[{study.name}]({study.name}/README.md)",
+                question.replace("|", "\\|"),
+                ran or "not run",
+                " ".join(paragraphs.get("Headline", "-").split()).replace("](../", "](").replace("|", "\\|"),
+            ]
+        )
+    return markdown(
+        rows, ["study", "question", "records: machine (newest sitting, UTC)", "headline (the study's README)"]
+    )
 
 
 KINDS = {

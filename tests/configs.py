@@ -12,9 +12,18 @@ from moe_lab.runtime.paths import CONF_DIR
 
 # The tiny model on the CPU in fp32, uncompiled, two short steps, a one-step profile window.
 TINY = [
-    "model=tiny", "trainer.device=cpu", "trainer.compile=false", "trainer.precision=fp32", "data.seq_len=32",
-    "data.batch_size=2", "trainer.steps=2", "trainer.warmup_steps=1", "trainer.timing_skip=0",
-    "profile.wait=1", "profile.warmup=0", "profile.active=1",
+    "model=tiny",
+    "trainer.device=cpu",
+    "trainer.compile=false",
+    "trainer.precision=fp32",
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "trainer.steps=2",
+    "trainer.warmup_steps=1",
+    "trainer.timing_skip=0",
+    "profile.wait=1",
+    "profile.warmup=0",
+    "profile.active=1",
 ]
 
 

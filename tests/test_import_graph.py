@@ -106,7 +106,11 @@ def test_rules_within_the_layers():
     wrong = []
     for module, imported in graph.items():
         for target in imported:
-            if module != "moe_lab.moe.dispatcher" and under(module, "moe_lab.moe") and target == "moe_lab.moe.dispatcher":
+            if (
+                module != "moe_lab.moe.dispatcher"
+                and under(module, "moe_lab.moe")
+                and target == "moe_lab.moe.dispatcher"
+            ):
                 wrong.append((module, target))
             if module == "moe_lab.parallel.ac" and under(target, "moe_lab.moe", "moe_lab.models"):
                 wrong.append((module, target))
