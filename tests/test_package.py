@@ -24,7 +24,7 @@ from tests.sweep import ROOT
 
 pytestmark = pytest.mark.slow  # builds a wheel and venvs, runs jobs from them
 
-# What a source distribution of the project holds: the package, its build settings, the config tree, the studies' presets.
+# What a source distribution holds: the package, its build settings, the config tree, the studies' presets.
 SOURCE = ["pyproject.toml", "README.md", "moe_lab", "conf", "experiments", "hydra_plugins"]
 IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "records")
 

@@ -81,8 +81,10 @@ def key_rows(prefix: str, schema) -> list[tuple[str, str | None, str]]:
 
 def key_lines(prefix: str, schema) -> list[str]:
     """One line per key of a schema section, a nested section's keys under its own prefix."""
-    return [f"  {key}.*".ljust(40) + f" {what}:" if default is None else f"  {key}={default}".ljust(40) + f" {what}"
-            for key, default, what in key_rows(prefix, schema)]  # fmt: skip
+    lines = []
+    for key, default, what in key_rows(prefix, schema):
+        lines.append(f"  {key}.*".ljust(40) + f" {what}:" if default is None else f"  {key}={default}".ljust(40) + f" {what}")
+    return lines
 
 
 def register_help() -> str:
