@@ -127,6 +127,8 @@ BAD = [
     (["model=qwen3_30b", "data.seq_len=65536"], {}, "data.seq_len"),
     (["trainer.nproc_per_node=2", "parallel.dp_shard=4"], {}, "parallel.dp_shard"),
     (["parallel.dp_shard=2"], {"WORLD_SIZE": "4"}, "parallel.dp_shard"),  # under an outer torchrun
+    # the fused gpu backend's EP group spans two nodes of 2 ranks (symmetric memory reaches peers in a node only)
+    (["dispatcher=fused", "parallel.ep=4"], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "parallel.ep"),
     (["trainer.steps=abc"], {}, "trainer.steps"),
     (["trainer.dry_run=maybe"], {}, "trainer.dry_run"),
     (["model.num_experts=abc"], {}, "model.num_experts"),
@@ -180,6 +182,16 @@ def test_bad_override_fails_naming_its_key(overrides, env, key, monkeypatch):
         assert kind == f"validate:{key}", message  # ConfigError.key is the offending key
         assert message.startswith(f"{key}: ")
     assert key in message, message
+
+
+def test_fused_ep_group_across_nodes_runs_on_the_reference_backend_only(monkeypatch):
+    """The node rule is the gpu backend's: the reference backend exchanges over the process group, any group."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    within = compose_train(["dispatcher=fused", "parallel.ep=2"])
+    assert config.validate(within).dispatcher.backend == "auto"
+    across = compose_train(["dispatcher=fused", "dispatcher.backend=reference", "parallel.ep=4"])
+    assert config.validate(across).dispatcher.backend == "reference"
 
 
 def test_validation_returns_the_options_it_built():

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from moe_lab.runtime.errors import ConfigError
-from moe_lab.runtime.device import computes_in_bf16, runs_on_cuda
+from moe_lab.runtime.device import computes_in_bf16, ranks_per_node, runs_on_cuda
 from moe_lab.runtime.host_read import to_host
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
@@ -193,8 +193,20 @@ class FusedDispatcher(TokenDispatcher):
         self.gpu_backend = fused.gpu_backend_name(self.gemm, self.ep_size) if cuda else None
         return self
 
+    def gpu_backend_where_deep_gemm_imports(self, ep: int) -> str:
+        """The op backend this option runs at EP degree ``ep`` on a GPU machine where deep_gemm imports (what the
+        planner plans; ``moe_lab.moe.fused.gpu_backend_name`` picks it at run time)."""
+        return "gpu_deep_gemm" if fused.wants_deep_gemm(self.gemm, ep) else "gpu"
+
     def validate(self, cfg) -> None:
         cuda = runs_on_cuda(cfg.trainer)
+        node = ranks_per_node(cfg)
+        if self.backend != "reference" and cfg.parallel.ep > node:
+            raise ConfigError(
+                "parallel.ep",
+                f"the fused gpu backend exchanges rows through peer GPUs' memory over NVLink: its EP group must fit in a "
+                f"node ({node} ranks per node), got {cfg.parallel.ep}; use dispatcher=torch across nodes",
+            )
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
         if self.gemm == "deep_gemm" and not fused.deep_gemm_available():

@@ -95,15 +95,9 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         raise ConfigError("optimizer._target_", f"the planner models torch.optim.AdamW and SignSGD, got {opt_class}")
     keywords = opt.keywords if isinstance(opt, partial) else {}
     dispatcher = options.dispatcher
-    # The GPU's backend choice (moe_lab.moe.fused.gpu_backend_name), DeepGEMM taken as importable there
-    deep_gemm = kind["dispatcher"] == "fused" and dispatcher.gemm != "torch" and (dispatcher.gemm == "deep_gemm" or train.parallel.ep == 1)
-    align = ALIGN["gpu_deep_gemm" if deep_gemm else "gpu"]
-    if kind["dispatcher"] == "fused" and train.parallel.ep > hw.gpus_per_node:
-        raise ConfigError(
-            "parallel.ep",
-            f"the fused dispatcher exchanges rows through peer GPUs' memory over NVLink: its EP group must fit in a node "
-            f"(hardware.gpus_per_node={hw.gpus_per_node}), got {train.parallel.ep}; use dispatcher=torch across nodes",
-        )
+    # The GPU machine's backend, by the dispatcher's own rule (validation refused a fused EP group wider than a node)
+    fused = kind["dispatcher"] == "fused"
+    align = ALIGN[dispatcher.gpu_backend_where_deep_gemm_imports(train.parallel.ep) if fused else "gpu"]
     offload = options.offload
     step = Step(
         shapes=Shapes(model),
