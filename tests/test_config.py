@@ -116,6 +116,8 @@ BAD = [
     (["dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+optimizer.foo=1"], {}, "optimizer.foo"),
+    (["ac._target_=moe_lab.metrics.logger.NoLogger"], {}, "ac._target_"),  # a class without the group's contract
+    (["offload._target_=moe_lab.parallel.ac.NoCheckpoint"], {}, "offload._target_"),
     (["trainer.nproc_per_node=3", "parallel.ep=3"], {}, "parallel.ep"),  # 8 experts over 3 ranks
     (["parallel.ep=2"], {}, "parallel.ep"),  # more EP ranks than the job has
     (["optimizer.lr=-1e-3"], {}, "optimizer.lr"),

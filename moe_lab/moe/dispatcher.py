@@ -29,10 +29,13 @@ from moe_lab.moe.experts import compute_dtype, grouped_swiglu
 
 
 class TokenDispatcher(abc.ABC):
-    """Built from the config (and validated) before any process group exists; expert parallelism then hands it the
-    EP group with ``set_ep_group``. The group is held as plain values the compiler keeps as constants; no group
-    means every expert is local."""
+    """What a ``dispatcher`` option is (the group's contract). Built from the config and validated (``validate``)
+    before any process group exists; ``moe_lab.parallel.parallelize`` then hands it the EP group
+    (``set_ep_group``) and gives ac=selective its ``saved_ops``; each MoE block calls it (``__call__``). The group
+    is held as plain values the compiler keeps as constants; no group means every expert is local."""
 
+    # The ops whose outputs ac=selective keeps beyond the generic ones, so recompute never re-routes or
+    # re-communicates (the planner reads them too).
     saved_ops: ClassVar[frozenset]
 
     def __init__(self):
@@ -51,10 +54,13 @@ class TokenDispatcher(abc.ABC):
         topk_weights: torch.Tensor,
         gate_up_proj: torch.Tensor,
         down_proj: torch.Tensor,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """y [T, H] for the rank's tokens x [T, H], their routing [T, K] and the local experts' stacked weights (the
+        module docstring's contract)."""
 
-    @abc.abstractmethod
-    def validate(self, cfg) -> None: ...
+    def validate(self, cfg) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this dispatcher cannot run (shapes its
+        GEMMs cannot take, a mesh its exchange cannot span); the default accepts every config."""
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
