@@ -10,8 +10,7 @@ from hydra.utils import get_object
 
 from moe_lab.config import ConfigError
 from moe_lab.moe.dispatcher import TokenDispatcher
-from moe_lab.plan.options import MODELS, model_of, option_class
-from moe_lab.plan.planner import PLANNED_GROUPS
+from moe_lab.plan.options import MODELS, PLANNED_GROUPS, model_of, option_class
 from moe_lab.runtime.paths import CONF_DIR
 
 

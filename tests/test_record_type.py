@@ -31,17 +31,21 @@ def test_each_outcome_sets_status_and_error_and_leaves_the_point_as_it_was():
     assert (ok["status"], ok["error"], ok["metrics"]) == ("ok", None, {"s_per_step": 0.5})
     invalid = Record.point(META, CFG).invalid(ConfigError("parallel.ep", "must divide 8, got 3"))
     assert invalid["status"] == "invalid" and "world_size" not in invalid
-    assert invalid["error"] == {"type": "ConfigError", "key": "parallel.ep", "message": "parallel.ep: must divide 8, got 3"}
+    message = "parallel.ep: must divide 8, got 3"
+    assert invalid["error"] == {"type": "ConfigError", "key": "parallel.ep", "message": message}
     unexpected = base.invalid(KeyError("x"))["error"]
-    assert unexpected["type"] == "KeyError" and unexpected["key"] is None and unexpected["message"].startswith("validation failed")
+    assert (unexpected["type"], unexpected["key"]) == ("KeyError", None)
+    assert unexpected["message"].startswith("validation failed")
     oom = base.failure(torch.OutOfMemoryError("CUDA out of memory"), {"peak_gpu_mem_gib": 1.0})
     assert oom["status"] == "oom" and oom["metrics"] == {"peak_gpu_mem_gib": 1.0} and "traceback" in oom["error"]
     crash = base.failure(RuntimeError("boom"))
     assert crash["status"] == "error" and crash["error"]["message"] == "boom" and "metrics" not in crash
     stopped = base.interrupted("SIGTERM", 3, "/ckpt/step_3", {"steps_done": 3})
     assert stopped["status"] == "interrupted" and stopped["metrics"] == {"steps_done": 3}
-    assert stopped["error"]["exit_code"] == 143 and stopped["error"]["message"] == "SIGTERM received: stopped after step 3; checkpoint /ckpt/step_3"
-    assert Record.point(META, CFG).interrupted("SIGINT", None, None)["error"]["message"] == "SIGINT received: stopped before training started"
+    assert stopped["error"]["exit_code"] == 143
+    assert stopped["error"]["message"] == "SIGTERM received: stopped after step 3; checkpoint /ckpt/step_3"
+    before = Record.point(META, CFG).interrupted("SIGINT", None, None)["error"]["message"]
+    assert before == "SIGINT received: stopped before training started"
     assert "status" not in base  # every outcome is a new record
 
 

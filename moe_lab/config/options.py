@@ -54,7 +54,7 @@ def _build(cfg: DictConfig, group: str, contract: type):
             raise e.__cause__ from None  # Hydra wraps what a constructor raises
         raise
     if not isinstance(option, contract):
-        raise ConfigError(
-            f"{group}._target_", f"{cfg[group]._target_} is no {group} option: it does not provide {contract.__module__}.{contract.__name__}"
-        )
+        contract_name = f"{contract.__module__}.{contract.__name__}"
+        message = f"{cfg[group]._target_} is no {group} option: it does not provide {contract_name}"
+        raise ConfigError(f"{group}._target_", message)
     return option

@@ -210,8 +210,8 @@ class FusedDispatcher(TokenDispatcher):
         if self.backend != "reference" and cfg.parallel.ep > node:
             raise ConfigError(
                 "parallel.ep",
-                f"the fused gpu backend exchanges rows through peer GPUs' memory over NVLink: its EP group must fit in a "
-                f"node ({node} ranks per node), got {cfg.parallel.ep}; use dispatcher=torch across nodes",
+                f"the fused gpu backend exchanges rows through peer GPUs' memory over NVLink: its EP group must fit "
+                f"in a node ({node} ranks per node), got {cfg.parallel.ep}; use dispatcher=torch across nodes",
             )
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")

@@ -61,7 +61,8 @@ class Hardware:
             value = getattr(self, f.name)
             if f.name in ("gpus_per_node", "host_memory_gib", "host_memory_gib_per_gpu") and value is None:
                 continue
-            if f.name.startswith("host_memory_gib") and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if f.name.startswith("host_memory_gib") and not (number and value > 0):
                 raise ConfigError(f"hardware.{f.name}", f"must be null or a number > 0, got {value!r}")
             if f.name in ("nodes", "gpus_per_node"):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -71,7 +72,7 @@ class Hardware:
             if f.name.endswith("_efficiency") and not 0 < value <= 1:
                 raise ConfigError(f"hardware.{f.name}", f"must be in (0, 1], got {value!r}")
         if self.host_memory_gib is None and self.host_memory_gib_per_gpu is None:
-            raise ConfigError("hardware.host_memory_gib", "must be set (GiB per node) when hardware.host_memory_gib_per_gpu is null")
+            raise ConfigError("hardware.host_memory_gib", "must be set (GiB per node) where its per-GPU figure is null")
 
     @property
     def gpus(self) -> int:

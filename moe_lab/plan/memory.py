@@ -34,7 +34,8 @@ from moe_lab.optim.offload.full import device_chunk_count
 from moe_lab.plan.shapes import Mesh, Shapes
 
 if TYPE_CHECKING:
-    from moe_lab.plan.options import AdamWPlan, FusedDispatcherPlan, NoCheckpointPlan, NoOffloadPlan, SignSGDPlan, TorchDispatcherPlan
+    from moe_lab.plan.options import (AdamWPlan, FusedDispatcherPlan, NoCheckpointPlan, NoOffloadPlan, SignSGDPlan,
+                                      TorchDispatcherPlan)
 
 GIB = 2**30
 _aten = torch.ops.aten

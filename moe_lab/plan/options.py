@@ -21,13 +21,13 @@ from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import Step, full_offload_chunks, fused_receive_rows, pinned, ring_params, routed_rows, saved_per_layer
-from moe_lab.plan.memory import chunks as parameter_chunks
-from moe_lab.plan.memory import state_bytes
+from moe_lab.plan.memory import (Step, chunks, full_offload_chunks, fused_receive_rows, pinned, ring_params,
+                                 routed_rows, saved_per_layer, state_bytes)
 from moe_lab.runtime.errors import ConfigError
 
 # group -> option class -> its model, in registration order
 MODELS: dict[str, dict[type, object]] = {"dispatcher": {}, "ac": {}, "offload": {}, "optimizer": {}}
+PLANNED_GROUPS = tuple(MODELS)  # the groups whose options a plan depends on
 
 
 def planner_model(group: str, option_class: type):
@@ -54,7 +54,8 @@ def model_of(group: str, option):
         if klass in MODELS[group]:
             return MODELS[group][klass]
     known = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in MODELS[group])
-    raise ConfigError(f"{group}._target_", f"the planner has no model of {cls.__module__}.{cls.__qualname__}; it models {known}")
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    raise ConfigError(f"{group}._target_", f"the planner has no model of {name}; it models {known}")
 
 
 def named(group: str, name: str):
@@ -143,7 +144,8 @@ class FusedDispatcherPlan:
     def op_outputs(self, step: Step) -> dict:
         c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
         rows, inter = fused_receive_rows(step), c.moe_intermediate_size
-        return {torch.ops.moe_lab.fused_moe.default: [2 * t * c.hidden_size + rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k]}
+        saved = 2 * t * c.hidden_size + rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k
+        return {torch.ops.moe_lab.fused_moe.default: [saved]}
 
     def elementwise_outputs(self, step: Step) -> float:
         return 0.0
@@ -153,7 +155,8 @@ class FusedDispatcherPlan:
         if step.mesh.ep == 1:
             return {}
         c, rows = step.cfg, fused_receive_rows(step) * 1.25
-        return {"fused symmetric workspace": rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size}
+        workspace = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size
+        return {"fused symmetric workspace": workspace}
 
     def index_adds(self, step: Step) -> int:
         return 0
@@ -282,7 +285,7 @@ class OptimizerOffloadPlan(NoOffloadPlan):
 
     def host(self, step: Step) -> dict[str, float]:
         # each chunk's state is one pinned block, rounded up to a power of two
-        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in parameter_chunks(step, reverse=True, split=True))}
+        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True))}
 
     def optimizer_seconds(self, step: Step, hw: Hardware, params: float) -> dict[str, float]:
         return {"optimizer": params * ADAMW_BYTES / hw.hbm_bytes_per_s}  # its exposed PCIe follows the compute
@@ -323,7 +326,8 @@ class FullOffloadPlan(NoOffloadPlan):
         return {
             "fp32 masters": 4 * on_host,
             "moments": state_bytes(step) * on_host,
-            "pinned transfer buffers": min(step.max_inflight, len(host_chunks)) * pinned(2 * max(host_chunks, default=0.0)),
+            "pinned transfer buffers": min(step.max_inflight, len(host_chunks))
+            * pinned(2 * max(host_chunks, default=0.0)),
         }
 
     def optimizer_seconds(self, step: Step, hw: Hardware, params: float) -> dict[str, float]:

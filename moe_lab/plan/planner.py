@@ -22,12 +22,11 @@ from moe_lab.optim.offload.host import HOST_RESERVE
 from moe_lab.parallel.ac import GENERIC_SAVED_OPS
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.memory import Step, plan_memory
-from moe_lab.plan.options import MODELS, model_of, named
+from moe_lab.plan.options import MODELS, PLANNED_GROUPS, model_of, named
 from moe_lab.plan.shapes import Mesh, Shapes
 from moe_lab.plan.step_time import plan_time
 
-PLANNED_GROUPS = ("dispatcher", "ac", "offload", "optimizer")  # the groups whose options the planner models
-OPTION_FIELD = {"dispatcher": "dispatcher", "ac": "ac", "offload": "offload", "optimizer": "make_optimizer"}
+OPTION_FIELD = {"dispatcher": "dispatcher", "ac": "ac", "offload": "offload", "optimizer": "make_optimizer"}  # Options
 
 
 def build_hardware(node, nproc_per_node: int = 1) -> Hardware:

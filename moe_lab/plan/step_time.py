@@ -119,7 +119,8 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
         "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if dispatcher.exchange_in_kernels else 0.0),
         "ep_all_to_all": 0.0 if dispatcher.exchange_in_kernels else exchange,
-        "other": c.num_layers * dispatcher.index_adds(step) * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s,
+        "other": c.num_layers * dispatcher.index_adds(step) * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT
+        / hw.hbm_bytes_per_s,
     }
 
 

@@ -107,9 +107,11 @@ class Record(dict):
         return Record({**self, "status": "invalid", "error": error})
 
     def failure(self, e: BaseException, metrics: dict | None = None) -> Record:
-        return Record({**self, **failure(e), **({} if metrics is None else {"metrics": metrics})})
+        return Record({**self, **failure(e), **_metrics(metrics)})
 
-    def interrupted(self, signal_name: str, step: int | None, checkpoint: str | None, metrics: dict | None = None) -> Record:
+    def interrupted(
+        self, signal_name: str, step: int | None, checkpoint: str | None, metrics: dict | None = None
+    ) -> Record:
         """A signal stopped the point after ``step`` steps (None: before its ranks started), with ``checkpoint``
         saved there (None: none)."""
         when = "before training started" if step is None else f"after step {step}"
@@ -122,12 +124,16 @@ class Record(dict):
             "exit_code": 128 + signal.Signals[signal_name].value,  # as the shell reports a process the signal ended
             "message": f"{signal_name} received: stopped {when}{saved}",
         }
-        return Record({**self, "status": "interrupted", "error": error, **({} if metrics is None else {"metrics": metrics})})
+        return Record({**self, "status": "interrupted", "error": error, **_metrics(metrics)})
 
     def write(self, run_dir: str | Path) -> Record:
         """Write it as ``run_dir``'s result.json, atomically."""
         write_json_atomic(Path(run_dir) / RESULT, self)
         return self
+
+
+def _metrics(metrics: dict | None) -> dict:
+    return {} if metrics is None else {"metrics": metrics}
 
 
 def read_result(run_dir: str | Path) -> dict | None:

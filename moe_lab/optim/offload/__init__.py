@@ -1,8 +1,8 @@
 """Where weights and optimizer state live: the ``offload`` group. Each option turns (model, optimizer factory,
 compute dtype) into the ``torch.optim.Optimizer`` the training loop steps and an LR scheduler drives; the loop never
-asks which option it has (the ``Offload`` contract). With gradient accumulation (``trainer.grad_accum``) the loop calls the option's
-``before_micro_batch(optimizer, final)`` before each micro-batch: gradients accumulate on the device until the final
-micro-batch's backward, whose gradients are the step's.
+asks which option it has (the ``Offload`` contract). With gradient accumulation (``trainer.grad_accum``) the loop
+calls the option's ``before_micro_batch(optimizer, final)`` before each micro-batch: gradients accumulate on the
+device until the final micro-batch's backward, whose gradients are the step's.
 
 | option      | on the device                              | in host memory                        | optimizer step    |
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
@@ -69,7 +69,9 @@ class Offload(Protocol):
         """Refuse, with a ``ConfigError`` naming the key, a composed config this mode cannot run (an optimizer it
         cannot step, gradient clipping it cannot honour); the default accepts every config."""
 
-    def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
+    def build(
+        self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype
+    ) -> torch.optim.Optimizer:
         """The optimizer the loop steps and the LR scheduler drives, over ``model``'s parameters (placed where this
         mode keeps them): ``make_optimizer(params)`` builds the configured one."""
         ...
