@@ -131,6 +131,8 @@ BAD = [
     (["dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+optimizer.foo=1"], {}, "optimizer.foo"),
+    (["ac._target_=moe_lab.metrics.logger.NoLogger"], {}, "ac._target_"),  # a class without the group's contract
+    (["offload._target_=moe_lab.parallel.ac.NoCheckpoint"], {}, "offload._target_"),
     (["trainer.nproc_per_node=3", "parallel.ep=3"], {}, "parallel.ep"),  # 8 experts over 3 ranks
     (["parallel.ep=2"], {}, "parallel.ep"),  # more EP ranks than the job has
     (["optimizer.lr=-1e-3"], {}, "optimizer.lr"),
@@ -142,6 +144,8 @@ BAD = [
     (["model=qwen3_30b", "data.seq_len=65536"], {}, "data.seq_len"),
     (["parallel.dp_shard=2"], {}, "parallel.dp_shard"),  # no such key: FSDP2 shards the dense weights over all ranks
     (["parallel.ep=8"], {"WORLD_SIZE": "4"}, "parallel.ep"),  # under an outer torchrun: its world, not nproc_per_node
+    # the fused gpu backend's EP group spans two nodes of 2 ranks (symmetric memory reaches peers in a node only)
+    (["dispatcher=fused", "parallel.ep=4"], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "parallel.ep"),
     (["trainer.steps=abc"], {}, "trainer.steps"),
     (["trainer.dry_run=maybe"], {}, "trainer.dry_run"),
     (["model.num_experts=abc"], {}, "model.num_experts"),
@@ -195,6 +199,16 @@ def test_bad_override_fails_naming_its_key(overrides, env, key, monkeypatch):
         assert kind == f"validate:{key}", message  # ConfigError.key is the offending key
         assert message.startswith(f"{key}: ")
     assert key in message, message
+
+
+def test_fused_ep_group_across_nodes_runs_on_the_reference_backend_only(monkeypatch):
+    """The node rule is the gpu backend's: the reference backend exchanges over the process group, any group."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    within = compose_train(["dispatcher=fused", "parallel.ep=2"])
+    assert config.validate(within).dispatcher.backend == "auto"
+    across = compose_train(["dispatcher=fused", "dispatcher.backend=reference", "parallel.ep=4"])
+    assert config.validate(across).dispatcher.backend == "reference"
 
 
 def test_validation_returns_the_options_it_built():

@@ -4,42 +4,57 @@ values) and hands them to the trainer, which builds nothing from the config agai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from moe_lab.data.batch import DataSource
+from moe_lab.metrics.logger import ExperimentLogger
+from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from moe_lab.moe.dispatcher import TokenDispatcher
+from moe_lab.optim.offload import Offload
+from moe_lab.optim.optimizers import OptimizerFactory
+from moe_lab.parallel.ac import Checkpointing
 from moe_lab.runtime.errors import ConfigError
 
 
 @dataclass
 class Options:
-    model: Any  # the model's config (moe_lab.models.qwen3_moe.Qwen3MoeConfig); ``.build()`` makes the module
-    dispatcher: Any
-    ac: Any
-    offload: Any
-    make_optimizer: Callable  # params -> torch.optim.Optimizer (a partial of the optimizer class)
-    data: Any
-    logger: Any  # used on rank 0 only
+    """Each group's option, built; its type is the group's contract (written in the group's module)."""
+
+    model: Qwen3MoeConfig  # ``.build()`` makes the module
+    dispatcher: TokenDispatcher
+    ac: Checkpointing
+    offload: Offload
+    make_optimizer: OptimizerFactory  # params -> torch.optim.Optimizer (a partial of the optimizer class)
+    data: DataSource
+    logger: ExperimentLogger  # used on rank 0 only
 
     def with_rules(self) -> list:
-        """The options that own cross-group rules (a ``validate(cfg)`` method)."""
-        return [o for o in (self.dispatcher, self.ac, self.offload, self.data, self.logger) if hasattr(o, "validate")]
+        """The options that own cross-group rules (their ``validate(cfg)``), in the order validation runs them."""
+        return [self.dispatcher, self.ac, self.offload, self.data, self.logger]
 
 
 def build_options(cfg: DictConfig) -> Options:
-    return Options(**{field: _build(cfg, group) for field, group in _GROUP_OF.items()})
+    return Options(**{field: _build(cfg, group, CONTRACTS[field]) for field, group in _GROUP_OF.items()})
 
 
 _GROUP_OF = {"model": "model", "dispatcher": "dispatcher", "ac": "ac", "offload": "offload",
              "make_optimizer": "optimizer", "data": "data", "logger": "logger"}  # fmt: skip
+CONTRACTS = {"model": Qwen3MoeConfig, "dispatcher": TokenDispatcher, "ac": Checkpointing, "offload": Offload,
+             "make_optimizer": OptimizerFactory, "data": DataSource, "logger": ExperimentLogger}  # fmt: skip
 
 
-def _build(cfg: DictConfig, group: str):
+def _build(cfg: DictConfig, group: str, contract: type):
     try:
-        return instantiate(cfg[group])
+        option = instantiate(cfg[group])
     except InstantiationException as e:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None  # Hydra wraps what a constructor raises
         raise
+    if not isinstance(option, contract):
+        contract_name = f"{contract.__module__}.{contract.__name__}"
+        message = f"{cfg[group]._target_} is no {group} option: it does not provide {contract_name}"
+        raise ConfigError(f"{group}._target_", message)
+    return option

@@ -1,8 +1,10 @@
-"""What a data option hands the trainer for each step: one rank's share of the step's global batch."""
+"""What a data option is (``DataSource``, the ``data`` group's contract) and what it hands the trainer for each
+step: one rank's share of the step's global batch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -18,3 +20,31 @@ class Batch:
     def to(self, device: torch.device) -> Batch:
         documents = self.documents.to(device) if self.documents is not None else None
         return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), documents)
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """What a ``data`` option provides. Validation calls ``validate``; the trainer ``batch`` for each micro-batch of
+    each step and ``eval_batch`` for evaluation; the checkpointer ``state_dict`` / ``load_state_dict`` (one state
+    per rank). A batch is a function of its arguments, so every mesh shape trains on the same global batch."""
+
+    def validate(self, cfg) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config these batches do not fit (a vocabulary
+        larger than the model's); the default accepts every config."""
+
+    def batch(self, step: int, dp_rank: int, dp_size: int, micro_batch: int = 0, micro_batches: int = 1) -> Batch:
+        """Micro-batch ``micro_batch`` (of ``micro_batches``) of rank ``dp_rank``'s (of ``dp_size``) share of step
+        ``step``'s global batch, [batch_size, seq_len] on the CPU."""
+        ...
+
+    def eval_batch(self, index: int, dp_rank: int, dp_size: int) -> Batch:
+        """Rank ``dp_rank``'s share of held-out batch ``index``, drawn from what no training step reads."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Where this rank's reader stands, for a checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from what ``state_dict`` returned."""
+        ...

@@ -7,10 +7,10 @@ import functools
 import torch
 
 from moe_lab.runtime.errors import ConfigError
-from moe_lab.data.batch import Batch
+from moe_lab.data.batch import Batch, DataSource
 
 
-class SyntheticData:
+class SyntheticData(DataSource):
     """A learnable language: runs of a fixed random cycle over the vocabulary, restarted at random.
 
     Within a run token i+1 is the successor of token i on the cycle (a bigram rule a model learns quickly); with

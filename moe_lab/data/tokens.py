@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moe_lab.runtime.errors import ConfigError
-from moe_lab.data.batch import Batch
+from moe_lab.data.batch import Batch, DataSource
 from moe_lab.models.qwen3_moe import Documents
 
 FORMAT = "moe_lab.tokens/1"
@@ -76,7 +76,7 @@ class Packing:
         return pieces
 
 
-class TokenData:
+class TokenData(DataSource):
     """Packed samples of a prepared token dataset (``python -m moe_lab.data.prepare``).
 
     Training samples: each epoch concatenates the train split's documents in an order drawn from (seed, epoch) and

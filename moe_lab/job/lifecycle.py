@@ -19,7 +19,6 @@ import gc
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 from datetime import datetime, timezone
@@ -33,13 +32,13 @@ from torch.distributed.elastic.multiprocessing import SignalException
 
 from moe_lab import config
 from moe_lab.checkpoint import directory as checkpoint_directory
-from moe_lab.config import ConfigError, Options
+from moe_lab.config import Options
 from moe_lab.runtime.device import runs_on_cuda
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.job.launcher import adopt_slurm_environment, launch_local, shared_run_dir, started_by_outer_launcher
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
-from moe_lab.results.record import RESULT, environment, failure, point_config, read_result, write_json_atomic
+from moe_lab.results.record import RESULT, Record, environment, point_config, read_result, write_json_atomic
 from moe_lab.job.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
 
 log = logging.getLogger("moe_lab")
@@ -147,11 +146,8 @@ def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer
             return earlier
     try:
         options = config.validate(cfg)
-    except ConfigError as e:
-        return _record_invalid(cfg, run_dir, meta, multirun, rank0, {"type": "ConfigError", "key": e.key, "message": str(e)})
-    except Exception as e:  # a check that failed in an unexpected way is still a config this job cannot run
-        error = {"type": type(e).__name__, "key": None, "message": f"validation failed: {e}"}
-        return _record_invalid(cfg, run_dir, meta, multirun, rank0, error)
+    except Exception as e:  # a ConfigError, or a check that failed in an unexpected way: a config this job cannot run
+        return _record_invalid(cfg, run_dir, meta, multirun, rank0, e)
     if cfg.trainer.dry_run:
         return dry_run(cfg, options)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
@@ -167,12 +163,10 @@ def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer
         if record is not None and record["status"] == "interrupted":
             return record
         if isinstance(e, SignalException):  # no rank got as far as recording it
-            record = {**meta, "config": point_config(cfg), **interrupted(e.sigval.name, None, None)}
-            write_json_atomic(run_dir / RESULT, record)
-            return record
+            return Record.point(meta, cfg).interrupted(e.sigval.name, None, None).write(run_dir)
         if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
-            write_json_atomic(run_dir / RESULT, {**point_record(meta, cfg, device, cfg.trainer.nproc_per_node), **failure(e)})
+            point_record(meta, cfg, device, cfg.trainer.nproc_per_node).failure(e).write(run_dir)
         if not multirun:
             raise
         log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
@@ -220,13 +214,14 @@ class RunDirInUse(RuntimeError):
     pass
 
 
-def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool, error: dict) -> None:
+def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool, e: Exception) -> None:
+    record = Record.point(meta, cfg).invalid(e)
     if rank0:
-        write_json_atomic(run_dir / RESULT, {**meta, "status": "invalid", "error": error, "config": point_config(cfg)})
+        record.write(run_dir)
     if multirun:
-        log.error("invalid config, point recorded and skipped: %s", error["message"])
+        log.error("invalid config, point recorded and skipped: %s", record["error"]["message"])
         return None
-    sys.exit(f"invalid config: {error['message']}")
+    sys.exit(f"invalid config: {record['error']['message']}")
 
 
 def dry_run(cfg: DictConfig, options: Options) -> dict:
@@ -286,11 +281,11 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
             metrics = train(cfg, options, run_dir, device, rank, world, logger, profiler, stop)
         if rank == 0:
             metrics["trace_breakdown"] = profiler.breakdown()
-        result = {**record, "status": "ok", "error": None, "metrics": metrics}
+        result = record.ok(metrics)
     except Interrupted as e:  # every rank stopped at the same step
-        result = {**record, **interrupted(e.signal_name, e.step, e.checkpoint), "metrics": e.metrics}
+        result = record.interrupted(e.signal_name, e.step, e.checkpoint, e.metrics)
     except Exception as e:
-        result = {**record, **failure(e), "metrics": {"peak_gpu_mem_gib": peak_gpu_gib(device)}}
+        result = record.failure(e, {"peak_gpu_mem_gib": peak_gpu_gib(device)})
         if rank == 0:
             write_json_atomic(run_dir / RESULT, result)
         raise
@@ -310,26 +305,9 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     return result
 
 
-def point_record(meta: dict, cfg: DictConfig, device: torch.device, world: int) -> dict:
+def point_record(meta: dict, cfg: DictConfig, device: torch.device, world: int) -> Record:
     """What every record of a point holds before its outcome: the job's meta, world size, config and environment."""
-    return {**meta, "world_size": world, "config": point_config(cfg), "environment": environment(device, world)}
-
-
-def interrupted(signal_name: str, step: int | None, checkpoint: str | None) -> dict:
-    """Status and error fields of a point a signal stopped after ``step`` steps (None: before its ranks started)."""
-    when = "before training started" if step is None else f"after step {step}"
-    saved = f"; checkpoint {checkpoint}" if checkpoint else ""
-    return {
-        "status": "interrupted",
-        "error": {
-            "type": "Interrupted",
-            "signal": signal_name,
-            "step": step,
-            "checkpoint": checkpoint,
-            "exit_code": 128 + signal.Signals[signal_name].value,  # as the shell reports a process the signal ended
-            "message": f"{signal_name} received: stopped {when}{saved}",
-        },
-    }
+    return Record.point(meta, cfg, world_size=world, environment=environment(device, world))
 
 
 def _device(cfg: DictConfig, local_rank: int) -> torch.device:

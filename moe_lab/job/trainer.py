@@ -31,7 +31,7 @@ from moe_lab.runtime.device import computes_in_bf16
 from moe_lab.runtime.host_read import to_host
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
-from moe_lab.metrics.logger import NoLogger
+from moe_lab.metrics.logger import ExperimentLogger, NoLogger
 from moe_lab.metrics.routing import ExpertLoad
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.hf_weights import load_hf_checkpoint
@@ -52,7 +52,7 @@ def train(
     device: torch.device,
     rank: int,
     world: int,
-    logger=NoLogger(),
+    logger: ExperimentLogger = NoLogger(),
     profiler: StepProfiler = StepProfiler.off(),
     stop: StopRequest | None = None,
 ) -> dict:
@@ -102,7 +102,7 @@ def train(
         )
         grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
         optimizer.step()
-        offload_metrics = getattr(optimizer, "step_metrics", dict)()  # an offload optimizer's host work, if it has any
+        offload_metrics = options.offload.step_metrics(optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         balance.update(model, router_stats)

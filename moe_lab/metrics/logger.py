@@ -9,10 +9,36 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Protocol, runtime_checkable
 
 
-class NoLogger:
+@runtime_checkable
+class ExperimentLogger(Protocol):
+    """What a ``logger`` option provides; the job calls these on rank 0 only, in this order."""
+
+    def validate(self, cfg) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this logger cannot log; the default
+        accepts every config."""
+
+    def start(self, run_dir: Path, record: dict) -> None:
+        """Before the first step: ``record`` is the point's record so far (choices, overrides, sweep, resolved
+        config, environment)."""
+        ...
+
+    def log(self, row: dict, step: int) -> None:
+        """After each step: the step's metrics row, as metrics.jsonl gets it."""
+        ...
+
+    def finish(self, result: dict) -> None:
+        """At the end, also when the run failed: the point's result record."""
+        ...
+
+    def where(self) -> list[str]:
+        """Lines for the run's log saying where the logger put the run and how to reach it (after ``finish``)."""
+        ...
+
+
+class NoLogger(ExperimentLogger):
     """Nothing beyond metrics.jsonl and result.json."""
 
     def start(self, run_dir: Path, record: dict) -> None:
@@ -28,7 +54,7 @@ class NoLogger:
         return []
 
 
-class WandbLogger:
+class WandbLogger(ExperimentLogger):
     """Weights & Biases, offline by default (``logger.mode=online`` to sync as it runs; an offline run is uploaded
     later with ``wandb sync <run_dir>/wandb/offline-run-*``). The run's group is the sweep directory, its tags the
     group choices, its config the resolved config. Every file wandb writes goes under the run directory."""

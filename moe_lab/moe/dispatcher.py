@@ -21,7 +21,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from moe_lab.runtime.errors import ConfigError
-from moe_lab.runtime.device import computes_in_bf16, runs_on_cuda
+from moe_lab.runtime.device import computes_in_bf16, ranks_per_node, runs_on_cuda
 from moe_lab.runtime.host_read import to_host
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
@@ -29,10 +29,13 @@ from moe_lab.moe.experts import compute_dtype, grouped_swiglu
 
 
 class TokenDispatcher(abc.ABC):
-    """Built from the config (and validated) before any process group exists; expert parallelism then hands it the
-    EP group with ``set_ep_group``. The group is held as plain values the compiler keeps as constants; no group
-    means every expert is local."""
+    """What a ``dispatcher`` option is (the group's contract). Built from the config and validated (``validate``)
+    before any process group exists; ``moe_lab.parallel.parallelize`` then hands it the EP group
+    (``set_ep_group``) and gives ac=selective its ``saved_ops``; each MoE block calls it (``__call__``). The group
+    is held as plain values the compiler keeps as constants; no group means every expert is local."""
 
+    # The ops whose outputs ac=selective keeps beyond the generic ones, so recompute never re-routes or
+    # re-communicates (the planner reads them too).
     saved_ops: ClassVar[frozenset]
 
     def __init__(self):
@@ -51,10 +54,13 @@ class TokenDispatcher(abc.ABC):
         topk_weights: torch.Tensor,
         gate_up_proj: torch.Tensor,
         down_proj: torch.Tensor,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """y [T, H] for the rank's tokens x [T, H], their routing [T, K] and the local experts' stacked weights (the
+        module docstring's contract)."""
 
-    @abc.abstractmethod
-    def validate(self, cfg) -> None: ...
+    def validate(self, cfg) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this dispatcher cannot run (shapes its
+        GEMMs cannot take, a mesh its exchange cannot span); the default accepts every config."""
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -193,8 +199,20 @@ class FusedDispatcher(TokenDispatcher):
         self.gpu_backend = fused.gpu_backend_name(self.gemm, self.ep_size) if cuda else None
         return self
 
+    def gpu_backend_where_deep_gemm_imports(self, ep: int) -> str:
+        """The op backend this option runs at EP degree ``ep`` on a GPU machine where deep_gemm imports (what the
+        planner plans; ``moe_lab.moe.fused.gpu_backend_name`` picks it at run time)."""
+        return "gpu_deep_gemm" if fused.wants_deep_gemm(self.gemm, ep) else "gpu"
+
     def validate(self, cfg) -> None:
         cuda = runs_on_cuda(cfg.trainer)
+        node = ranks_per_node(cfg)
+        if self.backend != "reference" and cfg.parallel.ep > node:
+            raise ConfigError(
+                "parallel.ep",
+                f"the fused gpu backend exchanges rows through peer GPUs' memory over NVLink: its EP group must fit "
+                f"in a node ({node} ranks per node), got {cfg.parallel.ep}; use dispatcher=torch across nodes",
+            )
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
         if self.gemm == "deep_gemm" and not fused.deep_gemm_available():

@@ -1,8 +1,23 @@
-"""Optimizers of the ``optimizer`` group that torch does not ship. ``adamw`` is ``torch.optim.AdamW`` itself."""
+"""The ``optimizer`` group: its contract (``OptimizerFactory``) and the optimizers torch does not ship. ``adamw`` is
+``torch.optim.AdamW`` itself."""
 
 from __future__ import annotations
 
+from typing import Iterable, Protocol, runtime_checkable
+
 import torch
+
+
+@runtime_checkable
+class OptimizerFactory(Protocol):
+    """What an ``optimizer`` option is once built: its yaml names a ``torch.optim.Optimizer`` class with
+    ``_partial_: true``, so Hydra builds a partial that the offload option calls with the parameters it keeps (all of
+    them, or each chunk's). Validation checks the shared hyperparameters' ranges on the config's values
+    (``moe_lab.config.validate.check_optimizer``); the offload options refuse optimizers they cannot step."""
+
+    def __call__(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        """A fresh optimizer over ``params`` with the option's hyperparameters."""
+        ...
 
 
 class SignSGD(torch.optim.Optimizer):

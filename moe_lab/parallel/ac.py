@@ -1,14 +1,15 @@
 """Activation checkpointing per decoder block: the ``ac`` group. Parameter names are left unchanged (the block's
 forward is wrapped, not the block), so checkpoints load the same with any mode.
 
-Every option is applied as ``apply(model, saved_ops)``. ``saved_ops`` are the ops, beyond the generic ones below,
-whose outputs ac=selective keeps: the caller passes what the model's router and dispatcher declare
-(``moe_lab.parallel.parallelize``), so this module knows no MoE op.
+Every option is applied as ``apply(model, saved_ops)`` (the ``Checkpointing`` contract). ``saved_ops`` are the
+ops, beyond the generic ones below, whose outputs ac=selective keeps: the caller passes what the model's router and
+dispatcher declare (``moe_lab.parallel.parallelize``), so this module knows no MoE op.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -43,14 +44,29 @@ def _wrap(layer, context_fn=None) -> None:
     layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
 
 
-class NoCheckpoint:
+@runtime_checkable
+class Checkpointing(Protocol):
+    """What an ``ac`` option provides. Validation calls ``validate``; ``moe_lab.parallel.parallelize`` calls
+    ``apply`` once, after expert parallelism and before compile and FSDP2."""
+
+    def validate(self, cfg) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this mode cannot run; the default
+        accepts every config."""
+
+    def apply(self, model, saved_ops: frozenset = frozenset()) -> None:
+        """Wrap each decoder block's forward so that backward recomputes what this mode does not keep; ``saved_ops``:
+        the router's and dispatcher's ops whose outputs must never be recomputed (routing, collectives)."""
+        ...
+
+
+class NoCheckpoint(Checkpointing):
     """Keep every activation."""
 
     def apply(self, model, saved_ops: frozenset = frozenset()) -> None:
         pass
 
 
-class FullCheckpoint:
+class FullCheckpoint(Checkpointing):
     """Keep only each block's input; recompute the whole block in backward."""
 
     def apply(self, model, saved_ops: frozenset = frozenset()) -> None:
@@ -58,7 +74,7 @@ class FullCheckpoint:
             _wrap(layer)
 
 
-class SelectiveCheckpoint:
+class SelectiveCheckpoint(Checkpointing):
     """Op-level policy: keep the outputs of matmuls, grouped GEMMs, attention and ``saved_ops`` (the routing
     decisions and collectives the caller names); recompute norms and elementwise ops."""
 

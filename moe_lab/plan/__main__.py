@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from moe_lab.config import ConfigError
 from moe_lab.plan import config as plan_config
 from moe_lab.plan.planner import build_hardware, plan
-from moe_lab.results.record import RESULT, git_state, job_meta, point_config, write_json_atomic
+from moe_lab.results.record import Record, git_state, job_meta
 from moe_lab.runtime.paths import CONF_DIR
 
 log = logging.getLogger("moe_lab.plan")
@@ -35,21 +35,19 @@ plan_config.register()
 
 def run(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool) -> dict:
     """One point: its record, ok or invalid (a config train would refuse, with the key it names)."""
-    record = {**meta, "kind": "plan", "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": point_config(cfg)}
+    record = Record.plan(meta, cfg, datetime.now(timezone.utc).isoformat(timespec="seconds"))
     try:
         hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
         record["world_size"] = hw.gpus
         record["environment"] = {"device": "plan", "gpu": hw.name, "world_size": hw.gpus, "nodes": hw.nodes, **git_state()}
         result = plan(cfg, hw)
     except ConfigError as e:
-        record |= {"status": "invalid", "error": {"type": "ConfigError", "key": e.key, "message": str(e)}}
-        write_json_atomic(run_dir / RESULT, record)
+        record = record.invalid(e).write(run_dir)
         if not multirun:
             sys.exit(f"invalid config: {e}")
         log.error("invalid config, point recorded: %s", e)
         return record
-    record |= {"status": "ok", "error": None, **result}
-    write_json_atomic(run_dir / RESULT, record)
+    record = record.ok(result["metrics"], plan=result["plan"]).write(run_dir)
     log.info("\n%s", summary(record))
     return record
 

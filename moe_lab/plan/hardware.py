@@ -35,10 +35,13 @@ class Hardware:
     nvlink_gbps: float  # GPU-to-GPU inside a node, per direction
     internode_gbps: float  # GPU-to-GPU across nodes (the GPU's NIC), per direction
     pcie_gbps: float  # host <-> device, per direction
-    host_memory_gib: float  # per node, as the OS reports it
+    # Host memory per node, as the OS reports it; null: ``host_memory_gib_per_gpu`` times the node's GPUs (a
+    # profile that leaves the node's size to the plan says how much host memory comes with each GPU).
+    host_memory_gib: Optional[float]
     host_memory_gbps: float  # per node
     nodes: int = 1
     gpus_per_node: Optional[int] = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
+    host_memory_gib_per_gpu: Optional[float] = None  # what host_memory_gib null scales with the node's GPUs
     # Achieved shares of those peaks (the H200 fit, experiments/plan/README.md).
     dense_gemm_efficiency: float = 0.77  # bf16 matmuls of the model's shapes, forward and backward
     grouped_gemm_efficiency: float = 0.64  # expert grouped GEMMs (DeepGEMM / torch._grouped_mm), forward and backward
@@ -56,8 +59,11 @@ class Hardware:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "gpus_per_node" and value is None:
+            if f.name in ("gpus_per_node", "host_memory_gib", "host_memory_gib_per_gpu") and value is None:
                 continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if f.name.startswith("host_memory_gib") and not (number and value > 0):
+                raise ConfigError(f"hardware.{f.name}", f"must be null or a number > 0, got {value!r}")
             if f.name in ("nodes", "gpus_per_node"):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ConfigError(f"hardware.{f.name}", f"must be an integer >= 1, got {value!r}")
@@ -65,17 +71,21 @@ class Hardware:
                 raise ConfigError(f"hardware.{f.name}", f"must be a number >= 0, got {value!r}")
             if f.name.endswith("_efficiency") and not 0 < value <= 1:
                 raise ConfigError(f"hardware.{f.name}", f"must be in (0, 1], got {value!r}")
+        if self.host_memory_gib is None and self.host_memory_gib_per_gpu is None:
+            raise ConfigError("hardware.host_memory_gib", "must be set (GiB per node) where its per-GPU figure is null")
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
     def on_mesh(self, gpus_per_node: int) -> Hardware:
-        """This profile with ``gpus_per_node`` where it left it to the job (None)."""
-        if self.gpus_per_node is not None:
-            return self
+        """This profile on its mesh: with ``gpus_per_node`` where it left it to the job (None), and the node's host
+        memory where it gave it per GPU."""
         placed = copy.copy(self)
-        placed.gpus_per_node = gpus_per_node
+        if placed.gpus_per_node is None:
+            placed.gpus_per_node = gpus_per_node
+        if placed.host_memory_gib is None:
+            placed.host_memory_gib = placed.host_memory_gib_per_gpu * placed.gpus_per_node
         return placed
 
     # Achieved rates, in bytes/s and FLOP/s.

@@ -15,13 +15,17 @@ Activations follow the code: ac=full keeps each block's input; ac=selective keep
 ``moe_lab.parallel.ac.GENERIC_SAVED_OPS`` and the router's and dispatcher's ``saved_ops`` name (the planner
 reads those declarations, so a dispatcher that saves more or less is planned as it is); ac=none keeps those and the
 elementwise outputs backward reads too.
+
+What differs between the options of a group (a dispatcher's ops and buffers, an AC mode's kept outputs, an offload
+mode's device and host state, an optimizer's state) is the option's planner model (``moe_lab.plan.options``), which
+the ``Step`` holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,10 +33,13 @@ from moe_lab.moe.router import Router
 from moe_lab.optim.offload.full import device_chunk_count
 from moe_lab.plan.shapes import Mesh, Shapes
 
+if TYPE_CHECKING:
+    from moe_lab.plan.options import (AdamWPlan, FusedDispatcherPlan, NoCheckpointPlan, NoOffloadPlan, SignSGDPlan,
+                                      TorchDispatcherPlan)
+
 GIB = 2**30
 _aten = torch.ops.aten
 
-ADAMW_STATE_BYTES = 8  # exp_avg, exp_avg_sq in fp32
 # The fitted factor on one layer's backward temporaries (experts' activation gradients and weight gradients), from
 # the one-GPU records (experiments/plan/README.md).
 BACKWARD_WORKSPACE = 1.0
@@ -47,13 +54,14 @@ class Step:
     seq_len: int
     batch_size: int
     grad_accum: int
-    dispatcher: str  # "torch" | "fused"
-    ac: str  # "none" | "selective" | "full"
-    offload: str  # "none" | "optimizer" | "full"
-    optimizer: str  # "adamw" | "signsgd"
-    foreach: bool  # AdamW without fused=true: torch's foreach path
+    # the options' planner models (moe_lab.plan.options)
+    dispatcher: TorchDispatcherPlan | FusedDispatcherPlan
+    ac: NoCheckpointPlan
+    offload: NoOffloadPlan
+    optimizer: AdamWPlan | SignSGDPlan
     compile: bool
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
+    foreach: bool = False  # AdamW without fused=true: torch's foreach path
     fused_align: int = 8  # rows per expert segment of the fused op (8 torch._grouped_mm, 128 DeepGEMM)
     fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
     chunk_mib: float = 256.0  # offload chunking
@@ -127,71 +135,46 @@ def op_outputs(step: Step) -> dict:
     than once), for the ops whose outputs backward reads: what ac=selective may keep."""
     c, t = step.cfg, step.tokens
     q, kv, k = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_experts_per_tok
-    rows = routed_rows(step)
     outputs = {
         _aten.mm.default: [2 * t * q, 2 * t * kv, 2 * t * kv, 2 * t * c.hidden_size, 2 * t * c.num_experts],
         _aten._scaled_dot_product_flash_attention.default: [2 * t * q + 4 * t * c.num_heads],
         _aten.topk.default: [t * k * (4 + 8)],
     }
-    if step.dispatcher == "fused":
-        fused_rows = fused_receive_rows(step)
-        inter = c.moe_intermediate_size
-        outputs[torch.ops.moe_lab.fused_moe.default] = [2 * t * c.hidden_size + fused_rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k]
-    else:
-        outputs[_aten.sort.stable] = [16 * t * k]
-        outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
-        if step.mesh.ep > 1:
-            outputs[torch.ops.moe_lab.all_to_all_rows.default] = [rows * 2 * c.hidden_size, t * k * 2 * c.hidden_size]
-    return outputs
+    return outputs | step.dispatcher.op_outputs(step)
 
 
 def elementwise_outputs(step: Step) -> float:
-    """Bytes per layer of the outputs backward reads that ac=selective recomputes (norms, RoPE, SwiGLU, the routed
-    rows' gather): what ac=none keeps beyond them."""
+    """Bytes per layer of the outputs backward reads that ac=selective recomputes (norms, RoPE, and the dispatcher's
+    own, such as the SwiGLU and the routed rows' gather): what ac=none keeps beyond them."""
     c, t = step.cfg, step.tokens
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     attention = 2 * t * (2 * c.hidden_size + q + kv) + step.residual_bytes * t * c.hidden_size
-    if step.dispatcher == "fused":
-        return attention
-    return attention + routed_rows(step) * 2 * (c.hidden_size + c.moe_intermediate_size)
+    return attention + step.dispatcher.elementwise_outputs(step)
 
 
 def saved_per_layer(step: Step) -> float:
-    """Bytes one decoder block keeps from its forward to its backward."""
+    """Bytes one decoder block keeps from its forward to its backward: its input, the outputs of the ops the AC mode
+    keeps and, without AC, the elementwise outputs backward reads."""
     block_input = step.residual_bytes * step.tokens * step.cfg.hidden_size
-    if step.ac == "full":
-        return block_input
-    saved = sum(sum(sizes) for op, sizes in op_outputs(step).items() if op in step.saved_ops)
-    if step.ac == "selective":
-        return block_input + saved
-    # Without AC autograd keeps only what a backward reads. The all-to-all's outputs feed permutations (index_select,
-    # whose backward needs the indices alone): selective AC keeps them because the dispatcher names them, none does not.
-    unread = {torch.ops.moe_lab.all_to_all_rows.default}
-    every = sum(sum(sizes) for op, sizes in op_outputs(step).items() if op not in unread)
-    return block_input + every + elementwise_outputs(step)
+    saved = sum(sum(sizes) for op, sizes in op_outputs(step).items() if step.ac.keeps(op, step))
+    return block_input + saved + (elementwise_outputs(step) if step.ac.keeps_elementwise else 0)
 
 
 def fused_saved_per_layer(step: Step) -> float:
-    """Of ``saved_per_layer``, what the fused op keeps: its receive-side residuals (rows received) and its output."""
-    op = torch.ops.moe_lab.fused_moe.default
-    if step.dispatcher != "fused" or step.ac == "full" or (step.ac == "selective" and op not in step.saved_ops):
-        return 0.0
-    return sum(op_outputs(step)[op])
+    """Of ``saved_per_layer``, what the dispatcher's buffers hold (the fused op's receive-side residuals, rows
+    received, and its output), counted apart from the activations."""
+    outputs = op_outputs(step)
+    return sum(sum(outputs[op]) for op in step.dispatcher.buffer_ops if step.ac.keeps(op, step))
 
 
 def backward_workspace(step: Step) -> float:
     """One block's backward, beyond what it saved: under ac=full its recomputed forward, and the temporaries of its
     backward (the experts' activation gradients, their weight gradients in bf16 before the fp32 cast)."""
     c = step.cfg
-    rows = fused_receive_rows(step) if step.dispatcher == "fused" else routed_rows(step)
-    temporaries = rows * 2 * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
+    temporaries = step.dispatcher.buffer_rows(step) * 2 * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
     if not step.fsdp:  # gradients of the bf16 casts, before they are widened into fp32 .grad
         temporaries += 2 * step.shapes.layer_params_unsharded(step.mesh)
-    recompute = 0.0
-    if step.ac == "full":
-        full_step = dataclasses.replace(step, ac="none")
-        recompute = saved_per_layer(full_step)
-    return BACKWARD_WORKSPACE * (temporaries + recompute)
+    return BACKWARD_WORKSPACE * (temporaries + step.ac.recompute_workspace(step))
 
 
 def loss_workspace(step: Step) -> float:
@@ -282,7 +265,8 @@ def pinned(nbytes: float) -> float:
 
 
 def state_bytes(step: Step) -> int:
-    return ADAMW_STATE_BYTES if step.optimizer == "adamw" else 0
+    """Optimizer state bytes per parameter."""
+    return step.optimizer.state_bytes
 
 
 def ring_params(step: Step) -> float:
@@ -299,21 +283,9 @@ def plan_memory(step: Step) -> Memory:
     head_local = s.embedding_params / mesh.world
     fsdp = step.fsdp
 
-    # Model state on the device, per parameter of this rank.
-    in_flight = 0.0
-    if step.offload == "full":  # with its device chunks' fp32 masters and state
-        host_chunks, device_chunks = full_offload_chunks(step)
-        on_device = sum(device_chunks)
-        weights, grad_bytes, state = {"bf16 params": 2 * n, "fp32 masters on the device": 4 * on_device}, 2, state_bytes(step) * on_device
-        # gradients leave for the host as they are made, a chunk or so in flight; a device chunk steps with its
-        # gradients widened to fp32
-        in_flight = 2 * max(host_chunks, default=0.0) + 4 * max(device_chunks, default=0.0)
-    else:
-        weights, grad_bytes = {"fp32 params (masters)": 4 * n}, 4
-        state = state_bytes(step) * n if step.offload == "none" else 0.0
-        if step.offload == "optimizer":  # the device ring its state streams through, at every phase
-            state = state_bytes(step) * ring_params(step)
-    grad_of = (lambda p: 0.0) if step.offload == "full" else (lambda p: grad_bytes * p)
+    # Model state on the device, per parameter of this rank, as the offload mode keeps it.
+    weights, grad_bytes, state, in_flight = step.offload.device_state(step, n)
+    grad_of = lambda p: grad_bytes * p  # noqa: E731
     # Gradients at the loss, after layer ``l``'s backward (its own included: they exist while its workspace does)
     # and at the optimizer step. With gradient accumulation the peak is in the last micro-batch, when the earlier
     # ones have left theirs: .grad itself on one rank (offload=full: in bf16, until the final backward's hooks take
@@ -324,10 +296,8 @@ def plan_memory(step: Step) -> Memory:
         if fsdp and step.grad_sync == "step":
             held = 4 * (s.outside_params + layers * s.layer_params_unsharded(mesh))
             grads = {k: v + (held if k != "step" else 0.0) for k, v in grads.items()}
-        elif step.offload == "full":
-            grads = {k: (2 * n if k != "step" else v) for k, v in grads.items()}
         else:
-            grads = dict.fromkeys(grads, grad_bytes * n)
+            grads = {k: (step.offload.accumulated_grad_bytes * n if k != "step" else v) for k, v in grads.items()}
 
     # FSDP2: the gathered bf16 block (and the next, prefetched), the LM head kept gathered from forward into
     # backward; in backward also the block's unsharded gradients (bf16, then fp32 for the reduce-scatter).
@@ -337,7 +307,7 @@ def plan_memory(step: Step) -> Memory:
     if fsdp and step.keep_unsharded:
         gathered_fwd = gathered_bwd = 2 * (s.outside_params + layers * block) + 6 * block
     # One rank: autocast's bf16 copies of the LM head (saved for its backward) and of the current block.
-    casts = 0.0 if fsdp or step.offload == "full" else 2 * (s.embedding_params + block)
+    casts = 2 * (s.embedding_params + block) if not fsdp and step.offload.fp32_weights_on_device else 0.0
 
     fused = fused_saved_per_layer(step)
     saved = saved_per_layer(step) - fused
@@ -358,33 +328,19 @@ def plan_memory(step: Step) -> Memory:
             "fused dispatcher buffers": (layer + 1) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
         }  # fmt: skip
     after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
-    if step.offload == "none" and step.optimizer == "adamw" and step.foreach:
-        after["optimizer step temporaries"] = 4 * n  # foreach AdamW's sqrt(exp_avg_sq) of every parameter at once
+    if temporaries := step.offload.step_temporaries(step, n):  # an optimizer step's own allocations on the device
+        after["optimizer step temporaries"] = temporaries
     phases["optimizer step"] = after
 
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     phase = max(totals, key=totals.get)
     categories = {k: v for k, v in phases[phase].items() if v}
 
-    outside = {}
-    if step.dispatcher == "fused" and mesh.ep > 1:  # symmetric workspace: 4 receive-side buffers, the 1.25x ladder
-        rows = fused_receive_rows(step) * 1.25
-        outside["fused symmetric workspace"] = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size
+    outside = step.dispatcher.outside_allocator(step)
     host = plan_host(step)
     return Memory(categories, outside, host, phase, {k: v / GIB for k, v in totals.items()})
 
 
 def plan_host(step: Step) -> dict[str, float]:
     """Host memory of one rank by what holds it (``moe_lab.optim.offload``)."""
-    n = step.shapes.local_params(step.mesh)
-    if step.offload == "optimizer":  # each chunk's state is one pinned block, rounded up to a power of two
-        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True))}
-    if step.offload == "full":
-        host_chunks = full_offload_chunks(step)[0]
-        on_host = sum(host_chunks)
-        return {
-            "fp32 masters": 4 * on_host,
-            "moments": state_bytes(step) * on_host,
-            "pinned transfer buffers": min(step.max_inflight, len(host_chunks)) * pinned(2 * max(host_chunks, default=0.0)),
-        }
-    return {}
+    return step.offload.host(step)

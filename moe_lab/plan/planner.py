@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from functools import partial
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -17,22 +16,17 @@ from moe_lab import config
 from moe_lab.config import ConfigError, Options
 from moe_lab.config.validate import check_target_node
 from moe_lab.metrics.flops import flops_per_token
-from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
-from moe_lab.moe.fused.ops import ALIGN
 from moe_lab.moe.router import Router
-from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
+from moe_lab.optim.offload import Offload
 from moe_lab.optim.offload.host import HOST_RESERVE
-from moe_lab.optim.optimizers import SignSGD
-from moe_lab.parallel.ac import GENERIC_SAVED_OPS, FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
+from moe_lab.parallel.ac import GENERIC_SAVED_OPS
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.memory import Step, plan_memory
+from moe_lab.plan.options import MODELS, PLANNED_GROUPS, model_of, named
 from moe_lab.plan.shapes import Mesh, Shapes
 from moe_lab.plan.step_time import plan_time
 
-DISPATCHERS = {TorchDispatcher: "torch", FusedDispatcher: "fused"}
-ACS = {NoCheckpoint: "none", SelectiveCheckpoint: "selective", FullCheckpoint: "full"}
-OFFLOADS = {NoOffload: "none", OptimizerOffload: "optimizer", FullOffload: "full"}
-OFFLOAD_MODES = ("none", "optimizer", "full")
+OPTION_FIELD = {"dispatcher": "dispatcher", "ac": "ac", "offload": "offload", "optimizer": "make_optimizer"}  # Options
 
 
 def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
@@ -85,63 +79,26 @@ def validated(cfg: DictConfig, hw: Hardware) -> tuple[DictConfig, Options]:
 
 
 def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Step:
-    """The plan's description of one rank's step; ``changes``: Step fields to set otherwise."""
+    """The plan's description of one rank's step, with each option's planner model (``moe_lab.plan.options``) and
+    the Step fields its values set; ``changes``: Step fields to set otherwise."""
     model = options.model
-    kind = {name: _kind(table, getattr(options, name), name) for name, table in
-            (("dispatcher", DISPATCHERS), ("ac", ACS), ("offload", OFFLOADS))}  # fmt: skip
-    opt = options.make_optimizer
-    opt_class = opt.func if isinstance(opt, partial) else opt
-    if opt_class not in (SignSGD,) and getattr(opt_class, "__name__", "") != "AdamW":
-        raise ConfigError("optimizer._target_", f"the planner models torch.optim.AdamW and SignSGD, got {opt_class}")
-    keywords = opt.keywords if isinstance(opt, partial) else {}
-    dispatcher = options.dispatcher
-    # The GPU's backend choice (moe_lab.moe.fused.gpu_backend_name), DeepGEMM taken as importable there
-    deep_gemm = kind["dispatcher"] == "fused" and dispatcher.gemm != "torch" and (dispatcher.gemm == "deep_gemm" or train.parallel.ep == 1)
-    align = ALIGN["gpu_deep_gemm" if deep_gemm else "gpu"]
-    if kind["dispatcher"] == "fused" and train.parallel.ep > hw.gpus_per_node:
-        raise ConfigError(
-            "parallel.ep",
-            f"the fused dispatcher exchanges rows through peer GPUs' memory over NVLink: its EP group must fit in a node "
-            f"(hardware.gpus_per_node={hw.gpus_per_node}), got {train.parallel.ep}; use dispatcher=torch across nodes",
-        )
-    offload = options.offload
+    built = {group: getattr(options, OPTION_FIELD[group]) for group in PLANNED_GROUPS}
+    models = {group: model_of(group, option) for group, option in built.items()}
+    fields = {k: v for group, option in built.items() for k, v in models[group].step_fields(option, train).items()}
     step = Step(
         shapes=Shapes(model),
         mesh=Mesh(world=hw.gpus, gpus_per_node=hw.gpus_per_node, ep=train.parallel.ep),
         seq_len=train.data.seq_len,
         batch_size=train.data.batch_size,
         grad_accum=train.trainer.grad_accum,
-        dispatcher=kind["dispatcher"],
-        ac=kind["ac"],
-        offload=kind["offload"],
-        optimizer="signsgd" if opt_class is SignSGD else "adamw",
-        foreach=not keywords.get("fused", False),
+        **models,
         compile=train.trainer.compile,
-        saved_ops=frozenset(GENERIC_SAVED_OPS | Router.saved_ops | dispatcher.saved_ops),
-        fused_align=align,
+        saved_ops=frozenset(GENERIC_SAVED_OPS | Router.saved_ops | options.dispatcher.saved_ops),
         grad_sync=train.parallel.grad_sync,
         keep_unsharded=train.parallel.keep_unsharded,
-        **chunking(offload),
+        **fields,
     )
     return dataclasses.replace(step, **changes)
-
-
-def chunking(offload) -> dict:
-    """The Step fields an offload option sets: its chunk size and chunks in flight (offload=none has neither), and
-    offload=full's share of the parameters stepped on the device."""
-    if isinstance(offload, NoOffload):
-        return {}
-    fields = {"chunk_mib": offload.chunk_mib, "max_inflight": offload.max_inflight}
-    if isinstance(offload, FullOffload):
-        fields["device_share"] = offload.device_share
-    return fields
-
-
-def _kind(table: dict, option, key: str) -> str:
-    for cls, name in table.items():
-        if isinstance(option, cls):
-            return name
-    raise ConfigError(f"{key}._target_", f"the planner has no model of {type(option).__name__}; it knows {', '.join(c.__name__ for c in table)}")
 
 
 HOST_PROCESS = 1.5 * GIB  # a training process's own resident memory (torch, CUDA runtime), the records' offload=none RSS
@@ -191,10 +148,16 @@ def _with(step: Step, field: str, value: int) -> Step:
     return dataclasses.replace(step, **{field: value})
 
 
-def offload_step(step: Step, mode: str, options_offload) -> Step:
-    defaults = {"none": NoOffload(), "optimizer": OptimizerOffload(), "full": FullOffload()}
-    offload = options_offload if OFFLOADS.get(type(options_offload)) == mode else defaults[mode]
-    return dataclasses.replace(step, offload=mode, **chunking(offload))
+def offload_step(step: Step, mode: str, options_offload: Offload) -> Step:
+    """``step`` under the offload mode named ``mode``: with the configured option's values where it is that mode,
+    else with the mode's defaults."""
+    model = named("offload", mode)
+    offload = options_offload if model_of("offload", options_offload) is model else model.option_class()
+    return dataclasses.replace(step, offload=model, **model.step_fields(offload))
+
+
+def offload_modes() -> list[str]:
+    return [m.name for m in MODELS["offload"].values()]
 
 
 def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = False, search: bool = True) -> dict:
@@ -213,7 +176,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
     peak = hw.peak_bf16_tflops * 1e12
     ok, why = fits(step, hw)
     deepest = {}
-    for mode in OFFLOAD_MODES if search else ():
+    for mode in offload_modes() if search else ():
         moded = offload_step(step, mode, options.offload)
         deepest[mode] = {
             "num_layers": largest(moded, hw, "num_layers", 1, max(4 * step.cfg.num_layers, 256)),

@@ -78,13 +78,18 @@ ADAMW_FUSED = "8ae07e6"
 
 def depth_search_plans(record: dict) -> dict[str, int]:
     """The deepest proxy the planner fits per mode for an offload depth search (``experiments/offload_depth/offload_gpu.py``'s
-    record): each mode's 4-layer command planned on the record's GPU and on the host the search saw (its total, and
-    in use whatever leaves the search's available memory; without the total, the GPU's hardware profile)."""
+    record): each mode's 4-layer command planned on the record's GPU and on the host the search saw, whose available
+    memory is what the planner's host check allows (its total, and in use whatever leaves that; a record without the
+    total: the available memory as the allowed share of a host with nothing else in use)."""
     env = next(iter(record["environment"].values()))
     extra = ["optimizer.fused=false"] if made_before({"environment": env}, ADAMW_FUSED) else []
-    if "host_mem_total_gib" in env:  # the search's available memory is what the planner's host check allows
-        in_use = (1 - HOST_RESERVE) * env["host_mem_total_gib"] - env["host_mem_available_gib"]
-        extra += [f"hardware.host_memory_gib={env['host_mem_total_gib']:.2f}", f"++hardware.host_memory_in_use_gib={in_use:.2f}"]
+    host = record["environment"].get("search", env)  # the search phase's host, as it saw it
+    if "host_mem_total_gib" in host:
+        total = host["host_mem_total_gib"]
+        in_use = (1 - HOST_RESERVE) * total - host["host_mem_available_gib"]
+    else:
+        total, in_use = host["host_mem_available_gib"] / (1 - HOST_RESERVE), 0.0
+    extra += [f"hardware.host_memory_gib={total:.2f}", f"++hardware.host_memory_in_use_gib={in_use:.2f}"]
     out = {}
     for mode in record["search"]:
         point = next(p for p in record["points"] if p["mode"] == mode and p["num_layers"] == 4)

@@ -18,22 +18,19 @@ Each category's time is its work over the rate the hardware profile gives for th
   overlap;
 - other: memory-bound elementwise work (norms, RoPE, casts, the loss), in bytes per token over HBM bandwidth;
 - idle: the compute stream's launch gaps, a fixed time per step (``hardware.step_overhead_ms``).
+
+What an option changes (a dispatcher's rates and exchange, an AC mode's recompute, an offload mode's optimizer step
+and copies) is its planner model's (``moe_lab.plan.options``).
 """
 
 from __future__ import annotations
 
 from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import Step, full_offload_chunks, fused_receive_rows, ring_params, routed_rows, routed_slots, state_bytes
+from moe_lab.plan.memory import Step, routed_rows, routed_slots
 
-# Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
-# grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies); its
-# glue's memory traffic per routed row element and pass (forward 1, backward 2, ac=full's recompute 1 more); and
-# the torch dispatcher's permutation backwards outside any scope (``other``): bf16 index_add with atomics, one per
-# layer (the unsort) at EP=1, three at EP>1 (and the received rows' reordering both ways), at the HBM traffic of
-# this many bytes per element (10 ms per 4 layers of 131,072 rows x 2048 on the H200).
-EXPERT_RATE = {"fused": 1.0, "torch": 0.72}
-GLUE_BYTES_PER_ELEMENT = {"fused": 10.25, "torch": 7.3}  # per element of a routed row (H wide)
+# The HBM traffic per element of a dispatcher's index_add (its model's ``index_adds``), fitted on the H200 records
+# (experiments/plan/README.md): 10 ms per 4 layers of 131,072 rows x 2048 on the H200.
 INDEX_ADD_BYTES_PER_ELEMENT = 32.0
 # The grouped GEMMs' share of peak grows with the experts' narrower side (min(H, I)): the profile's share is at the
 # 30B proxy's experts (I = 768); the 235B's (I = 1536) ran at 1.16x it (experiments/moe_layer/records/h200_ep2/
@@ -46,8 +43,6 @@ EAGER_OTHER = 3.0  # trainer.compile=false: the elementwise work unfused
 CAST_BYTES_PER_PARAM = 12.0  # fp32 weights read, bf16 copies written (forward; backward reads them again or re-casts)
 GRAD_CAST_BYTES_PER_PARAM = 6.0  # bf16 weight gradients widened to fp32
 ATTENTION_BACKWARD = 2.5  # flash attention's backward over its forward FLOPs
-ADAMW_BYTES = 28  # fp32 param, grad, exp_avg, exp_avg_sq read; param and moments written
-FOREACH_ADAMW_BYTES = 60  # the same through foreach kernels, one pass per op
 
 
 def grouped_shape_factor(step: Step) -> float:
@@ -62,7 +57,7 @@ def grouped_shape_factor(step: Step) -> float:
 
 def passes(step: Step) -> tuple[float, float]:
     """(GEMM passes, attention passes) over one forward's FLOPs: forward + backward, and ac=full's recompute."""
-    recompute = 1.0 if step.ac == "full" else 0.0
+    recompute = step.ac.recompute_passes
     return 3.0 + recompute, 1.0 + ATTENTION_BACKWARD + recompute
 
 
@@ -73,7 +68,7 @@ def exchange_bytes(step: Step) -> float:
     if mesh.ep == 1:
         return 0.0
     per_exchange = routed_rows(step) * 2 * c.hidden_size * (mesh.ep - 1) / mesh.ep
-    exchanges = 4 + (2 if step.ac == "full" else 0)
+    exchanges = 4 + 2 * step.ac.recompute_passes
     return c.num_layers * exchanges * per_exchange
 
 
@@ -113,20 +108,19 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     """One micro-batch's time in the MoE blocks' dispatch, experts and combine, by category: the grouped GEMMs, the
     dispatcher's glue (with the fused op's exchange, which its kernels do), the torch dispatcher's all-to-all, and
     its permutation backwards (``index_add``, which the trace puts in ``other``)."""
-    c, mesh = step.cfg, step.mesh
+    c, dispatcher = step.cfg, step.dispatcher
     gemm_passes, _ = passes(step)
-    expert_rate = hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher] * grouped_shape_factor(step)
-    # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
-    rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
-    glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * GLUE_BYTES_PER_ELEMENT[step.dispatcher]
+    expert_rate = hw.flops("grouped_gemm") * dispatcher.expert_rate * grouped_shape_factor(step)
+    rows = dispatcher.kernel_rows(step)
+    glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * dispatcher.glue_bytes_per_element
     exchange = exchange_seconds(step, hw)
-    index_adds = (3 if mesh.ep > 1 else 1) if step.dispatcher == "torch" else 0
     return {
         # the busiest rank's rows (skewed routing) over the rows it routes
         "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
-        "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if step.dispatcher == "fused" else 0.0),
-        "ep_all_to_all": exchange if step.dispatcher == "torch" else 0.0,
-        "other": c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s,
+        "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if dispatcher.exchange_in_kernels else 0.0),
+        "ep_all_to_all": 0.0 if dispatcher.exchange_in_kernels else exchange,
+        "other": c.num_layers * dispatcher.index_adds(step) * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT
+        / hw.hbm_bytes_per_s,
     }
 
 
@@ -148,23 +142,14 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     seconds["other"] += micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
 
     n = s.local_params(mesh)
-    if step.offload == "none":
-        per_param = FOREACH_ADAMW_BYTES if step.foreach else ADAMW_BYTES
-        seconds["optimizer"] = n * (per_param if step.optimizer == "adamw" else 12) / hw.hbm_bytes_per_s
-    elif step.offload == "optimizer":
-        seconds["optimizer"] = n * ADAMW_BYTES / hw.hbm_bytes_per_s  # its exposed PCIe follows the compute, below
-    else:  # its device chunks step on the GPU as the optimizer does under offload=optimizer, the rest on the host
-        host_chunks, device_chunks = full_offload_chunks(step)
-        seconds["optimizer"] = sum(device_chunks) * ADAMW_BYTES / hw.hbm_bytes_per_s
-        ranks_on_node = min(mesh.world, mesh.gpus_per_node)
-        seconds["host_step"] = sum(host_chunks) / hw.host_adamw_params_per_s(ranks_on_node)
+    seconds.update(step.offload.optimizer_seconds(step, hw, n))
 
     # Weights cast to bf16 and weight gradients widened to fp32: autocast's casts on one rank (``other``), FSDP2's
     # copy-in and copy-out around its collectives (on the compute stream, in their scopes) on more.
     n_unsharded = s.outside_params + c.num_layers * s.layer_params_unsharded(mesh)
     casts = {"fsdp_all_gather": 0.0, "fsdp_reduce_scatter": 0.0}
     if mesh.world == 1:
-        if step.offload != "full":
+        if step.offload.fp32_weights_on_device:
             seconds["other"] += micro * (CAST_BYTES_PER_PARAM + GRAD_CAST_BYTES_PER_PARAM) * n / hw.hbm_bytes_per_s
     else:
         gathers = 1 if step.keep_unsharded else 2 * micro
@@ -172,12 +157,7 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         casts["fsdp_reduce_scatter"] = (1 if step.grad_sync == "step" else micro) * GRAD_CAST_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
-    if step.offload == "optimizer":
-        # The ring's worth of state comes in under the earlier micro-batches; the rest comes in during the last
-        # micro-batch's backward as chunks step and free their place (the new state going home in the other
-        # direction, and on into the next step, where the host reads no longer wait for it): what that backward,
-        # about two thirds of a micro-batch's compute, does not cover is exposed (experiments/offload_accum).
-        seconds["pcie"] = max(0.0, state_bytes(step) * (n - ring_params(step)) / hw.pcie_bytes_per_s - compute / micro * 2 / 3)
+    seconds["pcie"] += step.offload.exposed_pcie(step, hw, n, compute)
     exposed, total_comm = fsdp_exposed(step, hw, compute)
     seconds.update({k: exposed[k] + casts[k] for k in exposed})
     seconds["idle"] = hw.step_overhead_ms / 1e3

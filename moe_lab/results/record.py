@@ -1,12 +1,13 @@
 """What a run leaves behind: ``metrics.jsonl`` (one row per step, written as it goes) and ``result.json``
-(written once, atomically, at the end, whatever the outcome), plus the pieces of a record that describe where and
-from which code it ran."""
+(written once, atomically, at the end, whatever the outcome: a ``Record``), plus the pieces of a record that
+describe where and from which code it ran."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import signal
 import subprocess
 import tempfile
 import traceback
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 from hydra.types import RunMode
 from omegaconf import OmegaConf
+
+from moe_lab.runtime.errors import ConfigError
 
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
@@ -65,6 +68,72 @@ def point_config(cfg) -> dict:
         resolved = OmegaConf.to_container(cfg)
     resolved.pop("hydra", None)
     return json.loads(json.dumps(resolved, default=str))
+
+
+class Record(dict):
+    """One point's ``result.json``: the JSON object itself (a dict, so ``write_json_atomic`` writes it and
+    ``moe_lab.results.load`` and the notebook read it as they always have). ``Record.point`` makes what every record
+    of a point holds before its outcome; each outcome is a constructor that returns a new record with it:
+
+    - ``ok(metrics, **more)``: status ok, no error, the run's (or plan's) metrics and any further sections (``plan``);
+    - ``invalid(e)``: a config the job refused before building anything (``error.key``: the key a ConfigError names);
+    - ``failure(e, metrics)``: ``oom`` when it ran out of GPU or host memory, else ``error``, with the traceback;
+    - ``interrupted(signal, step, checkpoint, metrics)``: a signal stopped it (``error.exit_code``: the job's).
+
+    A plan's record (``python -m moe_lab.plan``) is ``Record.plan``, then ``ok`` or ``invalid`` like a run's.
+    """
+
+    @classmethod
+    def point(cls, meta: dict, cfg, **fields) -> Record:
+        """The job's meta (``job_meta``: choices, overrides, sweep; its start), ``fields`` (``world_size``,
+        ``environment``) and the resolved ``config``."""
+        return cls({**meta, **fields, "config": point_config(cfg)})
+
+    @classmethod
+    def plan(cls, meta: dict, cfg, started_utc: str) -> Record:
+        """A plan's record before its outcome: ``kind: plan``, so tables tell it from a run's."""
+        return cls({**meta, "kind": "plan", "started_utc": started_utc, "config": point_config(cfg)})
+
+    def ok(self, metrics: dict, **sections) -> Record:
+        return Record({**self, "status": "ok", "error": None, "metrics": metrics, **sections})
+
+    def invalid(self, e: BaseException) -> Record:
+        """A ConfigError names its key; any other exception out of validation is a check that failed unexpectedly
+        (no key), still a config this job cannot run."""
+        if isinstance(e, ConfigError):
+            error = {"type": "ConfigError", "key": e.key, "message": str(e)}
+        else:
+            error = {"type": type(e).__name__, "key": None, "message": f"validation failed: {e}"}
+        return Record({**self, "status": "invalid", "error": error})
+
+    def failure(self, e: BaseException, metrics: dict | None = None) -> Record:
+        return Record({**self, **failure(e), **_metrics(metrics)})
+
+    def interrupted(
+        self, signal_name: str, step: int | None, checkpoint: str | None, metrics: dict | None = None
+    ) -> Record:
+        """A signal stopped the point after ``step`` steps (None: before its ranks started), with ``checkpoint``
+        saved there (None: none)."""
+        when = "before training started" if step is None else f"after step {step}"
+        saved = f"; checkpoint {checkpoint}" if checkpoint else ""
+        error = {
+            "type": "Interrupted",
+            "signal": signal_name,
+            "step": step,
+            "checkpoint": checkpoint,
+            "exit_code": 128 + signal.Signals[signal_name].value,  # as the shell reports a process the signal ended
+            "message": f"{signal_name} received: stopped {when}{saved}",
+        }
+        return Record({**self, "status": "interrupted", "error": error, **_metrics(metrics)})
+
+    def write(self, run_dir: str | Path) -> Record:
+        """Write it as ``run_dir``'s result.json, atomically."""
+        write_json_atomic(Path(run_dir) / RESULT, self)
+        return self
+
+
+def _metrics(metrics: dict | None) -> dict:
+    return {} if metrics is None else {"metrics": metrics}
 
 
 def read_result(run_dir: str | Path) -> dict | None:

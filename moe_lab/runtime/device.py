@@ -13,6 +13,11 @@ def world_size(cfg) -> int:
     return int(os.environ.get("WORLD_SIZE", cfg.trainer.nproc_per_node))
 
 
+def ranks_per_node(cfg) -> int:
+    """Ranks of this job on each node: an outer launcher's LOCAL_WORLD_SIZE, else every rank of the job on one."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size(cfg)))
+
+
 def runs_on_cuda(trainer) -> bool:
     """The job's device is a GPU: ``trainer.device`` cuda, or auto on a machine with CUDA."""
     return trainer.device != "cpu" and torch.cuda.is_available()

@@ -24,6 +24,12 @@ def deep_gemm_available() -> bool:
     return deep_gemm_import_error() is None
 
 
+def wants_deep_gemm(gemm: str, ep: int = 1) -> bool:
+    """Whether the gpu backend runs DeepGEMM's grouped GEMMs with this ``gemm`` choice at EP degree ``ep`` where
+    deep_gemm imports (``gpu_backend_name``'s rule; the planner plans a GPU machine by it)."""
+    return gemm == "deep_gemm" or (gemm == "auto" and ep == 1)
+
+
 def gpu_backend_name(gemm: str, ep: int = 1) -> str:
     """The op backend for the gpu path with this ``gemm`` choice.
 
@@ -33,7 +39,7 @@ def gpu_backend_name(gemm: str, ep: int = 1) -> str:
     The buffer now holds the rows received (``moe_lab.moe.fused.layout``), which removes that reason; the choice stays
     until DeepGEMM at EP>1 is measured again.
     """
-    if gemm == "torch" or (gemm == "auto" and ep > 1):
+    if not wants_deep_gemm(gemm, ep):
         return "gpu"
     if deep_gemm_available():
         return "gpu_deep_gemm"

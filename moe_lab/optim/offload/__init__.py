@@ -1,8 +1,8 @@
 """Where weights and optimizer state live: the ``offload`` group. Each option turns (model, optimizer factory,
 compute dtype) into the ``torch.optim.Optimizer`` the training loop steps and an LR scheduler drives; the loop never
-asks which option it has. With gradient accumulation (``trainer.grad_accum``) the loop calls the option's
-``before_micro_batch(optimizer, final)`` before each micro-batch: gradients accumulate on the device until the final
-micro-batch's backward, whose gradients are the step's.
+asks which option it has (the ``Offload`` contract). With gradient accumulation (``trainer.grad_accum``) the loop
+calls the option's ``before_micro_batch(optimizer, final)`` before each micro-batch: gradients accumulate on the
+device until the final micro-batch's backward, whose gradients are the step's.
 
 | option      | on the device                              | in host memory                        | optimizer step    |
 |-------------|--------------------------------------------|---------------------------------------|-------------------|
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from omegaconf import DictConfig
@@ -59,7 +59,38 @@ def _refuse_grad_clip(cfg: DictConfig, mode: str) -> None:
         )
 
 
-class NoOffload:
+@runtime_checkable
+class Offload(Protocol):
+    """What an ``offload`` option provides: validation calls ``validate``; the trainer ``build`` once, then each
+    step ``before_micro_batch`` before every micro-batch and ``step_metrics`` after ``optimizer.step()``; the
+    checkpointer asks ``state_device``."""
+
+    def validate(self, cfg) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this mode cannot run (an optimizer it
+        cannot step, gradient clipping it cannot honour); the default accepts every config."""
+
+    def build(
+        self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype
+    ) -> torch.optim.Optimizer:
+        """The optimizer the loop steps and the LR scheduler drives, over ``model``'s parameters (placed where this
+        mode keeps them): ``make_optimizer(params)`` builds the configured one."""
+        ...
+
+    def before_micro_batch(self, optimizer: torch.optim.Optimizer, final: bool) -> None:
+        """Before each micro-batch's forward; ``final``: its backward's gradients are the step's (the last)."""
+        ...
+
+    def state_device(self, training_device: torch.device) -> torch.device:
+        """Where the optimizer keeps its state: a checkpoint loads it there."""
+        ...
+
+    def step_metrics(self, optimizer: torch.optim.Optimizer) -> dict:
+        """What the last ``optimizer.step()`` did beyond the device's work, for the step's metrics row (the host
+        step's time under offload=full); the default reports nothing."""
+        return {}
+
+
+class NoOffload(Offload):
     """Everything on the training device: fp32 parameters and optimizer state; compute runs in bf16 through
     autocast / FSDP2's mixed-precision policy."""
 
@@ -70,11 +101,10 @@ class NoOffload:
         """Nothing to do: gradients accumulate in ``.grad`` and ``step()`` reads them after the final one."""
 
     def state_device(self, training_device: torch.device) -> torch.device:
-        """Where the optimizer keeps its state (a checkpoint loads it there)."""
         return training_device
 
 
-class OptimizerOffload:
+class OptimizerOffload(Offload):
     """Optimizer state in pinned host memory, streamed through the device chunk by chunk and stepped there during
     the backward of each step's last micro-batch (``moe_lab.optim.offload.optimizer``); weights and gradients stay
     on the device in the ``none`` precision scheme. Any optimizer works; no gradient clipping (a global norm does
@@ -107,7 +137,7 @@ class OptimizerOffload:
         optimizer.gradients_final = final
 
 
-class FullOffload:
+class FullOffload(Offload):
     """fp32 master weights, optimizer state and pinned transfer buffers in host RAM; the device keeps
     compute-dtype weights (bf16 on GPU) and activations. The optimizer steps on the host, inside backward
     (``moe_lab.optim.offload.full``). AdamW or SignSGD only; no gradient clipping (a global norm does not exist
@@ -184,6 +214,9 @@ class FullOffload:
         model.to(compute_dtype)  # the masters hold the fp32 values now
         optimizer.attach()
         return optimizer
+
+    def step_metrics(self, optimizer: InBackwardOptimizer) -> dict:
+        return optimizer.step_metrics()
 
     def before_micro_batch(self, optimizer: InBackwardOptimizer, final: bool) -> None:
         """The hooks take gradients to the host, and the chunks step, in the final micro-batch's backward only;

@@ -1,0 +1,340 @@
+"""The planner's model of each option: what a dispatcher, an activation checkpointing mode, an offload mode or an
+optimizer does to one rank's step memory and time, registered under the option's class (``planner_model``) and
+found for a built option by ``model_of``. ``memory`` and ``step_time`` hold what every step shares and ask the
+step's models for the rest, so a new option is planned by registering its model here (a test fails when a yaml
+of conf/<group>/ names a class without one).
+
+A model is stateless: what an option's values change (its chunk size, the GEMM alignment its backend needs) it
+puts into the plan's ``Step`` through ``step_fields``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+
+from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
+from moe_lab.moe.fused.ops import ALIGN
+from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
+from moe_lab.optim.optimizers import SignSGD
+from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
+from moe_lab.plan.hardware import Hardware
+from moe_lab.plan.memory import (Step, chunks, full_offload_chunks, fused_receive_rows, pinned, ring_params,
+                                 routed_rows, saved_per_layer, state_bytes)
+from moe_lab.runtime.errors import ConfigError
+
+# group -> option class -> its model, in registration order
+MODELS: dict[str, dict[type, object]] = {"dispatcher": {}, "ac": {}, "offload": {}, "optimizer": {}}
+PLANNED_GROUPS = tuple(MODELS)  # the groups whose options a plan depends on
+
+
+def planner_model(group: str, option_class: type):
+    """Class decorator: the planner's model of ``option_class`` (an option of ``group``)."""
+
+    def register(model_class):
+        model = model_class()
+        model.option_class = option_class
+        MODELS[group][option_class] = model
+        return model_class
+
+    return register
+
+
+def option_class(option) -> type:
+    """The class an option is of: an optimizer option is a partial of its class."""
+    return option.func if isinstance(option, partial) else type(option)
+
+
+def model_of(group: str, option):
+    """The planner's model of a built option of ``group`` (its class's, or the nearest base class's)."""
+    cls = option_class(option)
+    for klass in cls.__mro__:
+        if klass in MODELS[group]:
+            return MODELS[group][klass]
+    known = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in MODELS[group])
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    raise ConfigError(f"{group}._target_", f"the planner has no model of {name}; it models {known}")
+
+
+def named(group: str, name: str):
+    """The model of ``group``'s option named ``name`` (its yaml's)."""
+    return next(m for m in MODELS[group].values() if m.name == name)
+
+
+# --- dispatcher -------------------------------------------------------------------------------------------------
+# Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
+# grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies) and
+# its glue's memory traffic per routed row element (H wide) and pass (forward 1, backward 2, ac=full's recompute 1
+# more).
+_aten = torch.ops.aten
+
+
+@planner_model("dispatcher", TorchDispatcher)
+class TorchDispatcherPlan:
+    name = "torch"
+    expert_rate = 0.72
+    glue_bytes_per_element = 7.3
+    exchange_in_kernels = False  # its NCCL all-to-alls are a category of their own (ep_all_to_all)
+    buffer_ops = frozenset()  # no op's saved outputs are counted apart from the activations
+
+    def step_fields(self, option, train) -> dict:
+        return {}
+
+    def kernel_rows(self, step: Step) -> float:
+        """Rows its kernels move per layer and pass (step time)."""
+        return routed_rows(step)
+
+    def buffer_rows(self, step: Step) -> float:
+        """Rows its backward's working set is sized by (memory)."""
+        return routed_rows(step)
+
+    def op_outputs(self, step: Step) -> dict:
+        """Bytes per layer of its ops' outputs in one block's forward, by op (``memory.op_outputs``)."""
+        c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
+        rows = routed_rows(step)
+        outputs = {
+            _aten.sort.stable: [16 * t * k],
+            _aten._grouped_mm.default: [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size],
+        }
+        if step.mesh.ep > 1:
+            outputs[torch.ops.moe_lab.all_to_all_rows.default] = [rows * 2 * c.hidden_size, t * k * 2 * c.hidden_size]
+        return outputs
+
+    # The all-to-all's outputs feed permutations (index_select, whose backward needs the indices alone): without AC
+    # autograd does not keep them; selective AC does because the dispatcher names them.
+    unread_ops = frozenset({torch.ops.moe_lab.all_to_all_rows.default})
+
+    def elementwise_outputs(self, step: Step) -> float:
+        """Bytes per layer of its outputs backward reads that ac=selective recomputes (the routed rows' gather, the
+        SwiGLU's inputs)."""
+        c = step.cfg
+        return routed_rows(step) * 2 * (c.hidden_size + c.moe_intermediate_size)
+
+    def outside_allocator(self, step: Step) -> dict:
+        return {}
+
+    def index_adds(self, step: Step) -> int:
+        """Its permutation backwards outside any scope (``other``): bf16 index_add with atomics, one per layer (the
+        unsort) at EP=1, three at EP>1 (and the received rows' reordering both ways)."""
+        return 3 if step.mesh.ep > 1 else 1
+
+
+@planner_model("dispatcher", FusedDispatcher)
+class FusedDispatcherPlan:
+    name = "fused"
+    expert_rate = 1.0
+    glue_bytes_per_element = 10.25
+    exchange_in_kernels = True  # the rows it pulls and pushes over NVLink are its kernels' work (dispatch_glue)
+    buffer_ops = frozenset({torch.ops.moe_lab.fused_moe.default})  # its receive-side residuals and output
+    unread_ops = frozenset()
+
+    def step_fields(self, option: FusedDispatcher, train) -> dict:
+        # The GPU machine's backend by the dispatcher's own rule, DeepGEMM taken as importable there.
+        return {"fused_align": ALIGN[option.gpu_backend_where_deep_gemm_imports(train.parallel.ep)]}
+
+    def kernel_rows(self, step: Step) -> float:
+        # the padded received rows (a worst-case buffer's unused rows are skipped)
+        return fused_receive_rows(step, worst_case=False)
+
+    def buffer_rows(self, step: Step) -> float:
+        return fused_receive_rows(step)
+
+    def op_outputs(self, step: Step) -> dict:
+        c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
+        rows, inter = fused_receive_rows(step), c.moe_intermediate_size
+        saved = 2 * t * c.hidden_size + rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k
+        return {torch.ops.moe_lab.fused_moe.default: [saved]}
+
+    def elementwise_outputs(self, step: Step) -> float:
+        return 0.0
+
+    def outside_allocator(self, step: Step) -> dict:
+        """The symmetric workspace at EP>1: 4 receive-side buffers, the 1.25x ladder."""
+        if step.mesh.ep == 1:
+            return {}
+        c, rows = step.cfg, fused_receive_rows(step) * 1.25
+        workspace = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size
+        return {"fused symmetric workspace": workspace}
+
+    def index_adds(self, step: Step) -> int:
+        return 0
+
+
+# --- activation checkpointing -----------------------------------------------------------------------------------
+@planner_model("ac", NoCheckpoint)
+class NoCheckpointPlan:
+    name = "none"
+    recompute_passes = 0.0  # forwards backward runs again, beyond the one
+    keeps_elementwise = True  # autograd keeps the elementwise outputs backward reads
+
+    def step_fields(self, option, train) -> dict:
+        return {}
+
+    def keeps(self, op, step: Step) -> bool:
+        """Whether the block keeps ``op``'s outputs for backward: every output backward reads."""
+        return op not in step.dispatcher.unread_ops
+
+    def recompute_workspace(self, step: Step) -> float:
+        return 0.0
+
+
+@planner_model("ac", SelectiveCheckpoint)
+class SelectiveCheckpointPlan(NoCheckpointPlan):
+    name = "selective"
+    keeps_elementwise = False
+
+    def keeps(self, op, step: Step) -> bool:
+        return op in step.saved_ops
+
+
+@planner_model("ac", FullCheckpoint)
+class FullCheckpointPlan(NoCheckpointPlan):
+    name = "full"
+    recompute_passes = 1.0
+    keeps_elementwise = False
+
+    def keeps(self, op, step: Step) -> bool:
+        return False
+
+    def recompute_workspace(self, step: Step) -> float:
+        """Backward's recomputed forward of one block: what that block keeps without AC."""
+        return saved_per_layer(dataclasses.replace(step, ac=named("ac", "none")))
+
+
+# --- optimizer ----------------------------------------------------------------------------------------------------
+ADAMW_BYTES = 28  # fp32 param, grad, exp_avg, exp_avg_sq read; param and moments written
+FOREACH_ADAMW_BYTES = 60  # the same through foreach kernels, one pass per op
+
+
+@planner_model("optimizer", torch.optim.AdamW)
+class AdamWPlan:
+    name = "adamw"
+    state_bytes = 8  # exp_avg, exp_avg_sq in fp32
+
+    def step_fields(self, option, train) -> dict:
+        return {"foreach": not option.keywords.get("fused", False)}  # without fused=true: torch's foreach path
+
+    def device_step_bytes(self, step: Step) -> float:
+        """HBM traffic of its step per parameter on the device."""
+        return FOREACH_ADAMW_BYTES if step.foreach else ADAMW_BYTES
+
+    def step_temporaries(self, step: Step, params: float) -> float:
+        """Device bytes its step allocates over ``params`` parameters: foreach AdamW's sqrt(exp_avg_sq) of every
+        parameter at once."""
+        return 4 * params if step.foreach else 0.0
+
+
+@planner_model("optimizer", SignSGD)
+class SignSGDPlan:
+    name = "signsgd"
+    state_bytes = 0
+
+    def step_fields(self, option, train) -> dict:
+        return {}
+
+    def device_step_bytes(self, step: Step) -> float:
+        return 12
+
+    def step_temporaries(self, step: Step, params: float) -> float:
+        return 0.0
+
+
+# --- offload ------------------------------------------------------------------------------------------------------
+@planner_model("offload", NoOffload)
+class NoOffloadPlan:
+    name = "none"
+    fp32_weights_on_device = True  # fp32 weights, which autocast casts (one rank)
+    accumulated_grad_bytes = 4  # per parameter, .grad between micro-batches
+
+    def step_fields(self, option, train=None) -> dict:
+        return {}
+
+    def device_state(self, step: Step, params: float) -> tuple[dict, float, float, float]:
+        """Model state on the device: (weights by kind, gradient bytes per parameter at the step, optimizer state,
+        gradients in flight to the host)."""
+        return {"fp32 params (masters)": 4 * params}, 4, state_bytes(step) * params, 0.0
+
+    def step_temporaries(self, step: Step, params: float) -> float:
+        return step.optimizer.step_temporaries(step, params)
+
+    def host(self, step: Step) -> dict[str, float]:
+        return {}
+
+    def optimizer_seconds(self, step: Step, hw: Hardware, params: float) -> dict[str, float]:
+        return {"optimizer": params * step.optimizer.device_step_bytes(step) / hw.hbm_bytes_per_s}
+
+    def exposed_pcie(self, step: Step, hw: Hardware, params: float, compute: float) -> float:
+        return 0.0
+
+
+@planner_model("offload", OptimizerOffload)
+class OptimizerOffloadPlan(NoOffloadPlan):
+    name = "optimizer"
+
+    def step_fields(self, option: OptimizerOffload, train=None) -> dict:
+        return {"chunk_mib": option.chunk_mib, "max_inflight": option.max_inflight}
+
+    def device_state(self, step: Step, params: float) -> tuple[dict, float, float, float]:
+        # the device ring its state streams through, at every phase
+        return {"fp32 params (masters)": 4 * params}, 4, state_bytes(step) * ring_params(step), 0.0
+
+    def step_temporaries(self, step: Step, params: float) -> float:
+        return 0.0
+
+    def host(self, step: Step) -> dict[str, float]:
+        # each chunk's state is one pinned block, rounded up to a power of two
+        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True))}
+
+    def optimizer_seconds(self, step: Step, hw: Hardware, params: float) -> dict[str, float]:
+        return {"optimizer": params * ADAMW_BYTES / hw.hbm_bytes_per_s}  # its exposed PCIe follows the compute
+
+    def exposed_pcie(self, step: Step, hw: Hardware, params: float, compute: float) -> float:
+        # The ring's worth of state comes in under the earlier micro-batches; the rest comes in during the last
+        # micro-batch's backward as chunks step and free their place (the new state going home in the other
+        # direction, and on into the next step, where the host reads no longer wait for it): what that backward,
+        # about two thirds of a micro-batch's compute, does not cover is exposed (experiments/offload_accum).
+        moved = state_bytes(step) * (params - ring_params(step)) / hw.pcie_bytes_per_s
+        return max(0.0, moved - compute / step.grad_accum * 2 / 3)
+
+
+@planner_model("offload", FullOffload)
+class FullOffloadPlan(NoOffloadPlan):
+    name = "full"
+    fp32_weights_on_device = False  # bf16 weights only (and its device share's masters)
+    accumulated_grad_bytes = 2  # .grad in bf16 until the final backward's hooks take them
+
+    def step_fields(self, option: FullOffload, train=None) -> dict:
+        return {"chunk_mib": option.chunk_mib, "max_inflight": option.max_inflight, "device_share": option.device_share}
+
+    def device_state(self, step: Step, params: float) -> tuple[dict, float, float, float]:
+        host_chunks, device_chunks = full_offload_chunks(step)
+        on_device = sum(device_chunks)
+        weights = {"bf16 params": 2 * params, "fp32 masters on the device": 4 * on_device}
+        # gradients leave for the host as they are made, a chunk or so in flight; a device chunk steps with its
+        # gradients widened to fp32
+        in_flight = 2 * max(host_chunks, default=0.0) + 4 * max(device_chunks, default=0.0)
+        return weights, 0, state_bytes(step) * on_device, in_flight
+
+    def step_temporaries(self, step: Step, params: float) -> float:
+        return 0.0
+
+    def host(self, step: Step) -> dict[str, float]:
+        host_chunks = full_offload_chunks(step)[0]
+        on_host = sum(host_chunks)
+        return {
+            "fp32 masters": 4 * on_host,
+            "moments": state_bytes(step) * on_host,
+            "pinned transfer buffers": min(step.max_inflight, len(host_chunks))
+            * pinned(2 * max(host_chunks, default=0.0)),
+        }
+
+    def optimizer_seconds(self, step: Step, hw: Hardware, params: float) -> dict[str, float]:
+        # its device chunks step on the GPU as the optimizer does under offload=optimizer, the rest on the host
+        host_chunks, device_chunks = full_offload_chunks(step)
+        ranks_on_node = min(step.mesh.world, step.mesh.gpus_per_node)
+        return {
+            "optimizer": sum(device_chunks) * ADAMW_BYTES / hw.hbm_bytes_per_s,
+            "host_step": sum(host_chunks) / hw.host_adamw_params_per_s(ranks_on_node),
+        }
