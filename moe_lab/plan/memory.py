@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload.full import device_chunk_count
 from moe_lab.plan.shapes import Mesh, Shapes
-
-if TYPE_CHECKING:
-    from moe_lab.plan.options import (AdamWPlan, FusedDispatcherPlan, NoCheckpointPlan, NoOffloadPlan, SignSGDPlan,
-                                      TorchDispatcherPlan)
 
 GIB = 2**30
 _aten = torch.ops.aten
@@ -54,11 +50,11 @@ class Step:
     seq_len: int
     batch_size: int
     grad_accum: int
-    # the options' planner models (moe_lab.plan.options)
-    dispatcher: TorchDispatcherPlan | FusedDispatcherPlan
-    ac: NoCheckpointPlan
-    offload: NoOffloadPlan
-    optimizer: AdamWPlan | SignSGDPlan
+    # the options' planner models (moe_lab.plan.options, which builds on this module: typed loosely here)
+    dispatcher: Any
+    ac: Any
+    offload: Any
+    optimizer: Any
     compile: bool
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     foreach: bool = False  # AdamW without fused=true: torch's foreach path
