@@ -40,8 +40,8 @@ def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
     optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
     scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
     Checkpointer(
-        cfg.trainer.checkpoint, str(checkpoint), "unused", model=model, optimizer=optimizer, scheduler=scheduler,
-        data=options.data, device=device, state_device=device, config={}, model_config={},
+        cfg.trainer.checkpoint, str(checkpoint), "unused", fallback=False, model=model, optimizer=optimizer,
+        scheduler=scheduler, data=options.data, device=device, state_device=device, config={}, model_config={},
     ).restore()  # fmt: skip
     return model.eval()
 

@@ -16,6 +16,8 @@ import torch
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
+from moe_lab.runtime.files import give_plain_file_mode
+
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the moe_lab package
@@ -37,9 +39,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        give_plain_file_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -68,11 +68,16 @@ def point_config(cfg) -> dict:
 
 
 def read_result(run_dir: str | Path) -> dict | None:
+    """The run directory's record, or None where there is none or it cannot be read as one: not JSON, or JSON but
+    not an object holding a status and a config (every record this code writes has both)."""
     path = Path(run_dir) / RESULT
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
+    if isinstance(record, dict) and isinstance(record.get("status"), str) and isinstance(record.get("config"), dict):
+        return record
+    return None
 
 
 class MetricsLog:
