@@ -132,11 +132,10 @@ def _rank_failure(rank: int, failure: ProcessFailure) -> dict:
 
 
 def _exception(failure: ProcessFailure) -> str | None:
-    """The exception a failed rank recorded in its error file ("Type: message"), or None (a signal leaves none)."""
+    """The exception a failed rank recorded in its error file ("Type: message"), or None (a signal leaves none;
+    elastic then holds a placeholder string)."""
     message = failure.error_file_data.get("message")
-    if isinstance(message, dict):
-        message = message.get("message")
-    return message or None
+    return message.get("message") or None if isinstance(message, dict) else None
 
 
 def _callstack(failure: ProcessFailure) -> str | None:

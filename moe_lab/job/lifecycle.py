@@ -68,7 +68,7 @@ class OutputDirGuard(Callback):
         self.lock = None
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        self._take(Path(config.hydra.run.dir), "hydra.run.dir", "run")
+        self._take(Path(config.hydra.run.dir), "hydra.run.dir", "job")
 
     def on_run_end(self, config: DictConfig, **kwargs) -> None:
         self._release()
