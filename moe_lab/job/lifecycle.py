@@ -3,8 +3,10 @@
 - A point whose directory already holds an ok record of the same configuration is skipped (a resumed sweep); a
   directory holding the record, or the newest checkpoint, of another configuration is never written to. A point
   that was interrupted or failed after a checkpoint continues from it (``trainer.resume=auto``).
-- An invalid configuration is recorded as ``invalid`` before anything is built; a failure as ``oom`` / ``error``.
-  In a sweep the failed point is returned so Hydra's launcher goes on; a single run exits non-zero.
+- A job holds its directory's lock for its life (``OutputDirGuard``): a second run or sweep into it is refused.
+- An invalid configuration is recorded as ``invalid`` before anything is built; a failure as ``oom`` / ``error``
+  (when a rank it started died, naming that rank and how, before rank 0's symptom). In a sweep the failed point is
+  returned so Hydra's launcher goes on; a single run exits non-zero. A record that cannot be read is not done.
 - SIGTERM / SIGINT stop every rank at the same step: the point is recorded as ``interrupted`` (after a checkpoint
   with ``trainer.checkpoint.on_signal``) and the job exits with 128 + the signal's number, a sweep included.
 - The job starts its ranks itself (``trainer.nproc_per_node``) or runs as one rank of an outer torchrun / srun.
