@@ -129,6 +129,7 @@ BAD = [
     (["parallel.dp_shard=2"], {"WORLD_SIZE": "4"}, "parallel.dp_shard"),  # under an outer torchrun
     (["trainer.steps=abc"], {}, "trainer.steps"),
     (["trainer.dry_run=maybe"], {}, "trainer.dry_run"),
+    (["trainer.resume_fallback=maybe"], {}, "trainer.resume_fallback"),
     (["model.num_experts=abc"], {}, "model.num_experts"),
     (["model.routing=foo"], {}, "model.routing"),
     (["model.routing_skew=0"], {}, "model.routing_skew"),
