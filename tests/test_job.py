@@ -154,6 +154,7 @@ def test_an_unreadable_record_is_a_row_naming_its_file(tmp_path):
         assert load(tmp_path / "elsewhere").empty
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_a_record_and_the_sweep_goes_on(tmp_path):
     """Resuming a sweep whose first point left a damaged newest checkpoint (its data file cut short) and no record
     (as a killed point does): with trainer.resume_fallback=false that point is an error record naming the checkpoint
