@@ -1,7 +1,7 @@
 """Synthetic batches that can hold a run at a chosen step, so that a test can signal or kill it there.
 
 With ``MOE_LAB_TEST_PAUSE=<step>:<directory>`` in the environment, each rank, before taking the batch of ``step``,
-writes ``<directory>/paused_rank<r>`` and waits (polling; signal handlers run meanwhile) until
+writes ``<directory>/paused_rank<r>`` (holding its process id) and waits (polling; signal handlers run meanwhile) until
 ``<directory>/release`` exists. Without it the batches are SyntheticData's. The variable is no part of the config,
 so a paused run, a killed one and the run resuming it are the same point.
 """
@@ -25,7 +25,7 @@ class PausingData(SyntheticData):
             at, _, directory = pause.partition(":")
             if step == int(at):
                 Path(directory).mkdir(parents=True, exist_ok=True)
-                (Path(directory) / f"paused_rank{dp_rank}").touch()
+                (Path(directory) / f"paused_rank{dp_rank}").write_text(str(os.getpid()))  # a test may kill this rank
                 deadline = time.monotonic() + 300
                 while not (Path(directory) / "release").exists() and time.monotonic() < deadline:
                     time.sleep(0.02)

@@ -14,7 +14,7 @@ import torch
 from moe_lab import config
 from moe_lab.job import lifecycle as job
 from moe_lab.checkpoint import directory as ckpt_dir
-from moe_lab.checkpoint.checkpointer import CheckpointMismatch
+from moe_lab.checkpoint.checkpointer import CheckpointDamaged, CheckpointMismatch, find_damage
 from moe_lab.config import ConfigError
 from moe_lab.moe.router import Router
 from moe_lab.optim.schedule import warmup_cosine
@@ -172,3 +172,67 @@ def test_auto_resume_refuses_a_checkpoint_of_another_configuration(tmp_path):
     (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"config": job.point_config(compose_train([*SMALL, "trainer.checkpoint.every=2"]))}))
     assert job.earlier_record(tmp_path, cfg, multirun=True) is None  # the same point: it resumes
     job.earlier_record(tmp_path, compose_train([*SMALL, "ac=full", "trainer.resume=never"]), multirun=True)
+
+
+def _damage(checkpoint, how: str) -> str:
+    """Cut short, delete or overwrite (zeros, its size kept: found only when read) the checkpoint's data file; its
+    name."""
+    data = next(checkpoint.glob("*.distcp"))
+    if how == "truncated":
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    elif how == "deleted":
+        data.unlink()
+    else:
+        data.write_bytes(bytes(data.stat().st_size))
+    return data.name
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "overwritten"])
+def test_a_damaged_checkpoint_falls_back_to_the_one_before_or_fails_naming_it(how, tmp_path):
+    """The newest checkpoint's data file cut short or gone: ``trainer.resume=auto`` sets it aside and resumes from
+    the complete one before it, bit for bit (the default, trainer.resume_fallback=true); with the fallback off the
+    run fails naming the checkpoint and the file, and so it does when no checkpoint is left to fall back to."""
+    every = ["trainer.steps=4", "trainer.checkpoint.every=2"]
+    reference = train_in_process(every, tmp_path / "a")
+    directory = tmp_path / "a" / "checkpoints"
+    newest, before = ckpt_dir.complete_path(directory, 4), ckpt_dir.complete_path(directory, 2)
+    file = _damage(newest, how)
+
+    what = {"truncated": "cut short: ", "deleted": "missing", "overwritten": "reading it failed: rank 0: "}[how]
+    with pytest.raises(CheckpointDamaged, match=f"checkpoint {newest} is damaged: {file}: {what}.*"
+                       f"trainer.resume_fallback=true would set it aside and continue from {before}") as e:  # fmt: skip
+        train_in_process([*every, "trainer.resume_fallback=false"], tmp_path / "a")
+    assert e.value.details == {"checkpoint": str(newest), "file": file}
+    assert ckpt_dir.complete(directory) == [before, newest]  # left as it was
+
+    resumed = train_in_process(every, tmp_path / "a")
+    assert resumed["resumed_from"] == str(before) and resumed["losses"] == reference["losses"]
+    assert [d["checkpoint"] for d in resumed["damaged_checkpoints"]] == [str(newest)]
+    assert resumed["damaged_checkpoints"][0]["file"] == file
+    assert (directory / "step_00000004.damaged").is_dir()  # set aside for a look; step 4 was written afresh
+    assert ckpt_dir.complete(directory) == [before, newest] and find_damage(newest) is None
+
+    _damage(newest, how)
+    _damage(before, how)
+    with pytest.raises(CheckpointDamaged, match=f"checkpoint {before} is damaged: {file}: .*no complete checkpoint before it"):
+        train_in_process(every, tmp_path / "a")
+    with pytest.raises(CheckpointDamaged, match=f"checkpoint {before} is damaged.*named by trainer.resume"):
+        train_in_process([*every, f"trainer.resume={before}"], tmp_path / "b")
+
+
+def test_a_checkpoint_of_another_depth_is_refused_naming_the_tensor(tmp_path):
+    """A tensor of the checkpoint the model lacks, or one of the model the checkpoint lacks, is refused (with an
+    optimizer that keeps no per-parameter state, the model's tensors are all that differ)."""
+    one_step = ["trainer.steps=1", "trainer.checkpoint.every=1", "optimizer=signsgd"]
+    train_in_process(one_step, tmp_path / "two")
+    train_in_process([*one_step, "model.num_layers=1"], tmp_path / "one")
+    two, one = (tmp_path / name / "checkpoints" / "step_00000001" for name in ("two", "one"))
+    with pytest.raises(CheckpointMismatch, match=r"model/model\.layers\.1\.\S+ \(and \d+ more\) is the state of a parameter this model lacks"):
+        train_in_process([*one_step, "model.num_layers=1", f"trainer.resume={two}"], tmp_path / "c")
+    with pytest.raises(CheckpointMismatch, match=r"no model/model\.layers\.1\."):
+        train_in_process([*one_step, f"trainer.resume={one}"], tmp_path / "d")
+    train_in_process(["trainer.steps=1", "trainer.checkpoint.every=1"], tmp_path / "adamw")  # per-parameter state
+    adamw = tmp_path / "adamw" / "checkpoints" / "step_00000001"
+    with pytest.raises(CheckpointMismatch, match=r"model\.layers\.1\.\S+ \(and \d+ more\) is the state of a parameter this model lacks"):
+        train_in_process(["trainer.steps=2", "model.num_layers=1", f"trainer.resume={adamw}"], tmp_path / "e")

@@ -148,6 +148,7 @@ BAD = [
     (["dispatcher=fused", "parallel.ep=4"], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "parallel.ep"),
     (["trainer.steps=abc"], {}, "trainer.steps"),
     (["trainer.dry_run=maybe"], {}, "trainer.dry_run"),
+    (["trainer.resume_fallback=maybe"], {}, "trainer.resume_fallback"),
     (["model.num_experts=abc"], {}, "model.num_experts"),
     (["model.routing=foo"], {}, "model.routing"),
     (["model.routing_skew=0"], {}, "model.routing_skew"),

@@ -40,8 +40,8 @@ def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
     optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
     scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
     Checkpointer(
-        cfg.trainer.checkpoint, str(checkpoint), "unused", model=model, optimizer=optimizer, scheduler=scheduler,
-        data=options.data, device=device, state_device=device, config={}, model_config={},
+        cfg.trainer.checkpoint, str(checkpoint), "unused", fallback=False, model=model, optimizer=optimizer,
+        scheduler=scheduler, data=options.data, device=device, state_device=device, config={}, model_config={},
     ).restore()  # fmt: skip
     return model.eval()
 
@@ -77,3 +77,19 @@ def test_export_of_full_offload_in_bf16_holds_the_fp32_masters(tmp_path):
     exported = CheckpointReader(tmp_path / "hf").get(name, (64, 64), torch.float32)
     assert exported.dtype == torch.float32 and torch.equal(exported, saved[f"optimizer/{name}/master"])
     assert not torch.equal(exported, saved[f"model/{name}"].float())  # the bf16 weights are the masters rounded
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 1500])
+def test_exported_files_are_as_readable_as_the_rest_of_the_export(max_shard_bytes, tmp_path):
+    """The safetensors files get the mode a plain file write gives (0666 less the umask), as the index beside them:
+    a shared model directory is readable by the group (safetensors writes owner-only files)."""
+    from moe_lab.models.hf_weights import save_hf_checkpoint
+
+    umask = os.umask(0o022)
+    try:
+        save_hf_checkpoint({"a.weight": torch.ones(16, 16), "b.weight": torch.zeros(16, 16)}, tmp_path, max_shard_bytes)
+        (tmp_path / "config.json").write_text("{}")  # as export() writes it
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert len(modes) == (2 if max_shard_bytes is None else 4) and set(modes.values()) == {0o644}, modes

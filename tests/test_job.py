@@ -152,3 +152,74 @@ def test_an_unreadable_record_is_a_row_naming_its_file(tmp_path):
     assert str(tmp_path / "1" / "result.json") in df["error_message"][1]
     with pytest.warns(UserWarning, match="no result.json under"):
         assert load(tmp_path / "elsewhere").empty
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_a_record_and_the_sweep_goes_on(tmp_path):
+    """Resuming a sweep whose first point left a damaged newest checkpoint (its data file cut short) and no record
+    (as a killed point does): with trainer.resume_fallback=false that point is an error record naming the checkpoint
+    and the file, and the next point still runs; run again with the fallback (the default), the point resumes from
+    the checkpoint before the damaged one and says so."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "ac=none,full", *SMALL, "trainer.checkpoint.every=1", f"hydra.sweep.dir={sweep}"]
+    assert train_cli(*args, cwd=tmp_path).returncode == 0
+    newest = sweep / "0" / "checkpoints" / "step_00000002"
+    data = newest / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(100)
+    for point in ("0", "1"):
+        (sweep / point / "result.json").unlink()
+
+    proc = train_cli(*args, "trainer.resume_fallback=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error = json.loads((sweep / "0" / "result.json").read_text())["error"]
+    assert error["type"] == "CheckpointDamaged" and (error["checkpoint"], error["file"]) == (str(newest), data.name)
+    assert f"checkpoint {newest} is damaged: {data.name}: cut short: 100 bytes" in error["message"]
+    assert json.loads((sweep / "1" / "result.json").read_text())["status"] == "ok"
+
+    proc = train_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint {newest} is damaged" in proc.stdout and "falling back to" in proc.stdout
+    metrics = json.loads((sweep / "0" / "result.json").read_text())["metrics"]
+    assert metrics["resumed_from"] == str(sweep / "0" / "checkpoints" / "step_00000001")
+    assert metrics["damaged_checkpoints"][0]["set_aside_as"] == str(newest) + ".damaged"
+
+
+def test_a_record_that_is_no_object_is_run_again_when_the_sweep_resumes(tmp_path):
+    """A result.json that is JSON but no record (``[]``, an object without status and config) is not done: the
+    resumed sweep runs its point again and replaces it."""
+    from moe_lab.job.lifecycle import earlier_record
+    from tests.test_offload import compose_train
+
+    cfg = compose_train(SMALL)
+    for text in ("[1, 2]", '"ok"', '{"status": "ok"}', '{"status": "ok", "config": []}'):
+        (tmp_path / "result.json").write_text(text)
+        assert earlier_record(tmp_path, cfg, multirun=True) is None and not (tmp_path / "result.json").exists()
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", "ac=none", *SMALL, f"hydra.sweep.dir={sweep}"]
+    assert train_cli(*args, cwd=tmp_path).returncode == 0
+    (sweep / "0" / "result.json").write_text("[]")
+    proc = train_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is no readable record: the point runs again" in proc.stdout
+    assert json.loads((sweep / "0" / "result.json").read_text())["status"] == "ok"
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path):
+    """Two single runs into one hydra.run.dir at once would mix their files: the second stops, naming the holder,
+    before Hydra writes its .hydra/ files there (the lock held here by this test, as a running job holds it)."""
+    import fcntl
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".moe_lab.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("a test's host pid 1\n")
+        lock.flush()
+        proc = train_cli(*SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"hydra.run.dir={run_dir} is in use by a running job (a test's host pid 1)" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".moe_lab.lock"]
+    proc = train_cli(*SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)  # released: it runs
+    assert proc.returncode == 0 and (run_dir / "result.json").exists(), proc.stderr[-3000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,8 @@ def test_outer_torchrun_only_rank0_leaves_files(mode, tmp_path):
     top = {"run": "outputs", "multirun": "multirun"}[mode]
     assert len(run_dirs) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [top]
     assert len(list((tmp_path / top).glob("*/*"))) == 1  # no directory of another rank
-    expected = [".hydra", "metrics.jsonl", "result.json", "train.log"]
-    assert sorted(p.name for p in run_dirs[0].iterdir()) == expected
+    expected = [".hydra", "metrics.jsonl", "result.json", "train.log"] + ([".moe_lab.lock"] if mode == "run" else [])
+    assert sorted(p.name for p in run_dirs[0].iterdir()) == sorted(expected)  # a single run locks its directory
     if mode == "multirun":  # the sweep's own record, once
         assert sorted(p.name for p in run_dirs[0].parent.iterdir()) == [".moe_lab.lock", "0", "multirun.yaml"]
     result = json.loads((run_dirs[0] / "result.json").read_text())
@@ -110,3 +111,58 @@ def test_slurm_launcher_submits_one_task_per_gpu(slurm_cfg, tmp_path, monkeypatc
     # Every task is a rank of one job: the world the config is validated against is nodes x GPUs.
     monkeypatch.setenv("WORLD_SIZE", "16")
     config.validate(slurm_cfg)
+
+
+def _process_failure(tmp_path, rank: int, exitcode: int, exception: str | None = None, timestamp: int = 100):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error_rank{rank}.json"
+    if exception:  # as torch elastic's error handler writes it for a rank that raised
+        info = {"py_callstack": f"Traceback of rank {rank}", "timestamp": str(timestamp)}
+        error_file.write_text(json.dumps({"message": {"message": exception, "extraInfo": info}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_a_failed_rank_is_named_before_what_rank0_saw(tmp_path):
+    """The record's story of elastic's ChildFailedError: the rank that died, how (signal or exit code, its own
+    exception), then rank 0's symptom; a rank 0 that failed itself is named as any rank is."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    symptom = {"type": "RuntimeError", "message": "Connection closed by peer", "traceback": "rank 0's traceback"}
+    killed = launcher.RanksFailed(ChildFailedError("worker", {1: _process_failure(tmp_path, 1, -9)}), symptom)
+    assert str(killed).startswith("rank 1 (pid 1001) died of signal SIGKILL")
+    assert str(killed).endswith("; rank 0 then failed: RuntimeError: Connection closed by peer")
+    assert (killed.details["rank"], killed.details["signal"], killed.details["exit_code"]) == (1, "SIGKILL", None)
+    assert killed.details["rank0_error"] == {"type": "RuntimeError", "message": "Connection closed by peer"}
+    assert killed.traceback == "rank 0's traceback"  # a signal leaves none of its own
+
+    failures = {0: _process_failure(tmp_path, 0, 1, "RuntimeError: gloo timeout", timestamp=101),
+                1: _process_failure(tmp_path, 1, 3, "ValueError: bad shard", timestamp=100)}  # fmt: skip
+    raised = launcher.RanksFailed(ChildFailedError("worker", failures), symptom)
+    assert str(raised) == ("rank 1 (pid 1001) exited with code 3: ValueError: bad shard; "
+                           "rank 0 (pid 1000) exited with code 1: RuntimeError: gloo timeout")  # fmt: skip
+    assert raised.details["exit_code"] == 3 and raised.details["rank0_error"] is None
+    assert raised.traceback == "Traceback of rank 1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dead", [1, 0])
+def test_the_record_of_a_job_whose_rank_was_killed_names_that_rank(dead, tmp_path):
+    """A rank of a two-rank job killed with SIGKILL mid-run: the job ends at once, and its record names the dead
+    rank and its signal first (rank 0's symptom, when rank 0 survived it, second)."""
+    from tests.test_resume import BASE, Job, mesh, paused
+
+    run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
+    job = Job([*BASE, *mesh("none", 2, 2), f"hydra.run.dir={run_dir}"], tmp_path, pause=f"2:{pause_dir}")
+    job.wait_for(lambda: paused(pause_dir, 2)() and all((pause_dir / f"paused_rank{r}").read_text() for r in range(2)))
+    os.kill(int((pause_dir / f"paused_rank{dead}").read_text()), signal.SIGKILL)
+    (pause_dir / "release").touch()  # the survivor goes on into a collective with the dead rank
+    assert job.wait() != 0
+    record = json.loads((run_dir / "result.json").read_text())
+    error = record["error"]
+    assert record["status"] == "error" and error["type"] == "RanksFailed"
+    assert error["message"].startswith(f"rank {dead} (pid ") and f"died of signal SIGKILL" in error["message"]
+    assert (error["rank"], error["signal"]) == (dead, "SIGKILL") and "<NONE>" not in error["message"]
+    if dead == 1:
+        assert "; rank 0 then failed: " in error["message"] and error["rank0_error"]["type"]
+    assert record["world_size"] == 2 and record["config"]["trainer"]["nproc_per_node"] == 2

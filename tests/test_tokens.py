@@ -287,3 +287,35 @@ def test_flex_document_mask_on_gpu_equals_documents_alone_and_compiles(ac, hf_ti
         torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=2e-2)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, eager_grads[name], rtol=5e-2, atol=5e-3, msg=f"compiled={compiled} {name}")
+
+
+@pytest.mark.parametrize("damage", ["shard deleted", "shard cut short", "shard grown", "index of other counts"])
+def test_damaged_token_files_fail_validation_naming_the_file(damage, tmp_path, monkeypatch):
+    """Every shard is checked against the index and meta.json before a step: one deleted, cut short by a copy that
+    stopped or holding more than its documents, or an index that disagrees with meta.json, is refused naming it."""
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab import config
+
+    docs = [("train", np.arange(n, dtype=np.uint32) % 500) for n in (30, 40, 25, 35)]
+    docs += [("eval", np.arange(n, dtype=np.uint32) % 500) for n in (30, 30)]
+    write_token_dir(tmp_path, iter(docs), {"tokenizer": "test", "vocab_size": 512, "eos_id": 0}, shard_tokens=50)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config.register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["data=tokens", f"data.path={tmp_path}", "data.seq_len=16"])
+    config.validate(cfg)  # intact
+
+    shard, index = tmp_path / "train" / "tokens-00001.bin", tmp_path / "train" / "index.npy"
+    if damage == "shard deleted":
+        shard.unlink()
+    elif damage == "index of other counts":
+        np.save(index, np.load(index)[:-1])
+    else:
+        size = shard.stat().st_size
+        with open(shard, "r+b") as f:
+            f.truncate(size // 2 if damage == "shard cut short" else size + 4)
+    named = index if damage == "index of other counts" else shard
+    with pytest.raises(config.ConfigError, match=f"{named} (is missing|holds|lists)") as e:
+        config.validate(cfg)
+    assert e.value.key == "data.path"

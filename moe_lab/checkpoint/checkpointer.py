@@ -18,6 +18,12 @@ A checkpoint's DCP keys:
 The optimizer is read and restored through ``state_dict`` / ``load_state_dict`` in torch's format over the model's
 parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode. On disk a
 checkpoint is complete or absent (``moe_lab.checkpoint.directory``).
+
+A checkpoint is loaded only when it fits the run: every tensor the model has is in it, and it holds no model tensor,
+optimizer state or param group of a parameter the model lacks (``CheckpointMismatch``, naming the key). One whose
+files cannot be read back whole (a data file missing or cut short, its metadata or marker unreadable) is
+``CheckpointDamaged``, naming the checkpoint and the file; ``trainer.resume=auto`` with ``trainer.resume_fallback``
+sets it aside and loads the complete one before it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from moe_lab.checkpoint import directory as ckpt_dir
@@ -60,6 +67,22 @@ class CheckpointMismatch(ValueError):
     """A checkpoint that does not fit the run resuming from it; the message names the checkpoint and the key."""
 
 
+class CheckpointDamaged(RuntimeError):
+    """A checkpoint whose files cannot be read back whole; the message names the checkpoint and the file (where
+    the failure names one), ``details`` both, for the run's record."""
+
+    def __init__(self, checkpoint: Path, file: str | None, problem: str, advice: str = ""):
+        where = f"{file}: " if file else ""
+        super().__init__(f"checkpoint {checkpoint} is damaged: {where}{problem}{advice}")
+        self.checkpoint, self.file, self.problem = checkpoint, file, problem
+        self.details = {"checkpoint": str(checkpoint), "file": file}
+
+
+class CheckpointWriteFailed(RuntimeError):
+    """DCP failed writing a checkpoint (its ``CheckpointException`` is a BaseException, which a job's failure
+    handling does not catch); the message names the checkpoint and each rank's error."""
+
+
 class Checkpointer:
     """Saves and restores one run's training state; built once, after the model, optimizer and scheduler.
 
@@ -74,6 +97,7 @@ class Checkpointer:
         resume: str,
         run_dir: str | Path,
         *,
+        fallback: bool,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler,
@@ -85,7 +109,7 @@ class Checkpointer:
     ):
         self.every, self.keep, self.async_save = settings.every or 0, settings.keep, settings.async_save
         self.directory = ckpt_dir.checkpoint_dir(settings.dir, run_dir)
-        self.resume = resume
+        self.resume, self.fallback = resume, fallback
         self.optimizer, self.scheduler, self.data = optimizer, scheduler, data
         self.device, self.state_device = device, state_device
         self.config, self.model_config = config, model_config
@@ -100,25 +124,73 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo") if self.async_save and self.world > 1 else None
         self._pending: Future | None = None  # the background save being written, then marked complete
         self.resumed_from: Path | None = None
+        self.set_aside: list[dict] = []  # damaged checkpoints restore() stepped over: what was wrong, where they went
 
     # ---- restore ----
 
     def restore(self) -> Progress:
         """Load the checkpoint ``trainer.resume`` names (auto: the newest complete one here, if any); the progress
-        to continue from. Also clears what a killed run left half-written in the checkpoint directory."""
-        chosen = None
+        to continue from. Also clears what a killed run left half-written in the checkpoint directory.
+
+        A damaged checkpoint raises ``CheckpointDamaged``; under ``auto`` with ``fallback`` it is set aside instead
+        (renamed ``step_<N>.damaged``, so that this run writes that step afresh) and the one before it is loaded,
+        with a warning; with none left before it, the run fails."""
+        candidates = []
         if self.rank == 0:
             ckpt_dir.remove_leftovers(self.directory)
             if self.resume == "auto":
-                chosen = ckpt_dir.newest(self.directory)
+                candidates = ckpt_dir.complete(self.directory)[::-1]  # newest first
             elif self.resume != "never":
-                chosen = Path(self.resume)
-        chosen = _from_rank0(chosen)  # every rank reads the checkpoint rank 0 chose
-        if chosen is None:
-            return Progress()
-        progress = self._load(chosen)
-        self.resumed_from = chosen
-        log.info("resumed from %s at step %d", chosen, progress.step)
+                candidates = [Path(self.resume)]
+        candidates = _from_rank0(candidates)  # every rank reads the checkpoint rank 0 chose
+        fallback = self.fallback and self.resume == "auto"
+        for i, path in enumerate(candidates):
+            try:
+                progress = self._load_whole(path)
+            except CheckpointDamaged as damaged:
+                earlier = candidates[i + 1 :]
+                if not (fallback and earlier):
+                    raise CheckpointDamaged(path, damaged.file, damaged.problem, self._advice(earlier)) from damaged
+                aside = _from_rank0(ckpt_dir.set_aside(path) if self.rank == 0 else None)
+                self.set_aside.append({"checkpoint": str(path), "file": damaged.file, "problem": damaged.problem,
+                                       "set_aside_as": str(aside)})  # fmt: skip
+                if self.rank == 0:
+                    log.warning("%s; set aside as %s, falling back to %s (trainer.resume_fallback)", damaged, aside,
+                                earlier[0])  # fmt: skip
+                continue
+            self.resumed_from = path
+            log.info("resumed from %s at step %d", path, progress.step)
+            return progress
+        return Progress()
+
+    def _advice(self, earlier: list[Path]) -> str:
+        if self.resume != "auto":
+            return " (named by trainer.resume)"
+        if not earlier:
+            return "; there is no complete checkpoint before it (trainer.resume=never starts afresh)"
+        return f"; trainer.resume_fallback=true would set it aside and continue from {earlier[0]}"
+
+    def _load_whole(self, path: Path) -> Progress:
+        """``_load(path)``, or ``CheckpointDamaged`` on every rank when any rank found it damaged: rank 0 checks its
+        files against its metadata first, then any rank's failure to read it counts."""
+        problem = _from_rank0(find_damage(path) if self.rank == 0 else None)
+        if problem is None:
+            try:
+                progress = self._load(path)
+            except CheckpointException as e:  # DCP's, raised on every rank, holding each rank's error
+                named = [getattr(error, "filename", None) for error, _ in e.failures.values()]
+                file = _file_name(next(filter(None, named), None)) or _only_data_file(path)
+                problem = (file, "reading it failed: " + _rank_errors(e))
+            except (OSError, EOFError, pickle.UnpicklingError, json.JSONDecodeError) as e:  # one of its pickled objects
+                file = _file_name(getattr(e, "filename", None)) or _only_data_file(path)
+                problem = (file, f"reading it failed: {type(e).__name__}: {e}")
+        problems = [problem]
+        if dist.is_initialized():
+            problems = [None] * self.world
+            dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            raise CheckpointDamaged(path, *problem)
         return progress
 
     def _load(self, path: Path) -> Progress:
@@ -127,9 +199,20 @@ class Checkpointer:
         same_world = marker["world_size"] == self.world
         current = self.optimizer.state_dict()
         position = {name: i for i, name in enumerate(self.names)}
+        surplus = [key for key in saved if _split(key)[0] in PER_PARAMETER and _split(key)[1] not in position]
+        if surplus:
+            more = f" (and {len(surplus) - 1} more)" if len(surplus) > 1 else ""
+            raise CheckpointMismatch(
+                f"checkpoint {path}: {surplus[0]}{more} is the state of a parameter this model lacks (a checkpoint of "
+                "another model, e.g. another model.num_layers?)"
+            )
         target: dict = {}  # what DCP fills in place, by key
         for name in self.names:
             self._check_shape(path, saved, f"model/{name}", name)
+            if f"param_group/{name}" not in saved:
+                raise CheckpointMismatch(
+                    f"checkpoint {path}: no param_group/{name}, the optimizer state of a parameter this model has"
+                )
             target[f"model/{name}"] = self.layout.view(name, local_shard(self.params[name]).detach())
         for name, buffer in self.buffers.items():
             key = f"buffer/{name}"
@@ -148,8 +231,6 @@ class Checkpointer:
                 raise CheckpointMismatch(f"checkpoint {path}: {key} is a buffer this model lacks (another model.router_balance?)")
             if kind != "optimizer":
                 continue
-            if name not in position:
-                raise CheckpointMismatch(f"checkpoint {path}: {key} is the state of a parameter this model lacks")
             if len(meta.size) == 0:  # a scalar (AdamW's step count)
                 target[key] = torch.empty((), dtype=meta.properties.dtype)
                 continue
@@ -176,8 +257,6 @@ class Checkpointer:
         groups = []
         for group in current["param_groups"]:
             key = f"param_group/{self.names[group['params'][0]]}"
-            if key not in target:
-                raise CheckpointMismatch(f"checkpoint {path}: no {key}")
             groups.append({**group, **_unpickled(target[key])})
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.scheduler.load_state_dict(_regrouped(_unpickled(target["scheduler"]), len(groups), path))
@@ -220,7 +299,11 @@ class Checkpointer:
             )  # fmt: skip
             self._pending = _MARKER_THREAD.submit(self._finish_when_written, written, progress.step)
         else:
-            dcp.save(self._state_dict(progress), checkpoint_id=str(partial), planner=_save_planner(), no_dist=not dist.is_initialized())
+            try:
+                dcp.save(self._state_dict(progress), checkpoint_id=str(partial), planner=_save_planner(),
+                         no_dist=not dist.is_initialized())  # fmt: skip
+            except CheckpointException as e:
+                raise CheckpointWriteFailed(f"checkpoint {final}: writing it failed: {_rank_errors(e)}") from e
             self._finish(progress.step)
         return final
 
@@ -287,7 +370,11 @@ class Checkpointer:
         """Wait for the background save; its failure is raised here, on the training thread."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except CheckpointException as e:
+                message = f"a checkpoint in {self.directory}: writing it in the background failed: {_rank_errors(e)}"
+                raise CheckpointWriteFailed(message) from e
 
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -296,6 +383,49 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buffer for name, buffer in model.named_buffers() if name in saved}
 
 
+def find_damage(path: Path) -> tuple[str, str] | None:
+    """(file, what is wrong) for a checkpoint whose files cannot be read back whole, else None: its marker or DCP
+    metadata unreadable, or a data file its metadata places tensors in missing or shorter than where they end."""
+    try:
+        ckpt_dir.read_marker(path)
+    except (OSError, ValueError) as e:
+        return ckpt_dir.MARKER, f"unreadable ({type(e).__name__}: {e})"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a pickle cut short or overwritten raises whatever unpickling its bytes meets
+        return ckpt_dir.DCP_METADATA, f"unreadable ({type(e).__name__}: {e})"
+    ends: dict[str, int] = {}  # data file -> where the last tensor placed in it ends
+    for item in metadata.storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        if not (path / name).is_file():
+            return name, "missing"
+        size = (path / name).stat().st_size
+        if size < end:
+            return name, f"cut short: {size} bytes, its tensors run to byte {end}"
+    return None
+
+
+def _file_name(path) -> str | None:
+    return Path(path).name if path else None
+
+
+def _only_data_file(path: Path) -> str | None:
+    """A one-rank checkpoint's one data file: where a read that failed without naming its file failed."""
+    files = list(path.glob("*.distcp"))
+    return files[0].name if len(files) == 1 else None
+
+
+def _rank_errors(e: CheckpointException) -> str:
+    """Each rank's error, its first line (torch.load's unpickling errors run on for lines of advice)."""
+    return "; ".join(
+        f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        for rank, (error, _) in sorted(e.failures.items())
+    )
+
+
+# Keys of one parameter (``kind/<parameter name>...``).
+PER_PARAMETER = ("model", "optimizer", "optimizer_value", "param_group")
 # Objects that are not tensors (the scheduler's state, hyperparameters, random generator states) go in pickled, as
 # uint8 tensors: DCP reads tensors into the dict it is given, which its own path for objects does not do.
 OBJECTS = ("param_group", "optimizer_value", "scheduler", "progress", "rng", "data")

@@ -7,6 +7,9 @@
 A checkpoint is written into its ``.partial`` directory; rank 0 writes ``checkpoint.json`` into it once every rank's
 data is on disk and then renames the directory to ``step_<N>`` (an atomic rename): a ``step_<N>`` directory is
 complete, anything else is not. Deleting renames it away first, so a half-deleted checkpoint is never complete.
+
+    <checkpoint dir>/step_00000030.damaged/   a complete checkpoint found damaged when resuming, set aside
+                                              (``trainer.resume_fallback``) for a look; never loaded, never pruned
 """
 
 from __future__ import annotations
@@ -67,7 +70,11 @@ def newest(directory: str | Path) -> Path | None:
 
 
 def read_marker(path: str | Path) -> dict:
-    return json.loads((Path(path) / MARKER).read_text())
+    """A checkpoint's marker; OSError or ValueError where it cannot be read as one (a damaged checkpoint)."""
+    marker = json.loads((Path(path) / MARKER).read_text())
+    if not isinstance(marker, dict):
+        raise ValueError(f"{MARKER} holds a JSON {type(marker).__name__}, not an object")
+    return marker
 
 
 def remove(path: Path) -> None:
@@ -75,6 +82,16 @@ def remove(path: Path) -> None:
     doomed = path.with_name(f".{path.name}.deleting")
     path.rename(doomed)
     shutil.rmtree(doomed)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint out of the complete ones (a copy set aside earlier for the same step goes);
+    returns where it went."""
+    aside = path.with_name(f"{path.name}.damaged")
+    if aside.exists():
+        shutil.rmtree(aside)
+    path.rename(aside)
+    return aside
 
 
 def prune(directory: Path, keep: int | None) -> None:

@@ -48,6 +48,12 @@ class TrainerConfig:
         default_factory=CheckpointConfig, metadata={"help": "training checkpoints (torch.distributed.checkpoint)"}
     )
     resume: str = _key("auto", "auto (newest complete checkpoint of trainer.checkpoint.dir, if any) | never | a checkpoint")
+    resume_fallback: bool = _key(
+        True,
+        "with trainer.resume=auto, a damaged newest checkpoint (a data file missing or cut short, its metadata "
+        "unreadable) is set aside as step_<N>.damaged and the complete one before it loaded, with a warning; false: "
+        "the run fails, its record naming the checkpoint and the file (true | false)",
+    )
     peak_flops: Optional[float] = _key(None, "per-GPU peak FLOP/s for MFU; null looks the GPU up")
     skip_done: bool = _key(True, "in a sweep, skip points whose directory holds an ok result of the same config")
     eval_every: int = _key(0, "validation loss on the held-out split every N steps and after the last (eval_loss); 0 disables")

@@ -29,6 +29,10 @@ def shard_name(number: int) -> str:
     return f"tokens-{number:05d}.bin"
 
 
+def _damaged(what: str) -> ConfigError:
+    return ConfigError("data.path", f"{what}; prepare it again (python -m moe_lab.data.prepare) or copy it whole")
+
+
 @dataclass
 class Piece:
     """Tokens [start, start + length) of one document, as a sample holds them."""
@@ -111,6 +115,8 @@ class TokenData(DataSource):
         self.next_step, self.next_sample = 0, 0  # the position after the last batch handed out
 
     def validate(self, cfg) -> None:
+        for name in SPLITS:
+            self.check_split_files(name)
         vocab = self.meta["vocab_size"]
         if vocab > cfg.model.vocab_size:
             raise ConfigError("data.path", f"its tokenizer's vocabulary ({vocab} ids, {self.meta['tokenizer']}) is larger than model.vocab_size={cfg.model.vocab_size}")
@@ -121,6 +127,34 @@ class TokenData(DataSource):
         held_out = self.meta["splits"]["eval"]["tokens"]
         if cfg.trainer.eval_every > 0 and held_out < need:
             raise ConfigError("trainer.eval_every", f"the eval split of {self.path} holds {held_out} tokens, fewer than one sample of seq_len + 1 = {need} (prepare it with a larger --eval-fraction, or set trainer.eval_every=0)")
+
+    def check_split_files(self, name: str) -> None:
+        """A split's index and token shards against each other and meta.json, before a step reads them: the index
+        lists the documents and tokens meta.json counts, and every shard exists and holds exactly the tokens of
+        the documents the index places in it (a shard deleted, or cut short by a copy that stopped)."""
+        directory, counts = self.path / name, self.meta.get("splits", {}).get(name, {})
+        try:
+            index = np.load(directory / INDEX, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise _damaged(f"{directory / INDEX} is unreadable ({e})") from None
+        if index.ndim != 2 or index.shape[1] != 3:
+            raise _damaged(f"{directory / INDEX} has shape {index.shape}, not (documents, 3)")
+        shards, ends, lengths = index[:, 0], index[:, 1] + index[:, 2], index[:, 2]
+        number_of_shards = int(shards.max()) + 1 if len(index) else 0
+        listed = {"documents": len(index), "tokens": int(lengths.sum()), "shards": number_of_shards}
+        for key, value in listed.items():
+            if counts.get(key) != value:
+                raise _damaged(f"{directory / INDEX} lists {value} {key}, {self.path / META} says {counts.get(key)}")
+        held = np.bincount(shards, weights=lengths, minlength=number_of_shards).astype(np.int64)  # tokens per shard
+        reach = np.zeros(number_of_shards, dtype=np.int64)  # where each shard's last document ends
+        np.maximum.at(reach, shards, ends)
+        for number in range(number_of_shards):
+            shard = directory / shard_name(number)
+            if not shard.is_file():
+                raise _damaged(f"{shard} is missing ({INDEX} places {held[number]} tokens in it)")
+            size = shard.stat().st_size
+            if size != held[number] * np.dtype(np.uint32).itemsize or reach[number] > held[number]:
+                raise _damaged(f"{shard} holds {size} bytes; {INDEX} places {held[number]} uint32 tokens in it")
 
     def split(self, name: str) -> TokenSplit:
         if name not in self._splits:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
@@ -75,7 +76,8 @@ def free_port() -> int:
 
 def launch_local(nproc: int, entrypoint: Callable, *args):
     """Run ``entrypoint(*args)`` on ``nproc`` fresh processes of this host; returns rank 0's return value.
-    A failing rank stops all of them and raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``."""
+    A failing rank stops all of them and raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
+    (``RanksFailed`` tells its story)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -88,3 +90,54 @@ def launch_local(nproc: int, entrypoint: Callable, *args):
         start_method="spawn",
     )
     return elastic_launch(config, entrypoint)(*args)[0]
+
+
+class RanksFailed(RuntimeError):
+    """Ranks this job started that failed (elastic's ``ChildFailedError``), told for a record: each failed rank and
+    how it ended (a signal, an exit code, its exception), the first to fail first; then rank 0's own error
+    (``rank0_error``, from its record) where rank 0 did not fail itself but saw a peer's failure as its symptom (a
+    closed connection) before the launcher stopped it. ``details``: the same as fields; ``traceback``: the first
+    failed rank's, else rank 0's."""
+
+    def __init__(self, error: ChildFailedError, rank0_error: dict | None = None):
+        # Seconds resolve the order; within one, a rank that left no exception (a signal) explains the others.
+        failed = sorted(error.failures.items(), key=lambda kv: (kv[1].timestamp, _exception(kv[1]) is not None, kv[0]))
+        ranks = [_rank_failure(rank, failure) for rank, failure in failed]
+        parts = [rank["message"] for rank in ranks]
+        symptom = None
+        if rank0_error and 0 not in error.failures:
+            symptom = {"type": rank0_error.get("type"), "message": rank0_error.get("message")}
+            parts.append(f"rank 0 then failed: {symptom['type']}: {symptom['message']}")
+        super().__init__("; ".join(parts))
+        first = ranks[0]
+        self.details = {
+            "rank": first["rank"], "signal": first["signal"], "exit_code": first["exit_code"], "ranks": ranks,
+            "rank0_error": symptom,
+        }  # fmt: skip
+        self.traceback = _callstack(failed[0][1]) or (rank0_error or {}).get("traceback")
+
+
+def _rank_failure(rank: int, failure: ProcessFailure) -> dict:
+    signal_name = failure.signal_name() if failure.exitcode < 0 else None
+    exit_code = failure.exitcode if failure.exitcode >= 0 else None
+    how = f"died of signal {signal_name}" if signal_name else f"exited with code {exit_code}"
+    if signal_name == "SIGKILL":
+        how += " (sent by kill -9, or by the kernel's out-of-memory killer)"
+    exception = _exception(failure)
+    message = f"rank {rank} (pid {failure.pid}) {how}" + (f": {exception}" if exception else "")
+    return {
+        "rank": rank, "pid": failure.pid, "signal": signal_name, "exit_code": exit_code, "exception": exception,
+        "message": message,
+    }  # fmt: skip
+
+
+def _exception(failure: ProcessFailure) -> str | None:
+    """The exception a failed rank recorded in its error file ("Type: message"), or None (a signal leaves none;
+    elastic then holds a placeholder string)."""
+    message = failure.error_file_data.get("message")
+    return message.get("message") or None if isinstance(message, dict) else None
+
+
+def _callstack(failure: ProcessFailure) -> str | None:
+    message = failure.error_file_data.get("message")
+    return message.get("extraInfo", {}).get("py_callstack") if isinstance(message, dict) else None

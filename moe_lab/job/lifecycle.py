@@ -3,8 +3,10 @@
 - A point whose directory already holds an ok record of the same configuration is skipped (a resumed sweep); a
   directory holding the record, or the newest checkpoint, of another configuration is never written to. A point
   that was interrupted or failed after a checkpoint continues from it (``trainer.resume=auto``).
-- An invalid configuration is recorded as ``invalid`` before anything is built; a failure as ``oom`` / ``error``.
-  In a sweep the failed point is returned so Hydra's launcher goes on; a single run exits non-zero.
+- A job holds its directory's lock for its life (``OutputDirGuard``): a second run or sweep into it is refused.
+- An invalid configuration is recorded as ``invalid`` before anything is built; a failure as ``oom`` / ``error``
+  (when a rank it started died, naming that rank and how, before rank 0's symptom). In a sweep the failed point is
+  returned so Hydra's launcher goes on; a single run exits non-zero. A record that cannot be read is not done.
 - SIGTERM / SIGINT stop every rank at the same step: the point is recorded as ``interrupted`` (after a checkpoint
   with ``trainer.checkpoint.on_signal``) and the job exits with 128 + the signal's number, a sweep included.
 - The job starts its ranks itself (``trainer.nproc_per_node``) or runs as one rank of an outer torchrun / srun.
@@ -29,13 +31,20 @@ import torch.distributed as dist
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from moe_lab import config
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config import Options
 from moe_lab.runtime.device import runs_on_cuda
 from moe_lab.job.interrupt import Interrupted, StopRequest
-from moe_lab.job.launcher import adopt_slurm_environment, launch_local, shared_run_dir, started_by_outer_launcher
+from moe_lab.job.launcher import (
+    RanksFailed,
+    adopt_slurm_environment,
+    launch_local,
+    shared_run_dir,
+    started_by_outer_launcher,
+)
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.results.record import RESULT, Record, environment, point_config, read_result, write_json_atomic
@@ -45,57 +54,75 @@ log = logging.getLogger("moe_lab")
 
 # Keys that say how a point is run, not what it computes: a record made with another value is still this point's
 # (a key here covers the keys under it).
-NOT_PART_OF_THE_POINT = ("trainer.skip_done", "trainer.checkpoint", "trainer.resume")
+NOT_PART_OF_THE_POINT = ("trainer.skip_done", "trainer.checkpoint", "trainer.resume", "trainer.resume_fallback")
 
 
-class SweepDirGuard(Callback):
-    """Refuses a sweep into a ``hydra.sweep.dir`` that another sweep is running in (a lock held for the sweep's
-    life), or that holds another sweep (other task overrides), before Hydra writes its multirun.yaml there or any
-    point overwrites a record; the same sweep again, once the first has ended, is a resume."""
+class OutputDirGuard(Callback):
+    """Refuses a job into a directory another job is running in: a single run into a ``hydra.run.dir``, a sweep
+    into a ``hydra.sweep.dir`` (a lock held for the job's life, taken before Hydra writes its ``.hydra/`` files or
+    multirun.yaml there, or any point a record). A sweep is also refused where the directory holds another sweep
+    (other task overrides); the same sweep again, once the first has ended, is a resume."""
 
     LOCK = ".moe_lab.lock"
 
     def __init__(self):
         self.lock = None
 
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._take(Path(config.hydra.run.dir), "hydra.run.dir", "job")
+
+    def on_run_end(self, config: DictConfig, **kwargs) -> None:
+        self._release()
+
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
-            return  # other ranks of an outer launcher sweep in a scratch directory of their own
         sweep_dir = Path(config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = open(sweep_dir / self.LOCK, "a+")
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.lock.seek(0)
-            holder = self.lock.read().strip() or "another process"
-            raise SweepDirInUse(
-                f"hydra.sweep.dir={sweep_dir} is in use by a running sweep ({holder}); wait for it to end or choose "
-                "another hydra.sweep.dir."
-            ) from None
-        self.lock.truncate(0)
-        self.lock.write(f"{socket.gethostname()} pid {os.getpid()}\n")
-        self.lock.flush()
+        if not self._take(sweep_dir, "hydra.sweep.dir", "sweep"):
+            return
         saved = sweep_dir / "multirun.yaml"
         if not saved.exists():
             return
         before = _point_overrides(OmegaConf.load(saved).hydra.overrides.task)
         now = _point_overrides(config.hydra.overrides.task)
         if before != now:
-            raise SweepDirInUse(
+            raise OutputDirInUse(
                 f"hydra.sweep.dir={config.hydra.sweep.dir} holds another sweep ({' '.join(before) or 'no overrides'}); "
                 f"this one ({' '.join(now) or 'no overrides'}) would overwrite its points. Choose another "
                 "hydra.sweep.dir, or run the same overrides again to resume that sweep."
             )
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        self._release()
+
+    def _take(self, directory: Path, key: str, job: str) -> bool:
+        """Lock ``directory`` for this job, naming this process in the lock file; False on ranks other than 0 of
+        an outer launcher (they run in a scratch directory of their own)."""
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+            return False
+        directory.mkdir(parents=True, exist_ok=True)
+        self.lock = open(directory / self.LOCK, "a+")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.seek(0)
+            holder = self.lock.read().strip() or "another process"
+            self._release()
+            raise OutputDirInUse(
+                f"{key}={directory} is in use by a running {job} ({holder}); wait for it to end or choose another "
+                f"{key}."
+            ) from None
+        self.lock.truncate(0)
+        self.lock.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+        self.lock.flush()
+        return True
+
+    def _release(self) -> None:
         if self.lock is not None:
-            self.lock.close()  # releases the lock; the file stays, so a waiting sweep never locks a stale copy
+            self.lock.close()  # releases the lock; the file stays, so a waiting job never locks a stale copy
             self.lock = None
 
 
-class SweepDirInUse(SystemExit):
-    """Stops the sweep with its message (Hydra turns a callback's Exception into a warning and goes on)."""
+class OutputDirInUse(SystemExit):
+    """Stops the job with its message (Hydra turns a callback's Exception into a warning and goes on)."""
 
 
 def _point_overrides(overrides) -> list[str]:
@@ -164,9 +191,13 @@ def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer
             return record
         if isinstance(e, SignalException):  # no rank got as far as recording it
             return Record.point(meta, cfg).interrupted(e.sigval.name, None, None).write(run_dir)
-        if rank0 and not (run_dir / RESULT).exists():  # a rank died before rank 0 could record why
+        if isinstance(e, ChildFailedError):  # which rank failed first, and how, before what rank 0 saw of it
+            e = RanksFailed(e, record["error"] if record is not None and record["status"] != "ok" else None)
+        # Rank 0 records its own failure; when another rank failed first, the record tells that rank's story.
+        if rank0 and (record is None or isinstance(e, RanksFailed) and record["status"] != "ok"):
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
-            point_record(meta, cfg, device, cfg.trainer.nproc_per_node).failure(e).write(run_dir)
+            base = Record(record) if record is not None else point_record(meta, cfg, device, cfg.trainer.nproc_per_node)
+            base.failure(e, base.get("metrics")).write(run_dir)
         if not multirun:
             raise
         log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
@@ -181,6 +212,9 @@ def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | Non
     check_checkpoints(run_dir, cfg)
     record = read_result(run_dir)
     if record is None:
+        if (run_dir / RESULT).exists() and os.environ.get("RANK", "0") == "0":
+            log.warning("%s is no readable record: the point runs again", run_dir / RESULT)
+            (run_dir / RESULT).unlink()
         return None
     if not same_point(record, cfg):
         raise RunDirInUse(
@@ -201,8 +235,14 @@ def check_checkpoints(run_dir: Path, cfg: DictConfig) -> None:
     point interrupted or failed after a checkpoint resumes from it."""
     if cfg.trainer.resume != "auto":
         return
-    newest = checkpoint_directory.newest(checkpoint_directory.checkpoint_dir(cfg.trainer.checkpoint.dir, run_dir))
-    if newest is not None and not same_point(checkpoint_directory.read_marker(newest), cfg):
+    directory = checkpoint_directory.checkpoint_dir(cfg.trainer.checkpoint.dir, run_dir)
+    for newest in reversed(checkpoint_directory.complete(directory)):
+        try:
+            marker = checkpoint_directory.read_marker(newest)
+        except (OSError, ValueError):
+            continue  # a damaged checkpoint: restoring it says so (and falls back past it with trainer.resume_fallback)
+        if same_point(marker, cfg):
+            return
         raise RunDirInUse(
             f"{newest} is a checkpoint of another configuration; trainer.resume=auto would continue from it. Use "
             "another hydra.run.dir / hydra.sweep.dir or trainer.checkpoint.dir, trainer.resume=never to start afresh "

@@ -194,9 +194,9 @@ def accumulate_gradients(
 def build_checkpointer(cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, scheduler, device) -> Checkpointer:
     t = cfg.trainer
     return Checkpointer(
-        t.checkpoint, t.resume, run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=options.data,
-        device=device, state_device=options.offload.state_device(device), config=point_config(cfg),
-        model_config=options.model.to_dict(),
+        t.checkpoint, t.resume, run_dir, fallback=t.resume_fallback, model=model, optimizer=optimizer,
+        scheduler=scheduler, data=options.data, device=device, state_device=options.offload.state_device(device),
+        config=point_config(cfg), model_config=options.model.to_dict(),
     )  # fmt: skip
 
 
@@ -212,7 +212,7 @@ def stop_if_signalled(stop: StopRequest, device: torch.device, checkpointer: Che
 
 def _resume_metrics(checkpointer: Checkpointer) -> dict:
     resumed = checkpointer.resumed_from
-    return {"resumed_from": str(resumed) if resumed else None}
+    return {"resumed_from": str(resumed) if resumed else None, "damaged_checkpoints": checkpointer.set_aside}
 
 
 def build_model(cfg: DictConfig, options: Options, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:

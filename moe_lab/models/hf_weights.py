@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_lab.moe.experts import GroupedExperts
+from moe_lab.runtime.files import give_plain_file_mode
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class SafetensorsWriter:
     def _flush(self) -> None:
         path = self.directory / f".shard-{len(self.written) + 1:05d}.safetensors"  # renamed once the count is known
         save_file(self.shard, str(path), metadata={"format": "pt"})
+        give_plain_file_mode(path)  # as the index and config.json beside it
         self.written.append((path, list(self.shard)))
         self.shard, self.shard_bytes = {}, 0
 

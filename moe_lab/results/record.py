@@ -18,6 +18,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from moe_lab.runtime.errors import ConfigError
+from moe_lab.runtime.files import give_plain_file_mode
 
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
@@ -40,9 +41,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        give_plain_file_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -107,7 +106,14 @@ class Record(dict):
         return Record({**self, "status": "invalid", "error": error})
 
     def failure(self, e: BaseException, metrics: dict | None = None) -> Record:
-        return Record({**self, **failure(e), **_metrics(metrics)})
+        """``failure(e)``, with the fields an exception of this code carries for its record (``details``: the
+        damaged checkpoint and its file, the rank that died and how) and its own ``traceback`` where it has a better
+        one."""
+        fields = failure(e)
+        fields["error"].update(getattr(e, "details", {}))
+        if getattr(e, "traceback", None):
+            fields["error"]["traceback"] = e.traceback
+        return Record({**self, **fields, **_metrics(metrics)})
 
     def interrupted(
         self, signal_name: str, step: int | None, checkpoint: str | None, metrics: dict | None = None
@@ -137,11 +143,16 @@ def _metrics(metrics: dict | None) -> dict:
 
 
 def read_result(run_dir: str | Path) -> dict | None:
+    """The run directory's record, or None where there is none or it cannot be read as one: not JSON, or JSON but
+    not an object holding a status and a config (every record this code writes has both)."""
     path = Path(run_dir) / RESULT
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
+    if isinstance(record, dict) and isinstance(record.get("status"), str) and isinstance(record.get("config"), dict):
+        return record
+    return None
 
 
 class MetricsLog:
