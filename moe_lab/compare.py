@@ -199,12 +199,11 @@ def sweep_view(runs: pd.DataFrame, metric: str = "loss") -> pd.DataFrame:
     ok = runs[runs["status"] == "ok"]
     if len(ok) < 2:
         return pd.DataFrame()
-    ok = ok.assign(label=[str(label) for label in ok["label"]]) if "label" in ok else ok.assign(label=point_labels(ok))
-    repeats = ok[ok["label"] == ok["label"].iloc[0]]
-    labelled = ok.assign(label=[f"{label} #{i}" if (ok["label"] == label).sum() > 1 else label
-                                for i, label in enumerate(ok["label"])])  # fmt: skip
-    table = curves(labelled, metric)
-    band = noise_from_repeats(table[labelled["label"][repeats.index]]) if len(repeats) > 1 else None
+    base = [str(label) for label in (ok["label"] if "label" in ok else point_labels(ok))]
+    labels = [f"{label} #{i}" if base.count(label) > 1 else label for i, label in enumerate(base)]
+    table = curves(ok.assign(label=labels), metric)
+    repeats = [label for label, b in zip(labels, base) if b == base[0]]
+    band = noise_from_repeats(table[repeats]).reindex(table.index).ffill() if len(repeats) > 1 else None
     plot(table, band, metric=metric)
     diffs = table.iloc[:, 1:].sub(table.iloc[:, 0], axis=0).abs()
     summary = pd.DataFrame({"max |difference|": diffs.max(), "at step": diffs.idxmax()})
