@@ -4,6 +4,7 @@
     python -m moe_lab.compare REF RUN --assert-equal          # exit 1 unless every step's value is bitwise equal
     python -m moe_lab.compare REF RUN --noise REF_REPEAT      # band: how far repeats of REF drift apart
     python -m moe_lab.compare REF RUN --noise noise.json      # band: a noise record (--write-noise makes one)
+    python -m moe_lab.compare REF RUN --noise R2 R3 --noise-factor 2   # band: twice what two repeats showed
     python -m moe_lab.compare REF RUN --rtol 1e-5 --atol 0    # band: a stated envelope (added to any noise band)
     python -m moe_lab.compare SWEEP_DIR --plot out.png        # a sweep directory stands for all its points
 
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--atol", type=float, default=0.0, help="band: + atol (default 0)")
     mode.add_argument("--noise", nargs="+", action="extend", metavar="NOISE",
                       help=f"repeats of the reference (run or sweep directories), or a noise record ({NOISE_RECORD})")
+    parser.add_argument("--noise-factor", type=float, default=1.0, metavar="F",
+                        help="the noise band is F times the spread the repeats showed (default 1; a few repeats show "
+                             "less than the noise's whole range)")
     parser.add_argument("--write-noise", metavar="PATH", help="write the band measured from --noise repeats as a noise record")
     parser.add_argument("--metric", default="loss", help="the metrics.jsonl column compared (default loss; eval_loss, grad_norm, ...)")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves and their differences (matplotlib)")
@@ -254,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if records:
         band = pd.concat([read_noise(Path(p), table.index) for p in records], axis=1).max(axis=1).rename("noise")
         band_from = f"noise record {', '.join(map(str, records))}"
+    if band is not None and args.noise_factor != 1:
+        band = band * args.noise_factor
+        band_from += f", x {args.noise_factor:g}"
 
     pd.set_option("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.6g}".format)
     print(f"reference: {runs['label'].iloc[0]} ({reference_dir}); {args.metric} by step")
