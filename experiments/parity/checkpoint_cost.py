@@ -2,8 +2,8 @@
 
     python experiments/parity/checkpoint_cost.py --out cost.json [--dir /tmp/ckpt] [--saves 3] [OVERRIDES...]
 
-Builds the training state of ``+experiment=parity/checkpoint_cost`` (the 1.9B-parameter proxy; any override
-narrows it) as the trainer does, takes one training step so the optimizer holds its state, then saves it ``--saves``
+Builds the training state of ``+experiment=parity`` (the 2-layer Qwen3-30B-A3B proxy, 1.9B parameters, at batch
+1; overrides change it) as the trainer does, takes one training step so the optimizer holds its state, then saves it ``--saves``
 times each way through the trainer's own ``Checkpointer``: ``blocking_s`` is how long ``save`` holds the training
 loop (sync: the whole write; async: the host copy of the state), ``written_s`` until the checkpoint is on disk and
 marked complete. Each checkpoint is deleted after it is timed (only one is on disk at a time). A run that saves every
@@ -43,7 +43,7 @@ def main() -> None:
 
     config.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["+experiment=parity/checkpoint_cost", *args.overrides])
+        cfg = compose("train", overrides=["+experiment=parity", "data.batch_size=1", "trainer.checkpoint.every=0", *args.overrides])
     options = config.validate(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
