@@ -43,7 +43,9 @@ def main() -> None:
 
     config.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["+experiment=parity", "data.batch_size=1", "trainer.checkpoint.every=0", *args.overrides])
+        # Not compiled: the state saved is the same, and one step need not wait for Inductor.
+        cfg = compose("train", overrides=["+experiment=parity", "data.batch_size=1", "trainer.checkpoint.every=0",
+                                          "trainer.compile=false", *args.overrides])  # fmt: skip
     options = config.validate(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
