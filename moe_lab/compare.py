@@ -126,7 +126,8 @@ def check(table: pd.DataFrame, runs: pd.DataFrame, band: pd.Series | None, atol:
             message = (f"{label}: bitwise equal to {reference} at all {len(diff)} steps" if ok else
                        f"{label}: differs from {reference} first at step {first} by {diff[first]:+.3e}, at most "
                        f"{diff[worst]:+.3e} (step {worst})" if first is not None else
-                       f"{label}: equal where both have a value, but steps {list(missing)[:5]} are in one run only")  # fmt: skip
+                       f"{label}: equal where both have a value, but steps {list(missing)[:5]} are in one run "
+                       "only")  # fmt: skip
         else:
             allowed = (band.reindex(diff.index).fillna(0) if band is not None else 0) + atol + rtol * ref[both].abs()
             over = diff.index[diff.abs() > allowed]
@@ -137,9 +138,11 @@ def check(table: pd.DataFrame, runs: pd.DataFrame, band: pd.Series | None, atol:
                            f"{allowed[s]:.3e} ({len(over)} of {len(diff)} steps outside; largest {diff[worst]:+.3e} at "
                            f"step {worst}, band {allowed[worst]:.3e})")  # fmt: skip
             elif not missing.empty:
-                message = f"{label}: within the band where both have a value, but steps {list(missing)[:5]} are in one run only"
+                message = (f"{label}: within the band where both have a value, but steps {list(missing)[:5]} are in "
+                           "one run only")
             else:
-                message = f"{label}: within the band at all {len(diff)} steps (largest {diff[worst]:+.3e} at step {worst}, band {allowed[worst]:.3e})"
+                message = (f"{label}: within the band at all {len(diff)} steps (largest {diff[worst]:+.3e} at step "
+                           f"{worst}, band {allowed[worst]:.3e})")
         verdicts.append(Verdict(label, ok, message))
     return verdicts
 
@@ -225,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise-factor", type=float, default=1.0, metavar="F",
                         help="the noise band is F times the spread the repeats showed (default 1; a few repeats show "
                              "less than the noise's whole range)")
-    parser.add_argument("--write-noise", metavar="PATH", help="write the band measured from --noise repeats as a noise record")
-    parser.add_argument("--metric", default="loss", help="the metrics.jsonl column compared (default loss; eval_loss, grad_norm, ...)")
+    parser.add_argument("--write-noise", metavar="PATH",
+                        help="write the band measured from --noise repeats as a noise record")
+    parser.add_argument("--metric", default="loss",
+                        help="the metrics.jsonl column compared (default loss; eval_loss, grad_norm, ...)")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves and their differences (matplotlib)")
     args = parser.parse_args(argv)
     if args.assert_equal and (args.rtol or args.atol):

@@ -190,7 +190,8 @@ def test_a_checkpoint_the_disk_cannot_hold_fails_naming_directory_and_bytes(tmp_
         return usage._replace(free=usage.free if len(calls) == 1 else 1000)
 
     monkeypatch.setattr(checkpointer.shutil, "disk_usage", disk_usage)
-    cfg = compose_train([*SMALL, "trainer.checkpoint.every=2", f"trainer.checkpoint.async_save={str(async_save).lower()}"])
+    background = f"trainer.checkpoint.async_save={str(async_save).lower()}"
+    cfg = compose_train([*SMALL, "trainer.checkpoint.every=2", background])
     run_dir = tmp_path / "run"
     with pytest.raises(checkpointer.NotEnoughDiskSpace) as failed:
         job.worker(OmegaConf.to_yaml(cfg, resolve=True), str(run_dir), {})
@@ -199,7 +200,8 @@ def test_a_checkpoint_the_disk_cannot_hold_fails_naming_directory_and_bytes(tmp_
     assert f"checkpoint step_00000004 in {directory}: it needs {needed:,} bytes" in str(failed.value)
     assert "the file system has 1,000 bytes" in str(failed.value)
     # The tensors' bytes: at least the fp32 weights and AdamW's two moments.
-    params = sum(p.numel() for p in build_model(cfg, config.validate(cfg), torch.device("cpu"), torch.float32).parameters())
+    model = build_model(cfg, config.validate(cfg), torch.device("cpu"), torch.float32)
+    params = sum(p.numel() for p in model.parameters())
     assert needed >= 3 * 4 * params + checkpointer.DISK_HEADROOM
     assert ckpt_dir.complete(directory) == [ckpt_dir.complete_path(directory, 2)]
     assert sorted(p.name for p in directory.iterdir()) == ["step_00000002"]  # nothing of step 4 written

@@ -24,7 +24,8 @@ def sweep(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compare") / "sweep"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "moe_lab.train", "-m", "trainer.steps=4", "trainer.warmup_steps=1",
-                    "data.seq_len=16", "data.batch_size=2", "optimizer.lr=0.003,0.003,0.0031", f"hydra.sweep.dir={out}"],
+                    "data.seq_len=16", "data.batch_size=2", "optimizer.lr=0.003,0.003,0.0031",
+                    f"hydra.sweep.dir={out}"],
                    cwd=ROOT, env=env, check=True, capture_output=True)  # fmt: skip
     return out
 
@@ -73,14 +74,16 @@ def test_noise_band_is_the_running_maximum_of_the_repeats_spread(tmp_path):
     inside = fake_run(tmp_path / "inside", [3.0, 2.5002, 2.0002, 1.4998], lr=0.2)
     outside = fake_run(tmp_path / "outside", [3.0, 2.5, 2.0005, 1.5], lr=0.3)
     record = tmp_path / "noise.json"
-    assert compare.main([str(ref), str(inside), "--noise", str(repeat1), str(repeat2), "--write-noise", str(record)]) == 0
+    repeats = ["--noise", str(repeat1), str(repeat2)]
+    assert compare.main([str(ref), str(inside), *repeats, "--write-noise", str(record)]) == 0
     assert json.loads(record.read_text())["band"][1] == [1, pytest.approx(3e-4)]
     # The record stands in for the repeats; the run two steps outside fails, named with its step, difference and band.
     assert compare.main([str(ref), str(inside), "--noise", str(record)]) == 0
     assert compare.main([str(ref), str(outside), "--noise", str(record)]) == 1
     verdict = compare.check(compare.curves(compare.load_runs([ref, outside])), compare.load_runs([ref, outside]),
                             compare.read_noise(record, table.index), 0.0, 0.0, False)[0]  # fmt: skip
-    assert verdict.message.startswith("optimizer.lr=0.3: leaves the band first at step 2: difference +5.000e-04, band 3.000e-04")
+    assert verdict.message.startswith(
+        "optimizer.lr=0.3: leaves the band first at step 2: difference +5.000e-04, band 3.000e-04")
     # A noise record committed beside the reference is read without --noise.
     (tmp_path / "ref" / "noise.json").write_text(json.dumps({"envelope": 1e-3}))
     assert compare.main([str(ref), str(outside)]) == 0

@@ -67,7 +67,8 @@ def train(args: list[str], env_extra: dict | None = None, check: bool = True) ->
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env_extra or {})}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
-    done = subprocess.run([sys.executable, "-m", "moe_lab.train", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", "moe_lab.train", *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -86,7 +87,8 @@ def test_two_deterministic_cpu_runs_are_bitwise_equal(tmp_path):
 # A small shape the fused gpu backend runs with torch._grouped_mm (DeepGEMM needs multiples of 128), bf16, compiled,
 # learned routing; 12 steps, a checkpoint at 6.
 GPU_RUN = ["trainer.device=cuda", "trainer.compile=true", "dispatcher=fused", "dispatcher.gemm=torch",
-           "model.hidden_size=256", "model.moe_intermediate_size=128", "model.num_experts=16", "model.num_experts_per_tok=4",
+           "model.hidden_size=256", "model.moe_intermediate_size=128", "model.num_experts=16",
+           "model.num_experts_per_tok=4",
            "data.seq_len=256", "data.batch_size=4", "trainer.steps=12", "trainer.warmup_steps=2",
            "trainer.checkpoint.every=6"]  # fmt: skip
 

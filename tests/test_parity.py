@@ -8,14 +8,14 @@ the same data. What each axis is held to, and why:
 - bit for bit (``--assert-equal``): ac=selective and ac=full (recompute runs the same ops on the same values) and a
   run resumed from the reference's step-2 checkpoint (the whole state, generators included, is restored);
 - relative 1e-5 (``--rtol``): where only the order of a sum changes. dispatcher=fused weights each expert row before
-  its down projection ((a * w) @ W, not (a @ W) * w); offload=optimizer and offload=full step AdamW on the host
-  over flat fp32 chunks in a C kernel (bit for bit here, but within rounding only where its compiler contracts a
-  multiply-add differently from torch's kernel); grad_accum=2 adds two
-  half-batch means (with the auxiliary loss off: see below); FSDP and EP sum gradients over ranks (reduce-scatter) and EP moves each expert's rows into
-  another order. One fp32 rounding (6e-8) per changed sum, carried through 4 AdamW steps (whose normalised update
-  turns a gradient's rounding into a relative change of the weight's update): well inside 1e-5 on these losses;
-  the measured differences are in experiments/parity/README.md. A bug (a wrong scale, a dropped token, a lost
-  gradient) moves the loss by 1e-3 or more within the first steps.
+  its down projection ((a * w) @ W, not (a @ W) * w); offload=optimizer and offload=full step AdamW on the host over
+  flat fp32 chunks in a C kernel (bit for bit here, but within rounding only where its compiler contracts a
+  multiply-add differently from torch's kernel); grad_accum=2 adds two half-batch means (with the auxiliary loss
+  off: see below); FSDP and EP sum gradients over ranks (reduce-scatter) and EP moves each expert's rows into another
+  order. One fp32 rounding (6e-8) per changed sum, carried through 4 AdamW steps (whose normalised update turns a
+  gradient's rounding into a relative change of the weight's update): well inside 1e-5 on these losses; the measured
+  differences are in experiments/parity/README.md. A bug (a wrong scale, a dropped token, a lost gradient) moves the
+  loss by 1e-3 or more within the first steps.
 - grad_accum=2 with the auxiliary balance loss on: relative 1e-4. The loss's f_e (each expert's share of the
   routings) is counted over each micro-batch, not over the step's whole batch, so the objective itself changes
   (f_e * P_e of each half, not of the whole); measured 6e-6 here against 8e-8 with the loss off.
@@ -50,9 +50,11 @@ ONE_RANK = {  # axis: (overrides, bitwise)
 }
 GRAD_ACCUM = ["trainer.grad_accum=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
 RANKS = {  # world: {axis: overrides} (all to SUM_ORDER)
-    2: {"fsdp=2": ["parallel.ep=1"], "ep=2": ["parallel.ep=2"], "ep=2 dispatcher=fused": ["parallel.ep=2", "dispatcher=fused"],
+    2: {"fsdp=2": ["parallel.ep=1"], "ep=2": ["parallel.ep=2"],
+        "ep=2 dispatcher=fused": ["parallel.ep=2", "dispatcher=fused"],
         "ep=2 ac=selective offload=optimizer": ["parallel.ep=2", "ac=selective", "offload=optimizer", *CHUNKS]},
-    4: {"fsdp=4": ["parallel.ep=1"], "fsdp=2 ep=2": ["parallel.ep=2"], "ep=4 dispatcher=fused": ["parallel.ep=4", "dispatcher=fused"]},
+    4: {"fsdp=4": ["parallel.ep=1"], "fsdp=2 ep=2": ["parallel.ep=2"],
+        "ep=4 dispatcher=fused": ["parallel.ep=4", "dispatcher=fused"]},
 }
 
 
@@ -96,7 +98,8 @@ def test_one_rank_axis_matches_the_reference(axis, reference, tmp_path):
 
 def test_grad_accum_matches_the_reference(reference, tmp_path):
     without_aux_loss = train(NO_AUX_LOSS, tmp_path / "reference_without_aux_loss")
-    assert_matches(without_aux_loss, train([*NO_AUX_LOSS, *GRAD_ACCUM], tmp_path / "grad_accum_without_aux_loss"), False)
+    accumulated = train([*NO_AUX_LOSS, *GRAD_ACCUM], tmp_path / "grad_accum_without_aux_loss")
+    assert_matches(without_aux_loss, accumulated, False)
     with_aux_loss = train(GRAD_ACCUM, tmp_path / "grad_accum")
     assert compare.main([str(reference), str(with_aux_loss), "--rtol", str(AUX_LOSS_PER_MICRO_BATCH)]) == 0
 
