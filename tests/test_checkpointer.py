@@ -236,3 +236,41 @@ def test_a_checkpoint_of_another_depth_is_refused_naming_the_tensor(tmp_path):
     adamw = tmp_path / "adamw" / "checkpoints" / "step_00000001"
     with pytest.raises(CheckpointMismatch, match=r"model\.layers\.1\.\S+ \(and \d+ more\) is the state of a parameter this model lacks"):
         train_in_process(["trainer.steps=2", "model.num_layers=1", f"trainer.resume={adamw}"], tmp_path / "e")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_checkpoint_the_disk_cannot_hold_fails_naming_directory_and_bytes(tmp_path, monkeypatch, async_save):
+    """Free space runs out after the step-2 checkpoint: the step-4 save fails before writing anything, naming the
+    directory, the bytes it needs and those free; the step-2 checkpoint stays complete and the run's record says
+    why."""
+    from omegaconf import OmegaConf
+
+    from moe_lab.checkpoint import checkpointer
+
+    real = shutil.disk_usage
+    calls = []
+
+    def disk_usage(path):
+        calls.append(path)
+        usage = real(path)
+        return usage._replace(free=usage.free if len(calls) == 1 else 1000)
+
+    monkeypatch.setattr(checkpointer.shutil, "disk_usage", disk_usage)
+    background = f"trainer.checkpoint.async_save={str(async_save).lower()}"
+    cfg = compose_train([*SMALL, "trainer.checkpoint.every=2", background])
+    run_dir = tmp_path / "run"
+    with pytest.raises(checkpointer.NotEnoughDiskSpace) as failed:
+        job.worker(OmegaConf.to_yaml(cfg, resolve=True), str(run_dir), {})
+    directory = run_dir / "checkpoints"
+    needed = int(str(failed.value).split(" needs ")[1].split(" bytes")[0].replace(",", ""))
+    assert f"checkpoint step_00000004 in {directory}: it needs {needed:,} bytes" in str(failed.value)
+    assert "the file system has 1,000 bytes" in str(failed.value)
+    # The tensors' bytes: at least the fp32 weights and AdamW's two moments.
+    model = build_model(cfg, config.validate(cfg), torch.device("cpu"), torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    assert needed >= 3 * 4 * params + checkpointer.DISK_HEADROOM
+    assert ckpt_dir.complete(directory) == [ckpt_dir.complete_path(directory, 2)]
+    assert sorted(p.name for p in directory.iterdir()) == ["step_00000002"]  # nothing of step 4 written
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "error" and record["error"]["type"] == "NotEnoughDiskSpace"
+    assert str(directory) in record["error"]["message"]

@@ -36,8 +36,8 @@ def html(outputs) -> str:
 
 def test_notebook_executes_on_a_real_sweep(tmp_path_factory, tmp_path):
     outputs = execute(str(ensure_sweep(tmp_path_factory.getbasetemp())), tmp_path)
-    # speed/MFU bars, Pareto scatter, breakdown, loss curves, expert load per layer and over steps
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 5
+    # speed/MFU bars, Pareto scatter, breakdown, loss curves, their differences, expert load per layer and over steps
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 6
     assert "12 points: 6 invalid, 4 ok, 1 oom, 1 error" in text(outputs)
     assert "injected by tests/sweep.py" in html(outputs)  # the failed points' table
     assert "no point ran on a GPU the planner has a profile of" in text(outputs)  # a CPU sweep: nothing to plan
@@ -45,9 +45,10 @@ def test_notebook_executes_on_a_real_sweep(tmp_path_factory, tmp_path):
 
 def test_notebook_executes_on_the_committed_h200_grid_by_its_relative_path(tmp_path):
     outputs = execute(H200_GRID, tmp_path)  # relative to the repository root, papermill's working directory
-    # speed/MFU bars, Pareto scatter, breakdown, loss curves, planned vs measured; recorded before expert_load: no
-    # load figure
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 5
+    # speed/MFU bars, Pareto scatter, breakdown, loss curves, their differences, planned vs measured; recorded before
+    # expert_load: no load figure
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 6
+    assert "max |difference|" in html(outputs)
     assert "no expert_load in these records" in text(outputs)
     assert "s_per_step planned" in html(outputs) and "peak_gpu_mem_gib error %" in html(outputs)
     assert "12 points: 12 ok; axes: ['offload', 'ac', 'dispatcher']" in text(outputs)

@@ -33,6 +33,7 @@ import json
 import logging
 import pickle
 import random
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
@@ -292,20 +294,44 @@ class Checkpointer:
         if _from_rank0(final.exists()):  # this step's state is already there (a run that resumed from it)
             return final
         partial = ckpt_dir.partial_path(self.directory, progress.step)
-        if background:  # a host copy of the state is taken now, the files are written by a thread of DCP's
+        # background: a host copy of the state is taken now, the files are written by a thread of DCP's
+        state = self._state_dict(progress, copy=background)
+        self._check_disk_space(state, final)
+        if background:
             written = dcp.async_save(
-                self._state_dict(progress, copy=True), checkpoint_id=str(partial), planner=_save_planner(),
+                state, checkpoint_id=str(partial), planner=_save_planner(),
                 process_group=self._group, no_dist=not dist.is_initialized(), async_stager=_AlreadyCopied(),
             )  # fmt: skip
             self._pending = _MARKER_THREAD.submit(self._finish_when_written, written, progress.step)
         else:
             try:
-                dcp.save(self._state_dict(progress), checkpoint_id=str(partial), planner=_save_planner(),
+                dcp.save(state, checkpoint_id=str(partial), planner=_save_planner(),
                          no_dist=not dist.is_initialized())  # fmt: skip
             except CheckpointException as e:
                 raise CheckpointWriteFailed(f"checkpoint {final}: writing it failed: {_rank_errors(e)}") from e
             self._finish(progress.step)
         return final
+
+    def _check_disk_space(self, state: dict, final: Path) -> None:
+        """Refuse to start a checkpoint the disk cannot hold, on every rank, before anything is written: a write that
+        runs out of space fails inside DCP with a message that names neither (and the complete checkpoints before
+        it, and the run's record, stay as they are). The checkpoint's size is its tensors' bytes over all ranks
+        (every rank writes into the one directory), plus ``DISK_HEADROOM`` for DCP's metadata and the marker."""
+        needed = sum(_gathered(state_bytes(state))) + DISK_HEADROOM
+        problem = None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.directory).free
+            if free < needed:
+                problem = (
+                    f"not enough disk space for checkpoint {final.name} in {self.directory}: it needs {needed:,} bytes "
+                    f"({needed / 2**30:.2f} GiB), the file system has {free:,} bytes ({free / 2**30:.2f} GiB) free. "
+                    "Free space there, point trainer.checkpoint.dir elsewhere or lower trainer.checkpoint.keep; "
+                    "then run the same command again to resume from the last complete checkpoint."
+                )
+        problem = _from_rank0(problem)
+        if problem:
+            raise NotEnoughDiskSpace(problem)
 
     def close(self) -> None:
         """Wait for a background save to be written and marked complete."""
@@ -375,6 +401,27 @@ class Checkpointer:
             except CheckpointException as e:
                 message = f"a checkpoint in {self.directory}: writing it in the background failed: {_rank_errors(e)}"
                 raise CheckpointWriteFailed(message) from e
+
+
+class NotEnoughDiskSpace(OSError):
+    """A checkpoint the checkpoint directory's file system has no room for; the message names both and the bytes."""
+
+
+DISK_HEADROOM = 64 * 2**20  # DCP's metadata file, the marker, file-system blocks: generous for any model here
+
+
+def state_bytes(state: dict) -> int:
+    """Bytes of this rank's tensors in a state to save (a DTensor's local piece)."""
+    pieces = (v.to_local() if isinstance(v, DTensor) else v for v in state.values())
+    return sum(t.numel() * t.element_size() for t in pieces if torch.is_tensor(t))
+
+
+def _gathered(value: int) -> list[int]:
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

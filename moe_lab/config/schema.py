@@ -42,6 +42,11 @@ class TrainerConfig:
     precision: str = _key("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32")
     compile: bool = _key(False, "torch.compile each decoder block (fullgraph) and the loss")
     seed: int = _key(0, "initial weights: the same seed gives the same model on every mesh shape")
+    deterministic: bool = _key(
+        False,
+        "bitwise reproducible runs: torch's deterministic algorithms, a fixed cuBLAS workspace, Inductor's deterministic "
+        "mode and seeded global generators (docs/determinism.md says what it costs)",
+    )
     dry_run: bool = _key(False, "build on the meta device, print parameter counts, stop")
     init_checkpoint: Optional[str] = _key(None, "Hugging Face safetensors directory to start from")
     checkpoint: CheckpointConfig = field(

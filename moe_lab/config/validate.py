@@ -201,6 +201,7 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.eval_every >= 0, "trainer.eval_every", f"must be >= 0, got {t.eval_every}")
     _require(t.eval_batches >= 1, "trainer.eval_batches", f"must be >= 1, got {t.eval_batches}")
     _require(t.expert_load_every >= 0, "trainer.expert_load_every", f"must be >= 0, got {t.expert_load_every}")
+    check_determinism(t)
     check_init_checkpoint(t.init_checkpoint, m)
     check_checkpointing(t)
     pr = cfg.profile
@@ -234,6 +235,17 @@ def check_optimizer(o) -> None:
         _require(math.isfinite(o.eps) and o.eps > 0, "optimizer.eps", f"must be finite and > 0, got {o.eps}")
     if "betas" in o:
         _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", f"each must be in [0, 1), got {list(o.betas)}")
+
+
+def check_determinism(t) -> None:
+    from moe_lab.runtime.determinism import inductor_has_deterministic_mode
+
+    _require(
+        not (t.deterministic and t.compile and not inductor_has_deterministic_mode()),
+        "trainer.deterministic",
+        f"with trainer.compile=true needs Inductor's deterministic mode, which torch {torch.__version__} lacks (its "
+        "kernels' configurations are benchmarked anew in each process); set trainer.compile=false",
+    )
 
 
 def check_init_checkpoint(path, model: DictConfig) -> None:

@@ -36,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from moe_lab import config
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config import Options
+from moe_lab.runtime.determinism import set_determinism
 from moe_lab.runtime.device import runs_on_cuda
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.job.launcher import (
@@ -294,6 +295,7 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None
 def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None, stop: StopRequest) -> dict:
     cfg = OmegaConf.create(resolved_yaml)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    set_determinism(cfg.trainer.deterministic, cfg.trainer.seed)  # before CUDA work: cuBLAS reads its setting then
     device = _device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     if rank == 0:
         _log_to_run_files(meta.get("log_file"))

@@ -84,6 +84,11 @@ def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
     paths = result_files(sweep_dir_or_glob)
     if not paths:
         warnings.warn(f"no {RESULT} under {sweep_dir_or_glob}", stacklevel=2)
+    return load_files(paths)
+
+
+def load_files(paths: list[Path]) -> pd.DataFrame:
+    """``load`` of these result.json files, in this order."""
     rows = [_row(path) for path in paths]
     df = pd.DataFrame(rows)
     if df.empty:

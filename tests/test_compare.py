@@ -1,0 +1,98 @@
+"""``python -m moe_lab.compare``: two tiny CPU runs of one config are bitwise equal (exit 0), a run with a perturbed
+learning rate is not (exit 1, naming run, step, difference and band); the noise band from repeats, a noise record
+and a stated envelope; a sweep directory stands for its points."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_lab import compare
+from moe_lab.results.record import METRICS, RESULT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """Three tiny 4-step CPU runs in one process: points 0 and 1 the same config, point 2 a slightly larger LR."""
+    out = tmp_path_factory.mktemp("compare") / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "moe_lab.train", "-m", "trainer.steps=4", "trainer.warmup_steps=1",
+                    "data.seq_len=16", "data.batch_size=2", "optimizer.lr=0.003,0.003,0.0031",
+                    f"hydra.sweep.dir={out}"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)  # fmt: skip
+    return out
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "moe_lab.compare", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def test_equal_runs_pass_and_a_perturbed_run_fails(sweep, tmp_path):
+    equal = run_cli(sweep / "0", sweep / "1", "--assert-equal")
+    assert equal.returncode == 0, equal.stdout + equal.stderr
+    assert "bitwise equal" in equal.stdout
+
+    perturbed = run_cli(sweep / "0", sweep / "2", "--assert-equal", "--plot", tmp_path / "diff.png")
+    assert perturbed.returncode == 1
+    assert "FAIL optimizer.lr=0.0031: differs from optimizer.lr=0.003 first at step 1" in perturbed.stdout
+    assert (tmp_path / "diff.png").stat().st_size > 0
+
+    # The band from a repeat of the reference is 0 here (CPU runs repeat bit for bit): the LR change leaves it.
+    noise = run_cli(sweep / "0", sweep / "2", "--noise", sweep / "1")
+    assert noise.returncode == 1 and "leaves the band first at step 1" in noise.stdout
+    # A stated envelope wide enough holds it; the whole sweep directory stands for its three points.
+    assert run_cli(sweep, "--rtol", "1e-3").returncode == 0
+
+
+def fake_run(directory: Path, losses: list[float], status: str = "ok", lr: float = 0.1) -> Path:
+    """A run directory as a run leaves it, with these losses."""
+    directory.mkdir(parents=True)
+    record = {"status": status, "error": None, "choices": {}, "overrides": [f"optimizer.lr={lr}"],
+              "config": {"optimizer": {"lr": lr}}, "metrics": {}}  # fmt: skip
+    (directory / RESULT).write_text(json.dumps(record))
+    (directory / METRICS).write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in enumerate(losses)))
+    return directory
+
+
+def test_noise_band_is_the_running_maximum_of_the_repeats_spread(tmp_path):
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0, 1.5])
+    repeat1 = fake_run(tmp_path / "r1", [3.0, 2.5001, 2.0, 1.5003])
+    repeat2 = fake_run(tmp_path / "r2", [3.0, 2.4998, 2.0002, 1.5001])
+    table = compare.curves(compare.load_runs([ref, repeat1, repeat2]))
+    band = compare.noise_from_repeats(table)
+    assert band.tolist() == pytest.approx([0.0, 3e-4, 3e-4, 3e-4], abs=1e-12)  # step 2's 2e-4 is no tighter bound
+
+    inside = fake_run(tmp_path / "inside", [3.0, 2.5002, 2.0002, 1.4998], lr=0.2)
+    outside = fake_run(tmp_path / "outside", [3.0, 2.5, 2.0005, 1.5], lr=0.3)
+    record = tmp_path / "noise.json"
+    repeats = ["--noise", str(repeat1), str(repeat2)]
+    assert compare.main([str(ref), str(inside), *repeats, "--write-noise", str(record)]) == 0
+    assert json.loads(record.read_text())["band"][1] == [1, pytest.approx(3e-4)]
+    # The record stands in for the repeats; the run two steps outside fails, named with its step, difference and band.
+    assert compare.main([str(ref), str(inside), "--noise", str(record)]) == 0
+    assert compare.main([str(ref), str(outside), "--noise", str(record)]) == 1
+    verdict = compare.check(compare.curves(compare.load_runs([ref, outside])), compare.load_runs([ref, outside]),
+                            compare.read_noise(record, table.index), 0.0, 0.0, False)[0]  # fmt: skip
+    assert verdict.message.startswith(
+        "optimizer.lr=0.3: leaves the band first at step 2: difference +5.000e-04, band 3.000e-04")
+    # A noise record committed beside the reference is read without --noise.
+    (tmp_path / "ref" / "noise.json").write_text(json.dumps({"envelope": 1e-3}))
+    assert compare.main([str(ref), str(outside)]) == 0
+
+
+def test_a_failed_or_short_run_fails_the_comparison(tmp_path):
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
+    failed = fake_run(tmp_path / "failed", [3.0], status="oom", lr=0.2)
+    short = fake_run(tmp_path / "short", [3.0, 2.5], lr=0.3)
+    assert compare.main([str(ref), str(failed), "--rtol", "1"]) == 1
+    assert compare.main([str(ref), str(short), "--assert-equal"]) == 1
+    assert compare.main([str(ref), str(short), "--atol", "1"]) == 1
