@@ -71,6 +71,17 @@ class ParallelConfig:
         "trainer.grad_accum > 1, across the step's micro-batches (one all-gather per block per step instead of two "
         "per micro-batch), at the memory of the whole unsharded model per rank",
     )
+    emulate: bool = _key(
+        False,
+        "one process on one device runs as rank parallel.emulate_rank of the layout trainer.nproc_per_node x "
+        "parallel.emulate_nodes (its real shapes, memory and compute; stand-in peers mirror it, so losses are not a "
+        "model's); the record adds the planner's exposed communication for the wire (docs/emulate.md)",
+    )
+    emulate_rank: int = _key(0, "with parallel.emulate: the rank of the emulated layout this process runs as")
+    emulate_nodes: int = _key(1, "with parallel.emulate: nodes of the emulated layout, trainer.nproc_per_node ranks each")
+    emulate_hardware: str = _key(
+        "h200", "with parallel.emulate: the planner's hardware profile (conf/hardware/<name>.yaml) for the wire's time"
+    )
 
 
 @dataclass
