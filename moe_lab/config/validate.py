@@ -26,6 +26,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.runtime.errors import ConfigError
+from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.config.options import Options, build_options
 from moe_lab.runtime.device import world_size
 from moe_lab.config.schema import GROUPS, TrainConfig
@@ -240,7 +241,6 @@ def check_emulation(cfg: DictConfig) -> None:
     p = cfg.parallel
     if not p.emulate:
         return
-    from moe_lab.runtime.paths import CONF_DIR
 
     _require(
         "WORLD_SIZE" not in os.environ,
@@ -255,6 +255,12 @@ def check_emulation(cfg: DictConfig) -> None:
         "parallel.emulate_rank",
         f"must be a rank of the emulated layout's {world} (trainer.nproc_per_node x parallel.emulate_nodes), got "
         f"{p.emulate_rank}",
+    )
+    c = cfg.trainer.checkpoint
+    _require(
+        not (c.every or c.on_signal),
+        "trainer.checkpoint.every" if c.every else "trainer.checkpoint.on_signal",
+        "an emulated rank's weights are not a model's: parallel.emulate saves no checkpoints (set 0 / false)",
     )
     profiles = sorted(f.stem for f in (CONF_DIR / "hardware").glob("*.yaml") if f.stem != "file")
     _require(

@@ -6,7 +6,8 @@ each kernel after it the work, it has on the real mesh: an all-gather returns th
 reduce-scatter this rank's own chunk reduced over ``world`` equal contributions (a sum is ``world`` times it, a mean
 or max the chunk itself), an all-to-all delivers from every peer the rows this rank sends to itself, so the counts a
 dispatcher exchanges are this rank's counts and the rows it receives are what it would receive if every rank routed
-like it. Broadcasts and barriers have nothing to do. Nothing moves on a wire: that time comes from the planner
+like it. Broadcasts and barriers have nothing to do (a broadcast leaves this rank's tensor as it is: a value only
+the root knows, as ``broadcast_object_list`` sends, is this process's own, and its callers take it so). Nothing moves on a wire: that time comes from the planner
 (``moe_lab.plan.emulated``). Where a caller's receive split asks for more rows from a peer than this rank sends to
 itself (uneven routing), the rest of that peer's rows are zeros; fewer, the first rows are kept.
 
