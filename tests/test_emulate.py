@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,6 +164,49 @@ def test_collectives_mirror_this_rank():
         assert got.tolist() == rows[1:3].tolist() * 4  # from every peer: the rows this rank sends itself
 
     emulated(1, 4, check)
+
+
+def loopback_fused_check(ep: int) -> dict:
+    """Rank 0 of an emulated EP group: the gpu backend (Triton kernels, interpreted on CPU) over the group's loopback
+    symmetric memory, and the reference backend over its collectives, under balanced and skewed routing."""
+    import moe_lab.moe.fused.gpu as gpu
+    from moe_lab.moe.fused.ops import ALIGN
+    from tests.fused_cases import received_rows, routing
+    from tests.test_fused_kernels import E, H, I, K
+
+    init_emulated_world(0, ep)
+    try:
+        group = dist.group.WORLD
+        gen = torch.Generator().manual_seed(0)
+        gate_up_proj, down_proj = torch.randn(E // ep, 2 * I, H, generator=gen), torch.randn(E // ep, H, I, generator=gen)
+        out = {}
+        for kind in ("balanced", "zipf"):
+            ids = routing(kind, 0, 16, E, K)
+            x, weights, grad_out = torch.randn(16, H, generator=gen), torch.rand(16, K, generator=gen), torch.randn(16, H, generator=gen)
+            y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
+            grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, "gpu")
+            reference = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, group.group_name, "reference")
+            out[kind] = {
+                "gpu_rows": residuals[0].shape[0],
+                "reference_rows": reference[1].shape[0],
+                "mirrored_rows": [received_rows([ids] * ep, 0, ep, align, E)[1] for align in (ALIGN["gpu"], ALIGN["reference"])],
+                "finite": all(bool(t.isfinite().all()) for t in (y, *grads)),
+            }
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fused_receive_buffer_holds_the_mirrored_rows():
+    """The receive buffer of emulated rank 0 has the rows real rank 0 of a world routing like it receives, in the
+    gpu backend (the group's loopback symmetric memory) and the reference backend (its collectives)."""
+    code = "from tests.test_emulate import loopback_fused_check as f; print(repr(f(4)))"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kind, r in eval(done.stdout.strip().splitlines()[-1]).items():
+        assert [r["gpu_rows"], r["reference_rows"]] == r["mirrored_rows"], kind
+        assert r["finite"], kind
 
 
 def _job(run_dir, *overrides):

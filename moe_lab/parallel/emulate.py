@@ -178,8 +178,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     # --- the fused dispatcher's symmetric memory ----------------------------------------------------------------
     def symmetric_empty(self, shape, dtype, device):
         """-> (this rank's buffer, every peer's buffer address: this one's, a barrier that returns at once), the
-        triple ``moe_lab.moe.fused.gpu.symmetric_empty`` returns for torch symmetric memory."""
-        local = torch.empty(shape, dtype=dtype, device=device)
+        triple ``moe_lab.moe.fused.gpu.symmetric_empty`` returns for torch symmetric memory. What this rank writes
+        for a peer lands in its own buffer, inside the group's largest receive buffer the workspace is sized by; a
+        stand-in peer's rows in this rank's receive buffer stay padding (their copies are the wire's, which the
+        planner adds). Zeroed once, so a row this rank reads for a peer that it never wrote is finite."""
+        local = torch.zeros(shape, dtype=dtype, device=device)
         ptrs = torch.full((self._world,), local.data_ptr(), dtype=torch.int64, device=device)
         return local, ptrs, _no_barrier
 
