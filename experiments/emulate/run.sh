@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # One H200 as one rank of a larger layout (parallel.emulate; README.md says what each part answers). Every point runs
-# 8 steps, timed from step 3 (trainer.steps=8 trainer.timing_skip=3; the presets' 16-20 steps would not fit), without
-# the profiler but for the `trace` part: the whole batch is meant to fit in about 8 minutes of one H200, and each part
-# fits one 10-minute device call (each sweep is cut at 520 s; a point that OOMs is a record and the sweep goes on):
+# 8 steps timed from step 3 (trainer.steps=8 trainer.timing_skip=3; 235b: 5 steps, timed from step 3, its steps
+# planned near 10 s), without the profiler but for the `trace` part, to keep the batch short: the brief was about
+# 8 minutes of one H200 for all of it, and it does not fit that. Estimated (about 1 min of build and compile per
+# point, then its steps): 30b about 7 min, 235b about 5.5 min, trace + share + overhead about 5 min, so three
+# device calls of under 10 minutes each (each sweep is also cut at 520 s; an OOM is a record and the sweep goes on):
 #   bash experiments/emulate/run.sh 30b        reference_30b's rank 0 of 8 (FSDP 8 x EP 8): dispatcher x ac, 6 points
-#   bash experiments/emulate/run.sh trace      the same rank, fused + full AC, two steps traced (collectives at zero)
 #   bash experiments/emulate/run.sh 235b       reference_235b's rank 0 of 32, 64 and 128 GPUs at EP 8, fused + full AC
-#   bash experiments/emulate/run.sh share      the 48-layer, 16-expert single-GPU share of the 30B at EP 8 (no FSDP,
-#                                              no exchange), fused + selective | full: beside the 30b part's rank
-#   bash experiments/emulate/run.sh overhead   world 1: a plain one-GPU run and an emulated one (4-layer 30B proxy)
-#   bash experiments/emulate/run.sh plan       python -m moe_lab.plan of the same points (no GPU: runs anywhere), and
-#                                              the published 235B table on the B300 profile
-#   bash experiments/emulate/run.sh all        30b, trace, 235b, share, overhead, plan in turn
-# Overrides after the part narrow the sweep. Records: records/<machine>_<label>/<UTC start>_<part>/ (../common.sh).
+#   bash experiments/emulate/run.sh trace share overhead
+#     trace     the 30b rank, fused + full AC, two steps traced (the breakdown's collectives at zero)
+#     share     the 48-layer, 16-expert single-GPU share of the 30B at EP 8 (no FSDP, no exchange), fused +
+#               selective | full, beside the 30b part's rank
+#     overhead  world 1: a plain one-GPU run and an emulated one (4-layer 30B proxy, fused + selective)
+#   bash experiments/emulate/run.sh plan       python -m moe_lab.plan of the same points and the published 235B table
+#                                              on the B300 profile (no GPU: runs anywhere, a few minutes on CPU)
+# Parts run in the order given; overrides after them (key=value) narrow every sweep.
+# Records: records/<machine>_<label>/<UTC start>_<part>/ (../common.sh), plans records/<hardware>_<label>/.
 source "$(dirname "$0")/../common.sh"
 SHORT=(trainer.steps=8 trainer.timing_skip=3 profile.enabled=false)
 EMULATE_30B=(+experiment=reference_30b parallel.emulate=true)
@@ -37,7 +40,7 @@ run_part() {
   trace) sweep rank0_of_8 "${EMULATE_30B[@]}" dispatcher=fused ac=full trainer.steps=8 trainer.timing_skip=3 \
            profile.enabled=true profile.wait=5 profile.warmup=1 profile.active=2 "$@" ;;
   235b) sweep rank0_235b "${EMULATE_235B[@]}" parallel.emulate_nodes=4,8,16 dispatcher=fused ac=full \
-          "${SHORT[@]}" "$@" ;;
+          "${SHORT[@]}" trainer.steps=5 "$@" ;;
   share) sweep 1gpu_share +experiment=reference_30b trainer.nproc_per_node=1 parallel.ep=1 model.num_experts=16 \
            dispatcher=fused ac=selective,full "${SHORT[@]}" "$@" ;;
   overhead) sweep 1gpu_overhead +experiment=benchmark model=qwen3_30b model.num_layers=4 dispatcher=fused \
@@ -51,12 +54,11 @@ run_part() {
       hardware=h200 hardware.gpus_per_node=1 dispatcher=fused ac=selective,full "${SHORT[@]}" "$@"
     plan b300_32gpu +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8 \
       dispatcher=torch,fused ac=full,selective "$@" ;;
-  *) echo "usage: $0 30b|trace|235b|share|overhead|plan|all [overrides...]" >&2; exit 2 ;;
+  *) echo "usage: $0 PART... [key=value...]; parts: 30b 235b trace share overhead plan" >&2; exit 2 ;;
   esac
 }
-if [ "${1:-}" = all ]; then
-  for p in 30b trace 235b share overhead plan; do run_part "$p" "${@:2}"; done
-else
-  run_part "${1:-}" "${@:2}"
-fi
+parts=()
+while [ $# -gt 0 ] && [[ "$1" != *=* ]]; do parts+=("$1"); shift; done
+[ ${#parts[@]} -gt 0 ] || run_part usage
+for p in "${parts[@]}"; do run_part "$p" "$@"; done
 pack "${dirs[@]}"
