@@ -60,8 +60,8 @@ def _recording(calls: list, name: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         group = kwargs.get("group")
-        entry = (name, dist.get_world_size(group), _describe(args), _describe({k: v for k, v in kwargs.items() if k not in ("group", "async_op")}.items()))
-        calls.append(entry)
+        options = {k: v for k, v in kwargs.items() if k not in ("group", "async_op")}
+        calls.append((name, dist.get_world_size(group), _describe(args), _describe(list(options.items()))))
         return fn(*args, **kwargs)
 
     return wrapper
@@ -95,7 +95,7 @@ def one_rank_step(dispatcher: str, ep: int) -> dict:
         cfg = dataclasses.replace(Qwen3MoeConfig.preset("tiny"), routing="balanced")
         with torch.device("meta"):
             model = cfg.build()
-        chosen = dispatchers.TorchDispatcher() if dispatcher == "torch" else dispatchers.FusedDispatcher(backend="reference")
+        chosen = dispatchers.TorchDispatcher() if dispatcher == "torch" else dispatchers.FusedDispatcher("reference")
         device = torch.device("cpu")
         parallelize(model, chosen, NoCheckpoint(), ep=ep, compile=False, device=device, compute_dtype=torch.float32)
         model.to_empty(device=device)
@@ -178,18 +178,21 @@ def loopback_fused_check(ep: int) -> dict:
     try:
         group = dist.group.WORLD
         gen = torch.Generator().manual_seed(0)
-        gate_up_proj, down_proj = torch.randn(E // ep, 2 * I, H, generator=gen), torch.randn(E // ep, H, I, generator=gen)
+        gate_up_proj = torch.randn(E // ep, 2 * I, H, generator=gen)
+        down_proj = torch.randn(E // ep, H, I, generator=gen)
         out = {}
         for kind in ("balanced", "zipf"):
             ids = routing(kind, 0, 16, E, K)
-            x, weights, grad_out = torch.randn(16, H, generator=gen), torch.rand(16, K, generator=gen), torch.randn(16, H, generator=gen)
+            x, grad_out = torch.randn(16, H, generator=gen), torch.randn(16, H, generator=gen)
+            weights = torch.rand(16, K, generator=gen)
             y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
             grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, "gpu")
-            reference = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, group.group_name, "reference")
+            reference = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, group.group_name,
+                                                    "reference")  # fmt: skip
             out[kind] = {
                 "gpu_rows": residuals[0].shape[0],
                 "reference_rows": reference[1].shape[0],
-                "mirrored_rows": [received_rows([ids] * ep, 0, ep, align, E)[1] for align in (ALIGN["gpu"], ALIGN["reference"])],
+                "mirrored_rows": [received_rows([ids] * ep, 0, ep, ALIGN[b], E)[1] for b in ("gpu", "reference")],
                 "finite": all(bool(t.isfinite().all()) for t in (y, *grads)),
             }
         return out
@@ -219,8 +222,9 @@ def _job(run_dir, *overrides):
 @pytest.mark.parametrize("layout", [("8", "1", "4"), ("8", "4", "8")], ids=["world8", "world32"])
 def test_rank_0_of_large_worlds_trains(tmp_path, layout):
     nproc, nodes, ep = layout
-    record = _job(tmp_path, "parallel.emulate=true", f"trainer.nproc_per_node={nproc}", f"parallel.emulate_nodes={nodes}",
-                  f"parallel.ep={ep}", "dispatcher=fused", "profile.enabled=true", "profile.wait=1", "profile.active=1")  # fmt: skip
+    layout = [f"trainer.nproc_per_node={nproc}", f"parallel.emulate_nodes={nodes}", f"parallel.ep={ep}"]
+    record = _job(tmp_path, "parallel.emulate=true", *layout, "dispatcher=fused", "profile.enabled=true",
+                  "profile.wait=1", "profile.active=1")  # fmt: skip
     world = int(nproc) * int(nodes)
     assert record["status"] == "ok" and record["world_size"] == world
     assert record["emulated"]["world"] == world and record["emulated"]["rank"] == 0

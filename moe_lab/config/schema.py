@@ -78,7 +78,9 @@ class ParallelConfig:
         "model's); the record adds the planner's exposed communication for the wire (docs/emulate.md)",
     )
     emulate_rank: int = _key(0, "with parallel.emulate: the rank of the emulated layout this process runs as")
-    emulate_nodes: int = _key(1, "with parallel.emulate: nodes of the emulated layout, trainer.nproc_per_node ranks each")
+    emulate_nodes: int = _key(
+        1, "with parallel.emulate: nodes of the emulated layout, trainer.nproc_per_node ranks each"
+    )
     emulate_hardware: str = _key(
         "h200", "with parallel.emulate: the planner's hardware profile (conf/hardware/<name>.yaml) for the wire's time"
     )

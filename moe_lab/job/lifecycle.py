@@ -306,6 +306,8 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
         result = {**record, **interrupted(e.signal_name, e.step, e.checkpoint), "metrics": e.metrics}
     except Exception as e:
         result = {**record, **failure(e), "metrics": {"peak_gpu_mem_gib": peak_gpu_gib(device)}}
+        if emulated is not None:  # what the plan expected of the rank that failed (an OOM's planned memory)
+            result["metrics"] |= emulated_metrics(cfg, result["metrics"])
         if writer:
             write_json_atomic(run_dir / RESULT, result)
         raise

@@ -7,8 +7,8 @@ reduce-scatter this rank's own chunk reduced over ``world`` equal contributions 
 or max the chunk itself), an all-to-all delivers from every peer the rows this rank sends to itself, so the counts a
 dispatcher exchanges are this rank's counts and the rows it receives are what it would receive if every rank routed
 like it. Broadcasts and barriers have nothing to do (a broadcast leaves this rank's tensor as it is: a value only
-the root knows, as ``broadcast_object_list`` sends, is this process's own, and its callers take it so). Nothing moves on a wire: that time comes from the planner
-(``moe_lab.plan.emulated``). Where a caller's receive split asks for more rows from a peer than this rank sends to
+the root knows, as ``broadcast_object_list`` sends, is this process's own, and its callers take it so). Nothing
+moves on a wire: that time comes from the planner (``moe_lab.plan.emulated``). Where a caller's receive split asks for more rows from a peer than this rank sends to
 itself (uneven routing), the rest of that peer's rows are zeros; fewer, the first rows are kept.
 
 The group also lends the fused dispatcher's symmetric memory (``symmetric_empty``): a peer's buffer is this rank's
@@ -207,7 +207,8 @@ def emulated_layout(cfg) -> dict | None:
     if not p.emulate:
         return None
     world = nproc * p.emulate_nodes
-    mesh = {"nodes": p.emulate_nodes, "gpus_per_node": nproc, "dp_shard": world, "ep": p.ep, "expert_shard": world // p.ep}
+    mesh = {"nodes": p.emulate_nodes, "gpus_per_node": nproc, "dp_shard": world, "ep": p.ep,
+            "expert_shard": world // p.ep}  # fmt: skip
     return {"world": world, "rank": p.emulate_rank, "mesh": mesh, "hardware": p.emulate_hardware, "note": NOTE}
 
 

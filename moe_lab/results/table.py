@@ -76,8 +76,8 @@ def emulated_columns(emulated: dict) -> dict:
     """An emulated point (``parallel.emulate``): ``emulated`` names the rank and layout it stood for, and
     ``emulated.<key>`` holds each of its fields (``emulated.world``, ``emulated.mesh.ep``, ...)."""
     mesh = emulated.get("mesh") or {}
-    label = (f"rank {emulated.get('rank')} of {emulated.get('world')} ({mesh.get('nodes')} x {mesh.get('gpus_per_node')}, "
-             f"ep {mesh.get('ep')})")  # fmt: skip
+    layout = f"{mesh.get('nodes')} x {mesh.get('gpus_per_node')}, ep {mesh.get('ep')}"
+    label = f"rank {emulated.get('rank')} of {emulated.get('world')} ({layout})"
     columns = {"emulated": label}
     columns.update({f"emulated.{k}": v for k, v in emulated.items() if k not in ("mesh", "note")})
     columns.update({f"emulated.mesh.{k}": v for k, v in mesh.items()})
