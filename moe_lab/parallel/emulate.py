@@ -8,12 +8,13 @@ or max the chunk itself), an all-to-all delivers from every peer the rows this r
 dispatcher exchanges are this rank's counts and the rows it receives are what it would receive if every rank routed
 like it. Broadcasts and barriers have nothing to do (a broadcast leaves this rank's tensor as it is: a value only
 the root knows, as ``broadcast_object_list`` sends, is this process's own, and its callers take it so). Nothing
-moves on a wire: that time comes from the planner (``moe_lab.plan.emulated``). Where a caller's receive split asks for more rows from a peer than this rank sends to
-itself (uneven routing), the rest of that peer's rows are zeros; fewer, the first rows are kept.
+moves on a wire: that time comes from the planner (``moe_lab.plan.emulated``). Where a caller's receive split asks
+for more rows from a peer than this rank sends to itself (uneven routing), the rest of that peer's rows are zeros;
+fewer, the first rows are kept.
 
 The group also lends the fused dispatcher's symmetric memory (``symmetric_empty``): a peer's buffer is this rank's
-own buffer, and barriers return at once. Losses of an emulated run are not a model's: its gradients sum ``world``
-copies of one rank's.
+own buffer, and barriers return at once. Losses of an emulated run are not a model's: a gathered weight is ``world``
+copies of this rank's shard.
 """
 
 from __future__ import annotations
