@@ -40,7 +40,7 @@ run_part() {
   trace) sweep rank0_of_8 "${EMULATE_30B[@]}" dispatcher=fused ac=full trainer.steps=8 trainer.timing_skip=3 \
            profile.enabled=true profile.wait=5 profile.warmup=1 profile.active=2 "$@" ;;
   235b) sweep rank0_235b "${EMULATE_235B[@]}" parallel.emulate_nodes=4,8,16 dispatcher=fused ac=full \
-          "${SHORT[@]}" trainer.steps=5 "$@" ;;
+          trainer.steps=5 trainer.timing_skip=3 profile.enabled=false "$@" ;;
   share) sweep 1gpu_share +experiment=reference_30b trainer.nproc_per_node=1 parallel.ep=1 model.num_experts=16 \
            dispatcher=fused ac=selective,full "${SHORT[@]}" "$@" ;;
   overhead) sweep 1gpu_overhead +experiment=benchmark model=qwen3_30b model.num_layers=4 dispatcher=fused \
