@@ -37,7 +37,10 @@ class TrainerConfig:
     min_lr_ratio: float = _key(0.1, "cosine decays to optimizer.lr * min_lr_ratio")
     grad_clip: Optional[float] = _key(None, "max global gradient norm; null disables clipping")
     timing_skip: int = _key(2, "first steps left out of s/step (compile, allocator warm-up)")
-    nproc_per_node: int = _key(1, "ranks this job starts itself; ignored under an outer torchrun / srun")
+    nproc_per_node: int = _key(
+        1, "ranks this job starts itself; ignored under an outer torchrun / srun; with parallel.emulate: the emulated "
+        "layout's ranks per node (one process runs)"
+    )
     device: str = _key("auto", "auto | cpu | cuda")
     precision: str = _key("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32")
     compile: bool = _key(False, "torch.compile each decoder block (fullgraph) and the loss")
