@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
+from moe_lab.parallel.emulate import is_emulated
 
 log = logging.getLogger("moe_lab")
 # Marks background saves complete once written, one at a time (a save waits for the one before).
@@ -544,7 +545,7 @@ def _regrouped(state, groups: int, path: Path):
 
 
 def _from_rank0(value):
-    if not dist.is_initialized():
+    if not dist.is_initialized() or is_emulated():  # an emulated rank is the job's one process: its value is rank 0's
         return value
     holder = [value]
     dist.broadcast_object_list(holder, src=0)

@@ -37,7 +37,10 @@ class TrainerConfig:
     min_lr_ratio: float = _key(0.1, "cosine decays to optimizer.lr * min_lr_ratio")
     grad_clip: Optional[float] = _key(None, "max global gradient norm; null disables clipping")
     timing_skip: int = _key(2, "first steps left out of s/step (compile, allocator warm-up)")
-    nproc_per_node: int = _key(1, "ranks this job starts itself; ignored under an outer torchrun / srun")
+    nproc_per_node: int = _key(
+        1, "ranks this job starts itself; ignored under an outer torchrun / srun; with parallel.emulate: the emulated "
+        "layout's ranks per node (one process runs)"
+    )
     device: str = _key("auto", "auto | cpu | cuda")
     precision: str = _key("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32")
     compile: bool = _key(False, "torch.compile each decoder block (fullgraph) and the loss")
@@ -80,6 +83,19 @@ class ParallelConfig:
         "FSDP2 blocks keep their gathered compute-dtype weights from forward through backward and, with "
         "trainer.grad_accum > 1, across the step's micro-batches (one all-gather per block per step instead of two "
         "per micro-batch), at the memory of the whole unsharded model per rank",
+    )
+    emulate: bool = _key(
+        False,
+        "one process on one device runs as rank parallel.emulate_rank of the layout trainer.nproc_per_node x "
+        "parallel.emulate_nodes (its real shapes, memory and compute; stand-in peers mirror it, so losses are not a "
+        "model's); the record adds the planner's exposed communication for the wire (docs/emulate.md)",
+    )
+    emulate_rank: int = _key(0, "with parallel.emulate: the rank of the emulated layout this process runs as")
+    emulate_nodes: int = _key(
+        1, "with parallel.emulate: nodes of the emulated layout, trainer.nproc_per_node ranks each"
+    )
+    emulate_hardware: str = _key(
+        "h200", "with parallel.emulate: the planner's hardware profile (conf/hardware/<name>.yaml) for the wire's time"
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -25,6 +26,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.runtime.errors import ConfigError
+from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.config.options import Options, build_options
 from moe_lab.runtime.device import world_size
 from moe_lab.config.schema import GROUPS, TrainConfig
@@ -216,6 +218,7 @@ def check_rules(cfg: DictConfig) -> None:
         f"the profile window (wait + warmup + active = {window}) must fit in trainer.steps={t.steps}",
     )
 
+    check_emulation(cfg)
     world = world_size(cfg)  # FSDP2 shards the dense weights over all of them
     _require(
         p.ep >= 1 and world % p.ep == 0,
@@ -224,6 +227,41 @@ def check_rules(cfg: DictConfig) -> None:
     )
     _require(p.grad_sync in GRAD_SYNCS, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {p.grad_sync!r}")
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
+
+
+def check_emulation(cfg: DictConfig) -> None:
+    """``parallel.emulate``: one process of its own; the mesh rules below then hold for the emulated layout, so a
+    layout the real run refuses is refused the same way."""
+    p = cfg.parallel
+    if not p.emulate:
+        return
+
+    _require(
+        "WORLD_SIZE" not in os.environ,
+        "parallel.emulate",
+        "runs as one process; start it without torchrun / srun (trainer.nproc_per_node and parallel.emulate_nodes "
+        "say the layout)",
+    )
+    _require(p.emulate_nodes >= 1, "parallel.emulate_nodes", f"must be >= 1, got {p.emulate_nodes}")
+    world = cfg.trainer.nproc_per_node * p.emulate_nodes
+    _require(
+        0 <= p.emulate_rank < world,
+        "parallel.emulate_rank",
+        f"must be a rank of the emulated layout's {world} (trainer.nproc_per_node x parallel.emulate_nodes), got "
+        f"{p.emulate_rank}",
+    )
+    c = cfg.trainer.checkpoint
+    _require(
+        not (c.every or c.on_signal),
+        "trainer.checkpoint.every" if c.every else "trainer.checkpoint.on_signal",
+        "an emulated rank's weights are not a model's: parallel.emulate saves no checkpoints (set 0 / false)",
+    )
+    profiles = sorted(f.stem for f in (CONF_DIR / "hardware").glob("*.yaml") if f.stem != "file")
+    _require(
+        p.emulate_hardware in profiles,
+        "parallel.emulate_hardware",
+        f"must be one of {', '.join(profiles)}, got {p.emulate_hardware!r}",
+    )
 
 
 def check_optimizer(o) -> None:

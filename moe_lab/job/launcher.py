@@ -15,9 +15,17 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from moe_lab.parallel.emulate import is_emulated
+
 
 def _in_slurm_step() -> bool:
     return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
+
+
+def spawns_ranks(cfg) -> bool:
+    """The job starts ``trainer.nproc_per_node`` processes itself (one process emulates the layout with
+    ``parallel.emulate``)."""
+    return cfg.trainer.nproc_per_node > 1 and not cfg.parallel.emulate
 
 
 def started_by_outer_launcher() -> bool:
@@ -60,8 +68,9 @@ def rank_hydra_overrides() -> list[str]:
 
 
 def shared_run_dir(run_dir: str) -> str:
-    """Rank 0's run directory, on every rank (each rank's own Hydra may have named another)."""
-    if not dist.is_initialized():
+    """Rank 0's run directory, on every rank (each rank's own Hydra may have named another); an emulated rank is
+    the job's one process."""
+    if not dist.is_initialized() or is_emulated():
         return run_dir
     holder = [run_dir]
     dist.broadcast_object_list(holder, src=0)

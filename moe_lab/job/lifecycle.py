@@ -44,10 +44,13 @@ from moe_lab.job.launcher import (
     adopt_slurm_environment,
     launch_local,
     shared_run_dir,
+    spawns_ranks,
     started_by_outer_launcher,
 )
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
+from moe_lab.parallel.emulate import emulated_layout, enter_world
+from moe_lab.plan.emulated import emulated_metrics
 from moe_lab.results.record import RESULT, Record, environment, point_config, read_result, write_json_atomic
 from moe_lab.job.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
 
@@ -151,7 +154,7 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
     outer = started_by_outer_launcher()
     # SIGTERM / SIGINT from here on stop the point at a step boundary (ranks this job starts note them themselves:
     # the launcher forwards them). A single process escalates on a second one.
-    with StopRequest(escalate=not outer and cfg.trainer.nproc_per_node == 1) as stop:
+    with StopRequest(escalate=not outer and not spawns_ranks(cfg)) as stop:
         result = _run_point(cfg, run_dir, meta, multirun, outer, stop)
     if result is not None and result.get("status") == "interrupted":
         # A single run exits non-zero; a sweep stops here, its later points not run (re-running it resumes).
@@ -180,7 +183,7 @@ def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer
         return dry_run(cfg, options)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
-        if cfg.trainer.nproc_per_node > 1 and not outer:
+        if spawns_ranks(cfg) and not outer:
             # Fresh processes build their own options from the resolved config.
             return launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
         return worker(resolved, str(run_dir), meta, options, stop)
@@ -294,10 +297,17 @@ def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None
 
 def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None, stop: StopRequest) -> dict:
     cfg = OmegaConf.create(resolved_yaml)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    emulated = emulated_layout(cfg)
+    enter_world(emulated)
+    if emulated is not None:  # one process as one rank of the layout: it writes the point's files
+        rank, world, writer = emulated["rank"], emulated["world"], True
+        log.warning(emulated["note"])
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        writer = rank == 0
     set_determinism(cfg.trainer.deterministic, cfg.trainer.seed)  # before CUDA work: cuBLAS reads its setting then
     device = _device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
-    if rank == 0:
+    if writer:
         _log_to_run_files(meta.get("log_file"))
     if world > 1 and not dist.is_initialized():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -315,25 +325,31 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
     reset_peak_host_rss()
     record = point_record(meta, cfg, device, world)
-    logger = options.logger if rank == 0 else NoLogger()
+    if emulated is not None:
+        record["emulated"] = emulated
+    logger = options.logger if writer else NoLogger()
     logger.start(run_dir, record)
     result = {**record, "status": "error"}  # until the run says otherwise
     try:
         with StepProfiler(cfg.profile, run_dir, rank) as profiler:
             metrics = train(cfg, options, run_dir, device, rank, world, logger, profiler, stop)
-        if rank == 0:
+        if writer:
             metrics["trace_breakdown"] = profiler.breakdown()
+        if emulated is not None:
+            metrics |= emulated_metrics(cfg, metrics)
         result = record.ok(metrics)
     except Interrupted as e:  # every rank stopped at the same step
         result = record.interrupted(e.signal_name, e.step, e.checkpoint, e.metrics)
     except Exception as e:
         result = record.failure(e, {"peak_gpu_mem_gib": peak_gpu_gib(device)})
-        if rank == 0:
+        if emulated is not None:  # what the plan expected of the rank that failed (an OOM's planned memory)
+            result["metrics"] |= emulated_metrics(cfg, result["metrics"])
+        if writer:
             write_json_atomic(run_dir / RESULT, result)
         raise
     finally:
         logger.finish(result)
-    if rank == 0:
+    if writer:
         write_json_atomic(run_dir / RESULT, result)
         if result["status"] == "ok":
             log.info(summary_line(result["metrics"]))

@@ -38,6 +38,7 @@ from moe_lab.models.hf_weights import load_hf_checkpoint
 from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel import compile_loss, parallelize, set_micro_batch
+from moe_lab.parallel.emulate import is_emulated
 from moe_lab.parallel.sharding import local_rows, local_shard
 from moe_lab.results.record import MetricsLog, point_config
 
@@ -76,7 +77,8 @@ def train(
     fpt = flops_per_token(options.model, cfg.data.seq_len)
     peak = peak_flops(device, t.peak_flops)
     tokens_per_step = t.grad_accum * cfg.data.batch_size * cfg.data.seq_len  # per rank, every micro-batch
-    metrics_log = MetricsLog(run_dir, first_step=progress.step) if rank == 0 else None
+    writer = rank == 0 or is_emulated()  # an emulated rank is its job's one process
+    metrics_log = MetricsLog(run_dir, first_step=progress.step) if writer else None
     step_times, eval_losses = [], []  # this process's steps and evaluations
 
     def load_micro_batch(step: int, micro_batch: int):
@@ -91,7 +93,7 @@ def train(
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
         options.offload.before_micro_batch(optimizer, final)
 
-    bar = tqdm(range(progress.step, t.steps), desc="train", disable=rank != 0, dynamic_ncols=True, file=sys.stdout,
+    bar = tqdm(range(progress.step, t.steps), desc="train", disable=not writer, dynamic_ncols=True, file=sys.stdout,
                initial=progress.step, total=t.steps)  # fmt: skip
     for step in bar:
         stop_if_signalled(stop or NO_STOP, device, checkpointer, progress, t.checkpoint.on_signal)

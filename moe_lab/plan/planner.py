@@ -65,6 +65,7 @@ def train_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError("trainer.device", "the planner predicts GPU runs; use auto or cuda")
     train = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("hardware", "hydra")])
     train.trainer.device = "auto"
+    train.parallel.emulate = False  # an emulated point's plan is its layout's, on the hardware's mesh
     if train.trainer.precision == "fp32":
         raise ConfigError("trainer.precision", "the planner predicts bf16 runs; use auto or bf16")
     train.trainer.precision = "bf16"

@@ -25,6 +25,11 @@ def record_overrides(record: dict) -> list[str]:
     """The overrides that give a record's configuration today: its own (group choices, preset) and the hardware it
     ran on; ``plan_record`` then sets every value of its resolved config that today's config still has."""
     env = record.get("environment") or {}
+    if emulated := record.get("emulated"):  # one rank of a layout (parallel.emulate): the layout's mesh
+        mesh = emulated["mesh"]
+        hardware = [f"hardware={emulated['hardware']}", f"hardware.nodes={mesh['nodes']}",
+                    f"hardware.gpus_per_node={mesh['gpus_per_node']}"]  # fmt: skip
+        return [o for o in record.get("overrides") or []] + hardware
     return [o for o in record.get("overrides") or []] + _hardware(env.get("gpu"), int(record.get("world_size") or 1))
 
 

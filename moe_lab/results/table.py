@@ -3,7 +3,9 @@
 Columns: ``run_dir``, ``status``, ``error_type``, ``error_message``, then the axes: one column per group choice
 (``model``, ``dispatcher``, ``ac``, ..., and ``experiment``: the preset, such as ``grid_30b`` or
 ``grid_30b/two_gpu``), one per other overridden key (``parallel.ep``, ``model.routing_skew``: its resolved value,
-typed); then ``overrides``, environment fields as ``env.<key>``, the scalar metrics, the trace breakdown as
+typed); then ``overrides``, environment fields as ``env.<key>``, an emulated point's layout (``emulated``,
+``emulated.<key>``: ``emulated_columns``; its planned communication per category as ``planned_comm.<category>``),
+the scalar metrics, the trace breakdown as
 ``time.<category>`` (seconds per step) and ``time.step_s``. Per-step lists (losses) stay in ``metrics.jsonl``:
 ``step_rows`` reads them (train and eval loss, imbalance by step), ``layer_load`` the run's expert load per layer.
 """
@@ -58,13 +60,28 @@ def flatten(record: dict, run_dir: Path) -> dict:
             row[key] = value if resolved is None else resolved
     row["overrides"] = " ".join(record.get("overrides") or [])
     row.update({f"env.{k}": v for k, v in (record.get("environment") or {}).items()})
+    if emulated := record.get("emulated"):
+        row.update(emulated_columns(emulated))
     metrics = dict(record.get("metrics") or {})
+    row.update({f"planned_comm.{k}": v for k, v in (metrics.get("planned_exposed_comm_by_category_s") or {}).items()})
     trace = metrics.pop("trace_breakdown", None) or {}
     row.update({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))})
     row.update({f"time.{k}": v for k, v in (trace.get("seconds") or {}).items()})
     if "step_s" in trace:
         row["time.step_s"] = trace["step_s"]
     return row
+
+
+def emulated_columns(emulated: dict) -> dict:
+    """An emulated point (``parallel.emulate``): ``emulated`` names the rank and layout it stood for, and
+    ``emulated.<key>`` holds each of its fields (``emulated.world``, ``emulated.mesh.ep``, ...)."""
+    mesh = emulated.get("mesh") or {}
+    layout = f"{mesh.get('nodes')} x {mesh.get('gpus_per_node')}, ep {mesh.get('ep')}"
+    label = f"rank {emulated.get('rank')} of {emulated.get('world')} ({layout})"
+    columns = {"emulated": label}
+    columns.update({f"emulated.{k}": v for k, v in emulated.items() if k not in ("mesh", "note")})
+    columns.update({f"emulated.mesh.{k}": v for k, v in mesh.items()})
+    return columns
 
 
 def _row(path: Path) -> dict:

@@ -9,7 +9,10 @@ import torch
 
 
 def world_size(cfg) -> int:
-    """Ranks of this job: an outer launcher's WORLD_SIZE, else the ranks the job starts itself."""
+    """Ranks of this job: the emulated layout's (``parallel.emulate``), an outer launcher's WORLD_SIZE, else the
+    ranks the job starts itself."""
+    if cfg.parallel.get("emulate"):
+        return cfg.trainer.nproc_per_node * cfg.parallel.emulate_nodes
     return int(os.environ.get("WORLD_SIZE", cfg.trainer.nproc_per_node))
 
 

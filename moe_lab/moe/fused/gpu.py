@@ -118,7 +118,11 @@ class _Gemms:
 def symmetric_empty(shape, dtype, device, group):
     """A torch symmetric-memory buffer -> (this rank's tensor, every rank's buffer address as an int64 tensor on
     ``device``, the group's device-side barrier). Collective: every rank allocates the same shape in the same order.
-    tests/test_fused_kernels.py swaps in shared file mappings to run the peer paths on CPU."""
+    tests/test_fused_kernels.py swaps in shared file mappings to run the peer paths on CPU. A group that lends its
+    own (``group.symmetric_empty``, the emulated group's loopback: every peer's buffer is this rank's) gives it."""
+    lent = getattr(group, "symmetric_empty", None)
+    if lent is not None:
+        return lent(shape, dtype, device)
     import torch.distributed._symmetric_memory as symm_mem
 
     local = symm_mem.empty(shape, dtype=dtype, device=device)
