@@ -254,7 +254,6 @@ def test_emulated_world_1_is_a_plain_run(tmp_path):
     ("nproc", "nodes", "overrides", "key"),
     [
         (8, 4, ["parallel.ep=3"], "parallel.ep"),
-        (8, 1, ["parallel.dp_shard=16"], "parallel.dp_shard"),
         (8, 1, ["parallel.ep=16"], "parallel.ep"),  # the tiny model has 8 experts
     ],
 )

@@ -19,7 +19,7 @@
 source "$(dirname "$0")/../common.sh"
 SHORT=(trainer.steps=8 trainer.timing_skip=3 profile.enabled=false)
 EMULATE_30B=(+experiment=reference_30b parallel.emulate=true)
-EMULATE_235B=(+experiment=reference_235b parallel.emulate=true trainer.nproc_per_node=8 parallel.dp_shard=-1)
+EMULATE_235B=(+experiment=reference_235b parallel.emulate=true trainer.nproc_per_node=8)
 dirs=()
 sweep() {  # sweep LABEL OVERRIDES...
   local dir
@@ -48,7 +48,7 @@ run_part() {
   plan)
     plan h200_8gpu +experiment=reference_30b hardware=h200 hardware.gpus_per_node=8 dispatcher=torch,fused \
       ac=none,selective,full "${SHORT[@]}" "$@"
-    plan h200_235b +experiment=reference_235b parallel.dp_shard=-1 hardware=h200 hardware.gpus_per_node=8 \
+    plan h200_235b +experiment=reference_235b hardware=h200 hardware.gpus_per_node=8 \
       hardware.nodes=4,8,16 dispatcher=fused ac=full "${SHORT[@]}" "$@"
     plan h200_1gpu_share +experiment=reference_30b trainer.nproc_per_node=1 parallel.ep=1 model.num_experts=16 \
       hardware=h200 hardware.gpus_per_node=1 dispatcher=fused ac=selective,full "${SHORT[@]}" "$@"
