@@ -64,7 +64,8 @@ def test_moe_kernels_use_no_atomics():
 
 
 def train(args: list[str], env_extra: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what the caller's holds
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
     command = [sys.executable, "-m", "moe_lab.train", *args]
