@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from moe_lab.optim.offload.host import usable_host_bytes
@@ -192,7 +193,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0),
         "gpu_total_gib": args.gpu_gib,
         "host_mem_available_gib": args.host_gib,
-        "host_mem_total_gib": memory.total / 2**30,
+        "host_mem_total_gib": psutil.virtual_memory().total / 2**30,
         "cpus": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
