@@ -136,6 +136,9 @@ BAD = [
     (["trainer.device=tpu"], {}, "trainer.device"),
     *([(["trainer.device=cuda"], {}, "trainer.device")] if not torch.cuda.is_available() else []),
     (["trainer.precision=fp8"], {}, "trainer.precision"),
+    (["ac=selective", "ac.keep=[attention,everything]"], {}, "ac.keep"),
+    (["ac=selective", "ac.offload_activations=true"], {}, "ac.offload_activations"),  # eager selective
+    (["dispatcher=fused", "dispatcher.save=nothing"], {}, "dispatcher.save"),
     (["model.num_kv_heads=3"], {}, "model.num_kv_heads"),
     (["model.moe_intermediate_size=0"], {}, "model.moe_intermediate_size"),
     (["data.batch_size=0"], {}, "data.batch_size"),
