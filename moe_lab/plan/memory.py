@@ -14,19 +14,24 @@ not count towards that peak but does towards what fits.
 Activations follow the code: ac=full keeps each block's input; ac=selective keeps the outputs of the ops
 ``moe_lab.parallel.ac.GENERIC_SAVED_OPS`` and the router's and dispatcher's ``saved_ops`` name (the planner
 reads those declarations, so a dispatcher that saves more or less is planned as it is); ac=none keeps those and the
-elementwise outputs backward reads too.
+elementwise outputs backward reads too. ``ac.keep`` narrows selective's ops to its sets (the others are recomputed,
+one layer at a time, in backward's working set); ``dispatcher.save`` drops the fused op's received rows and/or gate/up
+from what it keeps (rebuilt in backward's working set); ``ac.offload_activations`` moves every layer's saved tensors
+but the last one's to pinned host memory, as fast as PCIe takes them (``offload_pace``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload.full import device_chunk_count
+from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.shapes import Mesh, Shapes
 
 GIB = 2**30
@@ -61,6 +66,9 @@ class Step:
     device_share: float = 0.0  # offload=full: the share of the parameters stepped on the device
     grad_sync: str = "step"
     keep_unsharded: bool = False
+    keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
+    fused_save: str = "rows"  # dispatcher.save: rows | rows_only | inputs
+    offload_activations: bool = False
 
     @property
     def tokens(self) -> int:
@@ -135,8 +143,9 @@ def op_outputs(step: Step) -> dict:
     }
     if step.dispatcher == "fused":
         fused_rows = fused_receive_rows(step)
-        inter = c.moe_intermediate_size
-        outputs[torch.ops.moe_lab.fused_moe.default] = [2 * t * c.hidden_size + fused_rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k]
+        # per received row: x_routed and gate/up where dispatcher.save keeps them, its weight and source
+        kept = fused_dropped_row_bytes(step, "inputs") - fused_dropped_row_bytes(step)
+        outputs[torch.ops.moe_lab.fused_moe.default] = [2 * t * c.hidden_size + fused_rows * (kept + 4 + 8) + 8 * t * k]
     else:
         outputs[_aten.sort.stable] = [16 * t * k]
         outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
@@ -145,14 +154,22 @@ def op_outputs(step: Step) -> dict:
     return outputs
 
 
+def fused_dropped_row_bytes(step: Step, save: str | None = None) -> float:
+    """Bytes per received row of what the fused op's ``save`` mode does not keep and backward rebuilds: gate/up
+    (2I in bf16) under rows_only, and the row itself (H) under inputs."""
+    c = step.cfg
+    save = step.fused_save if save is None else save
+    return {"rows": 0.0, "rows_only": 4 * c.moe_intermediate_size, "inputs": 2 * c.hidden_size + 4 * c.moe_intermediate_size}[save]
+
+
 def elementwise_outputs(step: Step) -> float:
     """Bytes per layer of the outputs backward reads that ac=selective recomputes (norms, RoPE, SwiGLU, the routed
-    rows' gather): what ac=none keeps beyond them."""
+    rows' gather; the fused op's input where save=inputs keeps it): what ac=none keeps beyond them."""
     c, t = step.cfg, step.tokens
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     attention = 2 * t * (2 * c.hidden_size + q + kv) + step.residual_bytes * t * c.hidden_size
     if step.dispatcher == "fused":
-        return attention
+        return attention + (2 * t * c.hidden_size if step.fused_save == "inputs" else 0.0)
     return attention + routed_rows(step) * 2 * (c.hidden_size + c.moe_intermediate_size)
 
 
@@ -185,13 +202,34 @@ def backward_workspace(step: Step) -> float:
     c = step.cfg
     rows = fused_receive_rows(step) if step.dispatcher == "fused" else routed_rows(step)
     temporaries = rows * 2 * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
+    if step.dispatcher == "fused":  # the rows and gate/up dispatcher.save left for backward to rebuild
+        temporaries += rows * fused_dropped_row_bytes(step)
     if not step.fsdp:  # gradients of the bf16 casts, before they are widened into fp32 .grad
         temporaries += 2 * step.shapes.layer_params_unsharded(step.mesh)
     recompute = 0.0
     if step.ac == "full":
         full_step = dataclasses.replace(step, ac="none")
         recompute = saved_per_layer(full_step)
+    elif step.ac == "selective":  # the outputs of the sets ac.keep leaves out, recomputed for this layer
+        recompute = sum(sum(sizes) for op, sizes in op_outputs(step).items() if op not in step.saved_ops)
     return BACKWARD_WORKSPACE * (temporaries + recompute)
+
+
+# The pinned host allocator rounds each block up to a power of two: over sizes spread evenly on a log scale that is
+# 1 / ln 2 of the bytes asked on average.
+PINNED_ROUNDING = 1 / math.log(2)
+
+
+def resident_layers(step: Step, layer: int | None, pace: float) -> float:
+    """Layers' worth of saved tensors on the device with ``ac.offload_activations``: at the loss (``layer`` None) the
+    last layer's and what the copies out have not taken yet (``pace``: the share of forward's saved bytes PCIe moves
+    while forward runs: the copies go in layer order, so the ones left are the latest layers'); in backward of
+    ``layer``, its own and the one before (prefetched), and the left ones below them."""
+    layers = step.cfg.num_layers
+    left = (1 - pace) * max(layers - 1, 0)
+    if layer is None:
+        return 1 + left
+    return min(layer + 1, 2 + max(0.0, left - (layers - 1 - layer)))
 
 
 def loss_workspace(step: Step) -> float:
@@ -291,7 +329,9 @@ def ring_params(step: Step) -> float:
     return min(step.max_inflight * step.chunk_mib * 2**20 / 4, step.shapes.local_params(step.mesh))
 
 
-def plan_memory(step: Step) -> Memory:
+def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
+    """``offload_pace``: with ``ac.offload_activations``, the share of forward's saved bytes PCIe moves while forward
+    runs (``moe_lab.plan.step_time.offload_pace``; 1: all of it)."""
     s, mesh, c = step.shapes, step.mesh, step.cfg
     n = s.local_params(mesh)
     layers = c.num_layers
@@ -343,19 +383,21 @@ def plan_memory(step: Step) -> Memory:
     saved = saved_per_layer(step) - fused
     workspace = backward_workspace(step)
     base = {**weights, "optimizer state": state}
+    # Layers' worth of saved tensors on the device at the loss, and in backward of layer l
+    resident = (lambda l: resident_layers(step, l, offload_pace)) if step.offload_activations else (lambda l: layers if l is None else l + 1)  # noqa: E731
 
     phases = {}
     # The loss of the last micro-batch: every layer's activations, the logits and their gradient.
     phases["loss"] = {
-        **base, "grads": grads["loss"], "activations": layers * saved, "fused dispatcher buffers": layers * fused,
+        **base, "grads": grads["loss"], "activations": resident(None) * saved, "fused dispatcher buffers": resident(None) * fused,
         "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_fwd,
     }  # fmt: skip
     # Gradients grow and saved activations shrink by a layer's worth each layer: the peak of the backward is at its
     # first layer or its last.
     for layer in sorted({layers - 1, 0}, reverse=True):
         phases[f"backward layer {layer}"] = {
-            **base, "grads": grads[layer], "activations": (layer + 1) * saved + workspace,
-            "fused dispatcher buffers": (layer + 1) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
+            **base, "grads": grads[layer], "activations": resident(layer) * saved + workspace,
+            "fused dispatcher buffers": resident(layer) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
         }  # fmt: skip
     after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
     if step.offload == "none" and step.optimizer == "adamw" and step.foreach:
@@ -374,11 +416,20 @@ def plan_memory(step: Step) -> Memory:
     return Memory(categories, outside, host, phase, {k: v / GIB for k, v in totals.items()})
 
 
+def offloaded_bytes(step: Step) -> float:
+    """Bytes ``ac.offload_activations`` sends to the host (and back) per micro-batch: every layer's saved tensors but
+    the last layer's."""
+    if not step.offload_activations:
+        return 0.0
+    return max(step.cfg.num_layers - 1, 0) * saved_per_layer(step)
+
+
 def plan_host(step: Step) -> dict[str, float]:
-    """Host memory of one rank by what holds it (``moe_lab.optim.offload``)."""
+    """Host memory of one rank by what holds it (``moe_lab.optim.offload``; offloaded activations)."""
     n = step.shapes.local_params(step.mesh)
+    activations = {"pinned activations": PINNED_ROUNDING * offloaded_bytes(step)} if step.offload_activations else {}
     if step.offload == "optimizer":  # each chunk's state is one pinned block, rounded up to a power of two
-        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True))}
+        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True)), **activations}
     if step.offload == "full":
         host_chunks = full_offload_chunks(step)[0]
         on_host = sum(host_chunks)
@@ -386,5 +437,6 @@ def plan_host(step: Step) -> dict[str, float]:
             "fp32 masters": 4 * on_host,
             "moments": state_bytes(step) * on_host,
             "pinned transfer buffers": min(step.max_inflight, len(host_chunks)) * pinned(2 * max(host_chunks, default=0.0)),
+            **activations,
         }
-    return {}
+    return activations

@@ -23,11 +23,11 @@ from moe_lab.moe.router import Router
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.offload.host import HOST_RESERVE
 from moe_lab.optim.optimizers import SignSGD
-from moe_lab.parallel.ac import GENERIC_SAVED_OPS, FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
+from moe_lab.parallel.ac import KEEP_SETS, FullCheckpoint, NoCheckpoint, SelectiveCheckpoint, kept_ops
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.memory import Step, plan_memory
 from moe_lab.plan.shapes import Mesh, Shapes
-from moe_lab.plan.step_time import plan_time
+from moe_lab.plan.step_time import offload_pace, plan_time
 
 DISPATCHERS = {TorchDispatcher: "torch", FusedDispatcher: "fused"}
 ACS = {NoCheckpoint: "none", SelectiveCheckpoint: "selective", FullCheckpoint: "full"}
@@ -105,6 +105,7 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
             f"(hardware.gpus_per_node={hw.gpus_per_node}), got {train.parallel.ep}; use dispatcher=torch across nodes",
         )
     offload = options.offload
+    keep = options.ac.keep if isinstance(options.ac, SelectiveCheckpoint) else KEEP_SETS
     step = Step(
         shapes=Shapes(model),
         mesh=Mesh(world=hw.gpus, gpus_per_node=hw.gpus_per_node, ep=train.parallel.ep),
@@ -117,7 +118,10 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         optimizer="signsgd" if opt_class is SignSGD else "adamw",
         foreach=not keywords.get("fused", False),
         compile=train.trainer.compile,
-        saved_ops=frozenset(GENERIC_SAVED_OPS | Router.saved_ops | dispatcher.saved_ops),
+        saved_ops=kept_ops(keep, {"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops}),
+        keep=tuple(keep),
+        fused_save=getattr(dispatcher, "save", "rows"),
+        offload_activations=getattr(options.ac, "offload_activations", False),
         fused_align=align,
         grad_sync=train.parallel.grad_sync,
         keep_unsharded=train.parallel.keep_unsharded,
@@ -159,7 +163,7 @@ def usable_host_bytes(hw: Hardware) -> float:
 
 
 def fits(step: Step, hw: Hardware) -> tuple[bool, str]:
-    memory = plan_memory(step)
+    memory = plan_memory(step, offload_pace(step, hw))
     ranks_on_node = min(step.mesh.world, step.mesh.gpus_per_node)
     device = memory.device_total + ALLOCATOR_SLACK * memory.peak
     if device > usable_device_bytes(hw):
@@ -205,7 +209,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
     hw = hw or build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
     train, options = validated(cfg, hw)
     step = step_of(train, options, hw, fused_worst_case=fused_worst_case)
-    memory = plan_memory(step)
+    memory = plan_memory(step, offload_pace(step, hw))
     time = plan_time(step, hw)
     fpt = flops_per_token(step.cfg, step.seq_len)
     tokens = step.tokens * step.grad_accum

@@ -6,7 +6,11 @@ Each category's time is its work over the rate the hardware profile gives for th
   forward again where ac=full recomputes) over the achieved FLOP/s of each kind;
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
 - pcie: offload=optimizer's moments beyond what its device ring holds (8 bytes per parameter), which the compute
-  stream waits for beyond the last micro-batch's backward;
+  stream waits for beyond the last micro-batch's backward; ``ac.offload_activations``' copies out and back (one
+  side stream, overlapped with the micro-batch's compute: exposed only beyond it);
+- recompute: ac=full's forward again; under ac=selective the forward of the sets ``ac.keep`` leaves out; with
+  ``dispatcher.save`` rows_only / inputs the fused op's gate/up GEMM (2/3 of the experts' forward) in backward and,
+  for inputs, its row gather (and the rows' exchange at EP > 1) again;
 - host_step: offload=full's host AdamW over this rank's parameters kept on the host (little of it hides behind
   backward in the records: the planner adds it whole); those of its ``device_share`` step on the GPU, as
   ``optimizer``;
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import Step, full_offload_chunks, fused_receive_rows, ring_params, routed_rows, routed_slots, state_bytes
+from moe_lab.plan.memory import (
+    Step, full_offload_chunks, fused_receive_rows, offloaded_bytes, ring_params, routed_rows, routed_slots, state_bytes,
+)
 
 # Fitted on the H200 records (experiments/plan/README.md): what each dispatcher's expert compute reaches of the
 # grouped-GEMM rate (the torch dispatcher's scope holds its SwiGLU, casts and the grouped GEMM's layout copies); its
@@ -60,10 +66,37 @@ def grouped_shape_factor(step: Step) -> float:
     return share(width) / share(GROUPED_REFERENCE_WIDTH)
 
 
-def passes(step: Step) -> tuple[float, float]:
-    """(GEMM passes, attention passes) over one forward's FLOPs: forward + backward, and ac=full's recompute."""
-    recompute = 1.0 if step.ac == "full" else 0.0
-    return 3.0 + recompute, 1.0 + ATTENTION_BACKWARD + recompute
+GATE_UP_SHARE = 2 / 3  # of the experts' forward FLOPs: gate/up [2I, H] beside down [H, I]
+GATHER_BYTES_PER_ELEMENT = 4.0  # the fused op's row gather again in backward (save=inputs): bf16 read and written
+
+
+def recomputed(step: Step, part: str) -> float:
+    """Forward passes of ``part`` (dense | attention | dispatcher | experts) run again in backward: all under
+    ac=full; under ac=selective those of the sets ``ac.keep`` leaves out (the experts: the torch dispatcher's grouped
+    GEMMs, the fused op whole)."""
+    if step.ac == "full":
+        return 1.0
+    if step.ac != "selective":
+        return 0.0
+    needs = {"dense": "matmul", "attention": "attention", "dispatcher": "dispatcher"}.get(part)
+    if part == "experts":
+        needs = "dispatcher" if step.dispatcher == "fused" else "grouped_mm"
+    return 0.0 if needs in step.keep else 1.0
+
+
+def passes(step: Step, part: str = "dense") -> float:
+    """Passes over one forward's FLOPs of ``part``: forward + backward (2.5x for attention), and its recompute."""
+    base = 1.0 + ATTENTION_BACKWARD if part == "attention" else 3.0
+    return base + recomputed(step, part)
+
+
+def save_recompute(step: Step) -> dict[str, float]:
+    """What the fused op's ``dispatcher.save`` leaves to backward, per layer: gate/up passes (of the experts'
+    forward FLOPs), row gathers and row exchanges."""
+    if step.dispatcher != "fused" or step.fused_save == "rows":
+        return {"experts": 0.0, "gathers": 0.0, "exchanges": 0.0}
+    inputs = step.fused_save == "inputs"
+    return {"experts": GATE_UP_SHARE, "gathers": 1.0 if inputs else 0.0, "exchanges": 1.0 if inputs and step.mesh.ep > 1 else 0.0}
 
 
 def exchange_bytes(step: Step) -> float:
@@ -73,7 +106,7 @@ def exchange_bytes(step: Step) -> float:
     if mesh.ep == 1:
         return 0.0
     per_exchange = routed_rows(step) * 2 * c.hidden_size * (mesh.ep - 1) / mesh.ep
-    exchanges = 4 + (2 if step.ac == "full" else 0)
+    exchanges = 4 + 2 * recomputed(step, "dispatcher") + save_recompute(step)["exchanges"]
     return c.num_layers * exchanges * per_exchange
 
 
@@ -114,16 +147,18 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     dispatcher's glue (with the fused op's exchange, which its kernels do), the torch dispatcher's all-to-all, and
     its permutation backwards (``index_add``, which the trace puts in ``other``)."""
     c, mesh = step.cfg, step.mesh
-    gemm_passes, _ = passes(step)
+    extra = save_recompute(step)
+    expert_passes = passes(step, "experts") + extra["experts"]
     expert_rate = hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher] * grouped_shape_factor(step)
     # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
     rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
-    glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * GLUE_BYTES_PER_ELEMENT[step.dispatcher]
+    glue_per_row = passes(step, "dispatcher") * GLUE_BYTES_PER_ELEMENT[step.dispatcher] + extra["gathers"] * GATHER_BYTES_PER_ELEMENT
+    glue_bytes = c.num_layers * rows * c.hidden_size * glue_per_row
     exchange = exchange_seconds(step, hw)
     index_adds = (3 if mesh.ep > 1 else 1) if step.dispatcher == "torch" else 0
     return {
         # the busiest rank's rows (skewed routing) over the rows it routes
-        "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
+        "expert_gemm": expert_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if step.dispatcher == "fused" else 0.0),
         "ep_all_to_all": exchange if step.dispatcher == "torch" else 0.0,
         "other": c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s,
@@ -133,16 +168,15 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
 def plan_time(step: Step, hw: Hardware) -> dict:
     s, c, mesh = step.shapes, step.cfg, step.mesh
     t, micro = step.tokens, step.grad_accum
-    gemm_passes, attention_passes = passes(step)
     layer_dense = s.layer_dense_flops(t)
     head = s.dense_flops(t) - layer_dense
     seconds = dict.fromkeys(CATEGORIES, 0.0)
-    seconds["dense_gemm"] = micro * (gemm_passes * layer_dense + 3 * head) / hw.flops("dense_gemm")
-    seconds["attention"] = micro * attention_passes * s.attention_flops(t, step.seq_len) / hw.flops("attention")
+    seconds["dense_gemm"] = micro * (passes(step, "dense") * layer_dense + 3 * head) / hw.flops("dense_gemm")
+    seconds["attention"] = micro * passes(step, "attention") * s.attention_flops(t, step.seq_len) / hw.flops("attention")
     for category, value in moe_seconds(step, hw).items():
         seconds[category] += micro * value
     exchange = micro * exchange_seconds(step, hw)
-    elementwise = c.num_layers * gemm_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue
+    elementwise = c.num_layers * (3.0 + (1.0 if step.ac == "full" else 0.0)) * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass
     if not step.compile:
         elementwise *= EAGER_OTHER
     seconds["other"] += micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
@@ -178,6 +212,8 @@ def plan_time(step: Step, hw: Hardware) -> dict:
         # direction, and on into the next step, where the host reads no longer wait for it): what that backward,
         # about two thirds of a micro-batch's compute, does not cover is exposed (experiments/offload_accum).
         seconds["pcie"] = max(0.0, state_bytes(step) * (n - ring_params(step)) / hw.pcie_bytes_per_s - compute / micro * 2 / 3)
+    # ac.offload_activations: out in forward, back in backward, on one side stream beside the micro-batch's compute
+    seconds["pcie"] += micro * max(0.0, 2 * offloaded_bytes(step) / hw.pcie_bytes_per_s - compute / micro)
     exposed, total_comm = fsdp_exposed(step, hw, compute)
     seconds.update({k: exposed[k] + casts[k] for k in exposed})
     seconds["idle"] = hw.step_overhead_ms / 1e3
@@ -218,3 +254,14 @@ def fsdp_exposed(step: Step, hw: Hardware, compute: float) -> tuple[dict, dict]:
         {"fsdp_all_gather": min(gather, exposed_gather), "fsdp_reduce_scatter": min(reduce, exposed_reduce)},
         {"fsdp_all_gather": gather, "fsdp_reduce_scatter": reduce},
     )
+
+
+def offload_pace(step: Step, hw: Hardware) -> float:
+    """With ``ac.offload_activations``: the share of forward's saved bytes PCIe takes to the host while forward
+    (a third of a micro-batch's compute) runs; what it has not taken by the loss is still on the device."""
+    sent = offloaded_bytes(step)
+    if not sent:
+        return 1.0
+    seconds = plan_time(step, hw)["seconds"]
+    compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other")) / step.grad_accum
+    return min(1.0, compute / 3 / (sent / hw.pcie_bytes_per_s))
