@@ -195,6 +195,70 @@ def _with(step: Step, field: str, value: int) -> Step:
     return dataclasses.replace(step, **{field: value})
 
 
+# ac.keep sets the fastest-fitting search tries under ac=selective, from keeping all towards recomputing more.
+KEEP_CHOICES = (KEEP_SETS, ("matmul", "grouped_mm", "attention", "router"), ("attention", "router", "dispatcher"), ("attention", "router"))
+DECLARED = {"torch": TorchDispatcher.saved_ops, "fused": FusedDispatcher.saved_ops}
+
+
+def room_settings(step: Step) -> list[dict]:
+    """The settings of AC, ``ac.keep``, ``ac.offload_activations`` and ``dispatcher.save`` a step may take (offload
+    of activations with ac=selective only compiled, as validation asks), each as the overrides that choose it."""
+    acs = [{"ac": "none"}, {"ac": "full"}] + [{"ac": "selective", "ac.keep": list(keep)} for keep in KEEP_CHOICES]
+    saves = ("rows", "rows_only", "inputs") if step.dispatcher == "fused" else (None,)
+    out = []
+    for ac in acs:
+        offloads = (False, True) if ac["ac"] == "none" or (ac["ac"] == "selective" and step.compile) else (False,)
+        for offload in offloads:
+            for save in saves:
+                setting = dict(ac)
+                if offload:
+                    setting["ac.offload_activations"] = True
+                if save is not None:
+                    setting["dispatcher.save"] = save
+                out.append(setting)
+    return out
+
+
+def with_setting(step: Step, setting: dict) -> Step:
+    keep = tuple(setting.get("ac.keep", KEEP_SETS))
+    return dataclasses.replace(
+        step, ac=setting["ac"], keep=keep, saved_ops=kept_ops(keep, {"router": Router.saved_ops, "dispatcher": DECLARED[step.dispatcher]}),
+        offload_activations=setting.get("ac.offload_activations", False), fused_save=setting.get("dispatcher.save", "rows"),
+    )
+
+
+def overrides_of(setting: dict) -> str:
+    def value(v):
+        return f"[{','.join(v)}]" if isinstance(v, list) else str(v).lower()
+
+    return " ".join(f"{k}={value(v)}" for k, v in setting.items())
+
+
+def fastest_fitting(step: Step, hw: Hardware) -> dict | None:
+    """The fastest of ``room_settings`` that fits on ``hw`` (its overrides, tokens/s, step time, peak), or None."""
+    best = None
+    for setting in room_settings(step):
+        candidate = with_setting(step, setting)
+        if not fits(candidate, hw)[0]:
+            continue
+        seconds = plan_time(candidate, hw)["step_s"]
+        if best is None or seconds < best["s_per_step"]:
+            peak = plan_memory(candidate, offload_pace(candidate, hw)).peak / GIB
+            best = {"overrides": overrides_of(setting), "s_per_step": seconds, "peak_gpu_mem_gib": peak,
+                    "tokens_per_s_per_gpu": candidate.tokens * candidate.grad_accum / seconds}  # fmt: skip
+    return best
+
+
+def fastest_by_depth(step: Step, hw: Hardware, depths, seq_lens) -> list[dict]:
+    """``fastest_fitting`` at each depth (num_layers) and sequence length: the room a setting leaves, per shape."""
+    rows = []
+    for layers in depths:
+        for seq in seq_lens:
+            shaped = dataclasses.replace(_with(step, "num_layers", layers), seq_len=seq)
+            rows.append({"num_layers": layers, "seq_len": seq, "fastest": fastest_fitting(shaped, hw)})
+    return rows
+
+
 def offload_step(step: Step, mode: str, options_offload) -> Step:
     defaults = {"none": NoOffload(), "optimizer": OptimizerOffload(), "full": FullOffload()}
     offload = options_offload if OFFLOADS.get(type(options_offload)) == mode else defaults[mode]
@@ -224,6 +288,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
             "seq_len": largest(moded, hw, "seq_len", 128, options.model.max_position_embeddings, multiple=128),
         }
     memory_detail = memory.gib() | {"allocator_slack_gib": ALLOCATOR_SLACK * memory.peak / GIB}
+    fastest = fastest_fitting(step, hw) if search else None
     metrics = {
         "s_per_step": time["step_s"],
         "tokens_per_s_per_gpu": tokens_per_s,
@@ -248,6 +313,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
         "exposed_communication_s": time["exposed_communication_s"],
         "exposed_communication_fraction": time["exposed_fraction"],
         "largest_fitting": deepest,
+        "fastest_fitting": fastest,  # at this depth and sequence: the fastest AC / keep / save / activation offload
         "params_per_gpu": step.shapes.local_params(step.mesh),
     }
     return {"metrics": metrics, "plan": detail}
