@@ -19,9 +19,9 @@ from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from tests.test_ac import OpCounter
 
 
-def build(ac, device="cpu", compiled=False, **shape):
+def build(ac, device="cpu", compiled=False, num_layers=3, **shape):
     torch.manual_seed(0)
-    model = Qwen3MoeConfig.preset("tiny", num_layers=3, **shape).build().to(device)
+    model = Qwen3MoeConfig.preset("tiny", num_layers=num_layers, **shape).build().to(device)
     model.init_weights()
     dispatcher = FusedDispatcher(backend="reference")
     apply_expert_parallel(model, dispatcher, 0, 1)
@@ -84,7 +84,7 @@ def test_offload_lowers_peak_memory_on_gpu():
     tokens = torch.randint(0, 512, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     peaks, results = {}, {}
     for offload in (False, True):
-        model = build(NoCheckpoint(offload_activations=offload), device="cuda", **shape)
+        model = build(NoCheckpoint(offload_activations=offload), device="cuda", num_layers=8, **shape)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         with torch.autocast("cuda", torch.bfloat16):
@@ -94,4 +94,4 @@ def test_offload_lowers_peak_memory_on_gpu():
         del model
     for name, g in results[False].items():
         assert torch.equal(results[True][name], g), name
-    assert peaks[True] < 0.8 * peaks[False], peaks
+    assert peaks[True] < 0.6 * peaks[False], peaks  # 2 of 8 layers' activations resident at most
