@@ -3,8 +3,10 @@ to pinned host memory on a side stream during forward and comes back ahead of ba
 backward fetches its tensors and prefetches the block before it, so each copy in overlaps the block after it.
 
 Left on the device: tensors under ``MIN_BYTES`` (copies too small to pay), parameters (FSDP2's unsharded weights are
-resharded and gathered again by FSDP2 itself), and the last block's tensors (its backward comes first: nothing to
-overlap the copy back with). A tensor saved twice in one block is copied once.
+resharded and gathered again by FSDP2 itself) and tensors of a parameter's shape (the weights' bf16 casts, which
+autocast and the experts make every step: moving them would cost a model's worth of PCIe per step), and the last
+block's tensors (its backward comes first: nothing to overlap the copy back with). A tensor saved twice in one block
+is copied once.
 On CPU (no CUDA) the same path runs with plain copies and no streams, so tests see what moved (``moved``).
 """
 
@@ -45,6 +47,7 @@ class ActivationOffload:
         self.blocks: list[_Block | None] = [None] * len(layers)
         self.stream = None
         self._context = None
+        self.weight_shapes = [{tuple(p.shape) for p in layer.parameters()} for layer in layers]
         for index, layer in enumerate(layers):
             layer.register_forward_pre_hook(lambda module, args, index=index: self._enter(index))
             layer.register_forward_hook(lambda module, args, out: self._exit())
@@ -54,8 +57,9 @@ class ActivationOffload:
             return
         block = self.blocks[index] = _Block()
         offload = index < len(self.blocks) - 1
+        weights = self.weight_shapes[index]
         self._context = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(t, block, offload), lambda saved: self._unpack(saved, index)
+            lambda t: self._pack(t, block, offload and tuple(t.shape) not in weights), lambda saved: self._unpack(saved, index)
         )
         self._context.__enter__()
 
