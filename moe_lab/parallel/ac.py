@@ -50,7 +50,8 @@ KEEP_SETS: tuple[str, ...] = (*GENERIC_SETS, *DECLARED_SETS)
 def kept_ops(keep, saved_ops: Mapping[str, frozenset]) -> frozenset:
     """The ops whose outputs ac=selective keeps under ``keep`` (names of ``KEEP_SETS``), the declared sets from
     ``saved_ops``."""
-    return frozenset().union(*(GENERIC_SETS[name] if name in GENERIC_SETS else saved_ops.get(name, frozenset()) for name in keep))
+    sets = (GENERIC_SETS[name] if name in GENERIC_SETS else saved_ops.get(name, frozenset()) for name in keep)
+    return frozenset().union(*sets)
 
 
 def _layers(model):
@@ -113,8 +114,8 @@ class SelectiveCheckpoint(_Offloading):
         if self.offload_activations and not cfg.trainer.compile:
             raise ConfigError(
                 "ac.offload_activations",
-                "with ac=selective it needs trainer.compile=true (eager selective AC keeps its outputs outside autograd's "
-                "saved tensors, where no offload hook sees them); use ac=none or compile",
+                "with ac=selective it needs trainer.compile=true (eager selective AC keeps its outputs outside "
+                "autograd's saved tensors, where no offload hook sees them); use ac=none or compile",
             )
 
     def apply(self, model, saved_ops: Mapping[str, frozenset] = {}) -> None:

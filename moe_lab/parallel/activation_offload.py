@@ -59,7 +59,8 @@ class ActivationOffload:
         offload = index < len(self.blocks) - 1
         weights = self.weight_shapes[index]
         self._context = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(t, block, offload and tuple(t.shape) not in weights), lambda saved: self._unpack(saved, index)
+            lambda t: self._pack(t, block, offload and tuple(t.shape) not in weights),
+            lambda saved: self._unpack(saved, index),
         )
         self._context.__enter__()
 

@@ -159,7 +159,8 @@ def fused_dropped_row_bytes(step: Step, save: str | None = None) -> float:
     (2I in bf16) under rows_only, and the row itself (H) under inputs."""
     c = step.cfg
     save = step.fused_save if save is None else save
-    return {"rows": 0.0, "rows_only": 4 * c.moe_intermediate_size, "inputs": 2 * c.hidden_size + 4 * c.moe_intermediate_size}[save]
+    gate_up, row = 4 * c.moe_intermediate_size, 2 * c.hidden_size
+    return {"rows": 0.0, "rows_only": gate_up, "inputs": row + gate_up}[save]
 
 
 def elementwise_outputs(step: Step) -> float:
@@ -383,13 +384,18 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     saved = saved_per_layer(step) - fused
     workspace = backward_workspace(step)
     base = {**weights, "optimizer state": state}
-    # Layers' worth of saved tensors on the device at the loss, and in backward of layer l
-    resident = (lambda l: resident_layers(step, l, offload_pace)) if step.offload_activations else (lambda l: layers if l is None else l + 1)  # noqa: E731
+
+    def resident(layer: int | None) -> float:
+        """Layers' worth of saved tensors on the device at the loss (None) and in backward of ``layer``."""
+        if step.offload_activations:
+            return resident_layers(step, layer, offload_pace)
+        return layers if layer is None else layer + 1
 
     phases = {}
     # The loss of the last micro-batch: every layer's activations, the logits and their gradient.
     phases["loss"] = {
-        **base, "grads": grads["loss"], "activations": resident(None) * saved, "fused dispatcher buffers": resident(None) * fused,
+        **base, "grads": grads["loss"], "activations": resident(None) * saved,
+        "fused dispatcher buffers": resident(None) * fused,
         "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_fwd,
     }  # fmt: skip
     # Gradients grow and saved activations shrink by a layer's worth each layer: the peak of the backward is at its
@@ -397,7 +403,8 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     for layer in sorted({layers - 1, 0}, reverse=True):
         phases[f"backward layer {layer}"] = {
             **base, "grads": grads[layer], "activations": resident(layer) * saved + workspace,
-            "fused dispatcher buffers": resident(layer) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
+            "fused dispatcher buffers": resident(layer) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts,
+            "comm buffers (FSDP2)": gathered_bwd,
         }  # fmt: skip
     after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
     if step.offload == "none" and step.optimizer == "adamw" and step.foreach:
@@ -429,7 +436,8 @@ def plan_host(step: Step) -> dict[str, float]:
     n = step.shapes.local_params(step.mesh)
     activations = {"pinned activations": PINNED_ROUNDING * offloaded_bytes(step)} if step.offload_activations else {}
     if step.offload == "optimizer":  # each chunk's state is one pinned block, rounded up to a power of two
-        return {"pinned moments": sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True)), **activations}
+        moments = sum(pinned(state_bytes(step) * c) for c in chunks(step, reverse=True, split=True))
+        return {"pinned moments": moments, **activations}
     if step.offload == "full":
         host_chunks = full_offload_chunks(step)[0]
         on_host = sum(host_chunks)

@@ -196,7 +196,9 @@ def _with(step: Step, field: str, value: int) -> Step:
 
 
 # ac.keep sets the fastest-fitting search tries under ac=selective, from keeping all towards recomputing more.
-KEEP_CHOICES = (KEEP_SETS, ("matmul", "grouped_mm", "attention", "router"), ("attention", "router", "dispatcher"), ("attention", "router"))
+KEEP_CHOICES = (
+    KEEP_SETS, ("matmul", "grouped_mm", "attention", "router"), ("attention", "router", "dispatcher"), ("attention", "router")
+)
 DECLARED = {"torch": TorchDispatcher.saved_ops, "fused": FusedDispatcher.saved_ops}
 
 
@@ -221,9 +223,10 @@ def room_settings(step: Step) -> list[dict]:
 
 def with_setting(step: Step, setting: dict) -> Step:
     keep = tuple(setting.get("ac.keep", KEEP_SETS))
+    saved_ops = kept_ops(keep, {"router": Router.saved_ops, "dispatcher": DECLARED[step.dispatcher]})
     return dataclasses.replace(
-        step, ac=setting["ac"], keep=keep, saved_ops=kept_ops(keep, {"router": Router.saved_ops, "dispatcher": DECLARED[step.dispatcher]}),
-        offload_activations=setting.get("ac.offload_activations", False), fused_save=setting.get("dispatcher.save", "rows"),
+        step, ac=setting["ac"], keep=keep, saved_ops=saved_ops, fused_save=setting.get("dispatcher.save", "rows"),
+        offload_activations=setting.get("ac.offload_activations", False),
     )
 
 

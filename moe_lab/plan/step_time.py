@@ -96,7 +96,8 @@ def save_recompute(step: Step) -> dict[str, float]:
     if step.dispatcher != "fused" or step.fused_save == "rows":
         return {"experts": 0.0, "gathers": 0.0, "exchanges": 0.0}
     inputs = step.fused_save == "inputs"
-    return {"experts": GATE_UP_SHARE, "gathers": 1.0 if inputs else 0.0, "exchanges": 1.0 if inputs and step.mesh.ep > 1 else 0.0}
+    exchanges = 1.0 if inputs and step.mesh.ep > 1 else 0.0
+    return {"experts": GATE_UP_SHARE, "gathers": 1.0 if inputs else 0.0, "exchanges": exchanges}
 
 
 def exchange_bytes(step: Step) -> float:
@@ -152,13 +153,15 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     expert_rate = hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher] * grouped_shape_factor(step)
     # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
     rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
-    glue_per_row = passes(step, "dispatcher") * GLUE_BYTES_PER_ELEMENT[step.dispatcher] + extra["gathers"] * GATHER_BYTES_PER_ELEMENT
+    glue_per_row = passes(step, "dispatcher") * GLUE_BYTES_PER_ELEMENT[step.dispatcher]
+    glue_per_row += extra["gathers"] * GATHER_BYTES_PER_ELEMENT
     glue_bytes = c.num_layers * rows * c.hidden_size * glue_per_row
     exchange = exchange_seconds(step, hw)
     index_adds = (3 if mesh.ep > 1 else 1) if step.dispatcher == "torch" else 0
     return {
         # the busiest rank's rows (skewed routing) over the rows it routes
-        "expert_gemm": expert_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
+        "expert_gemm": expert_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step)
+        / expert_rate,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if step.dispatcher == "fused" else 0.0),
         "ep_all_to_all": exchange if step.dispatcher == "torch" else 0.0,
         "other": c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s,
@@ -172,11 +175,13 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     head = s.dense_flops(t) - layer_dense
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     seconds["dense_gemm"] = micro * (passes(step, "dense") * layer_dense + 3 * head) / hw.flops("dense_gemm")
-    seconds["attention"] = micro * passes(step, "attention") * s.attention_flops(t, step.seq_len) / hw.flops("attention")
+    attention_flops = passes(step, "attention") * s.attention_flops(t, step.seq_len)
+    seconds["attention"] = micro * attention_flops / hw.flops("attention")
     for category, value in moe_seconds(step, hw).items():
         seconds[category] += micro * value
     exchange = micro * exchange_seconds(step, hw)
-    elementwise = c.num_layers * (3.0 + (1.0 if step.ac == "full" else 0.0)) * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass
+    elementwise_passes = 3.0 + (1.0 if step.ac == "full" else 0.0)
+    elementwise = c.num_layers * elementwise_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue
     if not step.compile:
         elementwise *= EAGER_OTHER
     seconds["other"] += micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
@@ -263,5 +268,6 @@ def offload_pace(step: Step, hw: Hardware) -> float:
     if not sent:
         return 1.0
     seconds = plan_time(step, hw)["seconds"]
-    compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other")) / step.grad_accum
+    compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
+    compute /= step.grad_accum
     return min(1.0, compute / 3 / (sent / hw.pcie_bytes_per_s))

@@ -26,6 +26,7 @@ import triton
 
 from moe_lab.moe.fused import kernels
 from moe_lab.moe.fused.layout import Layout, gather_counts, receive_rows, workspace_rows
+from moe_lab.moe.fused.ops import SAVES, kept_residuals
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
@@ -256,7 +257,7 @@ def _swiglu_block(inter: int) -> int:
     return min(ROW_BLOCK, triton.next_power_of_2(inter))
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, kept=("x_routed", "gate_up")):
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, kept=SAVES["rows"]):
     num_tokens, top_k = topk_ids.shape
     inter = down_proj.shape[2]
     layout = kernel_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
@@ -274,11 +275,13 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     )
     out = gemms.nt(act, down_proj)
     y = ex.combine("out", out, layout.pos, ids, local_experts, x.dtype)
-    x_routed, gate_up = (t if name in kept else t[:0].clone() for name, t in (("x_routed", x_routed), ("gate_up", gate_up)))
+    x_routed, gate_up = kept_residuals(kept, x_routed, gate_up)
     return y, x_routed, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend, x=None):
+def backward(
+    dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend, x=None
+):
     num_tokens, top_k = pos.shape
     rows, inter = row_src.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]

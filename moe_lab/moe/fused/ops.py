@@ -33,6 +33,12 @@ ALIGN = {"reference": 1, "gpu": 8, "gpu_deep_gemm": 128}
 SAVES = {"rows": ("x_routed", "gate_up"), "rows_only": ("x_routed",), "inputs": ()}
 
 
+def kept_residuals(kept: tuple, x_routed: Tensor, gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """A backend's forward: the received rows and gate/up where ``kept`` (a ``SAVES`` value) names them, else with 0
+    rows (backward rebuilds them)."""
+    return tuple(t if name in kept else t[:0].clone() for name, t in (("x_routed", x_routed), ("gate_up", gate_up)))
+
+
 def _impl(backend: str):
     return importlib.import_module(_BACKEND_MODULES[backend])
 
@@ -97,13 +103,14 @@ def fused_moe_backward(
     """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj. ``x``: forward's input, where forward
     kept no received rows (``x_routed`` with 0 rows)."""
     return _impl(backend).backward(
-        dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name), backend,
-        x,
+        dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name),
+        backend, x,
     )
 
 
 @fused_moe_backward.register_fake
-def _(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend, x=None):
+def _(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend,
+      x=None):
     return (
         dy.new_empty(dy.shape),
         dy.new_empty(pos.shape, dtype=torch.float32),

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_lab.moe.fused.layout import routing_layout
+from moe_lab.moe.fused.ops import SAVES, kept_residuals
 
 
 def _exchange(send, send_counts, group):
@@ -76,7 +77,7 @@ def _gate_up(x_routed, offs, gate_up_proj):
     return gate_up
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, kept=("x_routed", "gate_up")):
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, kept=SAVES["rows"]):
     num_tokens, top_k = topk_ids.shape
     layout = routing_layout(topk_ids, num_experts, align, group)
     pos = layout.pos.reshape(-1)
@@ -93,11 +94,13 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
         act = F.silu(gate) * up * row_weight[s:e, None]
         out[s:e] = act.to(x.dtype) @ down_proj[j].T
     y = gather_from_owners(out, pos, dest, group).view(num_tokens, top_k, -1).float().sum(1).to(x.dtype)
-    x_routed, gate_up = (t if name in kept else t[:0].clone() for name, t in (("x_routed", x_routed), ("gate_up", gate_up)))
+    x_routed, gate_up = kept_residuals(kept, x_routed, gate_up)
     return y, x_routed, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend, x=None):
+def backward(
+    dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend, x=None
+):
     del row_src  # the gpu backend's shortcut; this oracle routes dy from the slots, as forward routed x
     if x_routed.shape[0] == 0:  # forward kept its inputs only: dispatch again
         x_routed = _route_rows(x, pos, topk_ids, gate_up_proj.shape[0], row_weight.shape[0], group)
