@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # full_depth's runs on one H200, one part per call (each under a 10-minute device call; README.md says what they answer):
-#   bash experiments/full_depth/run.sh seq16384    the points below at seq 16384 (about 9 minutes)
-#   bash experiments/full_depth/run.sh seq32768    the points below at seq 32768 (about 10 minutes)
+#   bash experiments/full_depth/run.sh seq16384    the points below at seq 16384 (estimated 9 minutes; stops itself at 9.5)
+#   bash experiments/full_depth/run.sh seq32768    the points below at seq 32768 (estimated 10 minutes; stops itself at 9.5)
 #   bash experiments/full_depth/run.sh gpu_tests   the GPU tests of dispatcher.save and ac.offload_activations (1 GPU)
 #   bash experiments/full_depth/run.sh gpu_tests_ep2   dispatcher.save=inputs over symmetric memory (2 GPUs)
 # Overrides after a part go to every point (e.g. trainer.steps=5). A point runs once: one already recorded is skipped
