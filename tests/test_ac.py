@@ -158,7 +158,7 @@ def test_ac_modes_agree_world2_ep2(dispatcher, tmp_path):
         assert_same_step(steps["none"], world1, expert_slice=slice(rank * 4, (rank + 1) * 4))
 
 
-def selective_step_ops(dispatcher, saved_ops: frozenset) -> tuple[collections.Counter, collections.Counter]:
+def selective_step_ops(dispatcher, saved_ops: dict) -> tuple[collections.Counter, collections.Counter]:
     """Ops run in the forward and in the backward of one step of the tiny model under ac=selective."""
     torch.manual_seed(0)
     model = Qwen3MoeConfig.preset("tiny").build()
@@ -179,8 +179,8 @@ def test_selective_keeps_the_declared_ops(dispatcher):
     their saved_ops (as moe_lab.parallel.parallelize passes them) none of those ops runs again in backward; with
     the generic ops only, recompute re-runs every one of them."""
     declared = Router.saved_ops | dispatcher.saved_ops
-    forward, kept = selective_step_ops(dispatcher, declared)
-    _, generic_only = selective_step_ops(dispatcher, frozenset())
+    forward, kept = selective_step_ops(dispatcher, {"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops})
+    _, generic_only = selective_step_ops(dispatcher, {})
     ran = {op for op in declared if forward[op]}
     expected = {torch.ops.aten.topk.default}  # learned routing
     expected |= {torch.ops.moe_lab.fused_moe.default} if isinstance(dispatcher, FusedDispatcher) else {torch.ops.aten.sort.stable, torch.ops.aten.bincount.default}

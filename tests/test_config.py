@@ -131,7 +131,7 @@ BAD = [
     (["dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+optimizer.foo=1"], {}, "optimizer.foo"),
-    (["ac._target_=moe_lab.metrics.logger.NoLogger"], {}, "ac._target_"),  # a class without the group's contract
+    (["ac=full", "ac._target_=moe_lab.metrics.logger.NoLogger"], {}, "ac._target_"),  # a class without the contract
     (["offload._target_=moe_lab.parallel.ac.NoCheckpoint"], {}, "offload._target_"),
     (["trainer.nproc_per_node=3", "parallel.ep=3"], {}, "parallel.ep"),  # 8 experts over 3 ranks
     (["parallel.ep=2"], {}, "parallel.ep"),  # more EP ranks than the job has
@@ -156,6 +156,9 @@ BAD = [
     (["trainer.device=tpu"], {}, "trainer.device"),
     *([(["trainer.device=cuda"], {}, "trainer.device")] if not torch.cuda.is_available() else []),
     (["trainer.precision=fp8"], {}, "trainer.precision"),
+    (["ac=selective", "ac.keep=[attention,everything]"], {}, "ac.keep"),
+    (["ac=selective", "ac.offload_activations=true"], {}, "ac.offload_activations"),  # eager selective
+    (["dispatcher=fused", "dispatcher.save=nothing"], {}, "dispatcher.save"),
     (["model.num_kv_heads=3"], {}, "model.num_kv_heads"),
     (["model.moe_intermediate_size=0"], {}, "model.moe_intermediate_size"),
     (["data.batch_size=0"], {}, "data.batch_size"),

@@ -127,7 +127,7 @@ def test_block_compiles_fullgraph_on_gpu(ac):
         dispatcher = FusedDispatcher(backend=backend)
         apply_expert_parallel(model, dispatcher, 0, 1)
         if checkpointing is not None:
-            checkpointing.apply(model, saved_ops=Router.saved_ops | dispatcher.saved_ops)
+            checkpointing.apply(model, saved_ops={"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops})
         return model
 
     def grads(model):

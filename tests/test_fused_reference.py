@@ -147,7 +147,7 @@ def _tiny_model(ac):
     dispatcher = FusedDispatcher(backend="reference")
     apply_expert_parallel(model, dispatcher, 0, 1)
     if ac is not None:
-        ac.apply(model, saved_ops=Router.saved_ops | dispatcher.saved_ops)  # as moe_lab.parallel.parallelize does
+        ac.apply(model, saved_ops={"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops})  # as moe_lab.parallel.parallelize does
     return model
 
 

@@ -36,7 +36,7 @@ LAYERS = (
     ("results",),
     ("plan",),
     ("job",),
-    ("train", "export"),
+    ("train", "export", "compare"),
 )
 LAYER_OF = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 

@@ -63,7 +63,7 @@ def tiny_model(ac=None, compiled=False, balance="aux_loss"):
     dispatcher = FusedDispatcher(backend="reference")  # compiles in fp32 on the CPU (torch._grouped_mm: bf16 only)
     apply_expert_parallel(model, dispatcher, 0, 1)
     if ac is not None:
-        ac.apply(model, saved_ops=Router.saved_ops | dispatcher.saved_ops)
+        ac.apply(model, saved_ops={"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops})
     if compiled:
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward, fullgraph=True, backend="aot_eager")

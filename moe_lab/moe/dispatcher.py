@@ -182,14 +182,22 @@ class FusedDispatcher(TokenDispatcher):
     ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
     ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
     ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
-    receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``).
+    receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``). ``save``: what the op keeps
+    for backward (``moe_lab.moe.fused.ops.SAVES``): ``rows`` (the received rows and gate/up), ``rows_only`` (the
+    rows; gate/up recomputed in backward) or ``inputs`` (neither: backward gathers the rows again, from the peers'
+    symmetric memory at EP > 1, and recomputes gate/up).
     """
 
     # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.
     saved_ops = frozenset({torch.ops.moe_lab.fused_moe.default})
 
-    def __init__(self, backend: Literal["auto", "reference", "gpu"] = "auto", gemm: Literal["auto", "deep_gemm", "torch"] = "auto"):
-        self.backend, self.gemm = backend, gemm
+    def __init__(
+        self,
+        backend: Literal["auto", "reference", "gpu"] = "auto",
+        gemm: Literal["auto", "deep_gemm", "torch"] = "auto",
+        save: Literal["rows", "rows_only", "inputs"] = "rows",
+    ):
+        self.backend, self.gemm, self.save = backend, gemm, save
         super().__init__()
 
     def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> FusedDispatcher:
@@ -241,5 +249,6 @@ class FusedDispatcher(TokenDispatcher):
             self.ep_size * gate_up_proj.shape[0],  # the global expert count
             self.group_name,
             backend,
+            self.save,
         )
         return y

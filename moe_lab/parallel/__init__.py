@@ -33,7 +33,7 @@ def parallelize(
     apply_expert_parallel(model, dispatcher, ep_rank, ep)
     # ac=selective keeps the routing decisions and the dispatcher's collectives: recompute never re-routes or
     # re-communicates.
-    ac.apply(model, saved_ops=Router.saved_ops | dispatcher.saved_ops)
+    ac.apply(model, saved_ops={"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops})
     if compile:
         apply_compile(model)
     if meshes is not None:

@@ -71,6 +71,10 @@ def summary(record: dict) -> str:
             f"offload={mode}: num_layers {fit['num_layers']}, seq_len {fit['seq_len']}" for mode, fit in p["largest_fitting"].items()
         ),
     ]
+    fastest = p.get("fastest_fitting")
+    if fastest:
+        lines.append(f"fastest that fits here: {fastest['overrides']} ({fastest['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                     f"{fastest['peak_gpu_mem_gib']:.1f} GiB)")  # fmt: skip
     return "\n".join(lines)
 
 

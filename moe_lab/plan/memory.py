@@ -14,7 +14,10 @@ not count towards that peak but does towards what fits.
 Activations follow the code: ac=full keeps each block's input; ac=selective keeps the outputs of the ops
 ``moe_lab.parallel.ac.GENERIC_SAVED_OPS`` and the router's and dispatcher's ``saved_ops`` name (the planner
 reads those declarations, so a dispatcher that saves more or less is planned as it is); ac=none keeps those and the
-elementwise outputs backward reads too.
+elementwise outputs backward reads too. ``ac.keep`` narrows selective's ops to its sets (the others are recomputed,
+one layer at a time, in backward's working set); ``dispatcher.save`` drops the fused op's received rows and/or gate/up
+from what it keeps (rebuilt in backward's working set); ``ac.offload_activations`` moves every layer's saved tensors
+but the last one's to pinned host memory, as fast as PCIe takes them (``offload_pace``).
 
 What differs between the options of a group (a dispatcher's ops and buffers, an AC mode's kept outputs, an offload
 mode's device and host state, an optimizer's state) is the option's planner model (``moe_lab.plan.options``), which
@@ -24,6 +27,7 @@ the ``Step`` holds.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +35,7 @@ import torch
 
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload.full import device_chunk_count
+from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.shapes import Mesh, Shapes
 
 GIB = 2**30
@@ -65,6 +70,9 @@ class Step:
     device_share: float = 0.0  # offload=full: the share of the parameters stepped on the device
     grad_sync: str = "step"
     keep_unsharded: bool = False
+    keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
+    fused_save: str = "rows"  # dispatcher.save: rows | rows_only | inputs
+    offload_activations: bool = False
 
     @property
     def tokens(self) -> int:
@@ -167,10 +175,29 @@ def backward_workspace(step: Step) -> float:
     """One block's backward, beyond what it saved: under ac=full its recomputed forward, and the temporaries of its
     backward (the experts' activation gradients, their weight gradients in bf16 before the fp32 cast)."""
     c = step.cfg
-    temporaries = step.dispatcher.buffer_rows(step) * 2 * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
+    rows = step.dispatcher.buffer_rows(step)
+    temporaries = rows * 2 * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
+    temporaries += rows * step.dispatcher.dropped_row_bytes(step)  # what its save mode left for backward to rebuild
     if not step.fsdp:  # gradients of the bf16 casts, before they are widened into fp32 .grad
         temporaries += 2 * step.shapes.layer_params_unsharded(step.mesh)
     return BACKWARD_WORKSPACE * (temporaries + step.ac.recompute_workspace(step))
+
+
+# The pinned host allocator rounds each block up to a power of two: over sizes spread evenly on a log scale that is
+# 1 / ln 2 of the bytes asked on average.
+PINNED_ROUNDING = 1 / math.log(2)
+
+
+def resident_layers(step: Step, layer: int | None, pace: float) -> float:
+    """Layers' worth of saved tensors on the device with ``ac.offload_activations``: at the loss (``layer`` None) the
+    last layer's and what the copies out have not taken yet (``pace``: the share of forward's saved bytes PCIe moves
+    while forward runs: the copies go in layer order, so the ones left are the latest layers'); in backward of
+    ``layer``, its own and the one before (prefetched), and the left ones below them."""
+    layers = step.cfg.num_layers
+    left = (1 - pace) * max(layers - 1, 0)
+    if layer is None:
+        return 1 + left
+    return min(layer + 1, 2 + max(0.0, left - (layers - 1 - layer)))
 
 
 def loss_workspace(step: Step) -> float:
@@ -271,7 +298,9 @@ def ring_params(step: Step) -> float:
     return min(step.max_inflight * step.chunk_mib * 2**20 / 4, step.shapes.local_params(step.mesh))
 
 
-def plan_memory(step: Step) -> Memory:
+def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
+    """``offload_pace``: with ``ac.offload_activations``, the share of forward's saved bytes PCIe moves while forward
+    runs (``moe_lab.plan.step_time.offload_pace``; 1: all of it)."""
     s, mesh, c = step.shapes, step.mesh, step.cfg
     n = s.local_params(mesh)
     layers = c.num_layers
@@ -310,18 +339,26 @@ def plan_memory(step: Step) -> Memory:
     workspace = backward_workspace(step)
     base = {**weights, "optimizer state": state}
 
+    def resident(layer: int | None) -> float:
+        """Layers' worth of saved tensors on the device at the loss (None) and in backward of ``layer``."""
+        if step.offload_activations:
+            return resident_layers(step, layer, offload_pace)
+        return layers if layer is None else layer + 1
+
     phases = {}
     # The loss of the last micro-batch: every layer's activations, the logits and their gradient.
     phases["loss"] = {
-        **base, "grads": grads["loss"], "activations": layers * saved, "fused dispatcher buffers": layers * fused,
+        **base, "grads": grads["loss"], "activations": resident(None) * saved,
+        "fused dispatcher buffers": resident(None) * fused,
         "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_fwd,
     }  # fmt: skip
     # Gradients grow and saved activations shrink by a layer's worth each layer: the peak of the backward is at its
     # first layer or its last.
     for layer in sorted({layers - 1, 0}, reverse=True):
         phases[f"backward layer {layer}"] = {
-            **base, "grads": grads[layer], "activations": (layer + 1) * saved + workspace,
-            "fused dispatcher buffers": (layer + 1) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_bwd,
+            **base, "grads": grads[layer], "activations": resident(layer) * saved + workspace,
+            "fused dispatcher buffers": resident(layer) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts,
+            "comm buffers (FSDP2)": gathered_bwd,
         }  # fmt: skip
     after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
     if temporaries := step.offload.step_temporaries(step, n):  # an optimizer step's own allocations on the device
@@ -337,6 +374,15 @@ def plan_memory(step: Step) -> Memory:
     return Memory(categories, outside, host, phase, {k: v / GIB for k, v in totals.items()})
 
 
+def offloaded_bytes(step: Step) -> float:
+    """Bytes ``ac.offload_activations`` sends to the host (and back) per micro-batch: every layer's saved tensors but
+    the last layer's."""
+    if not step.offload_activations:
+        return 0.0
+    return max(step.cfg.num_layers - 1, 0) * saved_per_layer(step)
+
+
 def plan_host(step: Step) -> dict[str, float]:
-    """Host memory of one rank by what holds it (``moe_lab.optim.offload``)."""
-    return step.offload.host(step)
+    """Host memory of one rank by what holds it (``moe_lab.optim.offload``; offloaded activations)."""
+    activations = {"pinned activations": PINNED_ROUNDING * offloaded_bytes(step)} if step.offload_activations else {}
+    return step.offload.host(step) | activations

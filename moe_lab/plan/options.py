@@ -16,13 +16,13 @@ from functools import partial
 import torch
 
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
-from moe_lab.moe.fused.ops import ALIGN
+from moe_lab.moe.fused.ops import ALIGN, SAVES
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import (Step, chunks, full_offload_chunks, fused_receive_rows, pinned, ring_params,
-                                 routed_rows, saved_per_layer, state_bytes)
+from moe_lab.plan.memory import (Step, chunks, full_offload_chunks, fused_receive_rows, op_outputs, pinned,
+                                 ring_params, routed_rows, saved_per_layer, state_bytes)
 from moe_lab.runtime.errors import ConfigError
 
 # group -> option class -> its model, in registration order
@@ -78,6 +78,8 @@ class TorchDispatcherPlan:
     glue_bytes_per_element = 7.3
     exchange_in_kernels = False  # its NCCL all-to-alls are a category of their own (ep_all_to_all)
     buffer_ops = frozenset()  # no op's saved outputs are counted apart from the activations
+    save_modes = ()  # no dispatcher.save key
+    expert_keep_set = "grouped_mm"  # the ac.keep set whose ops hold its expert GEMMs
 
     def step_fields(self, option, train) -> dict:
         return {}
@@ -112,6 +114,15 @@ class TorchDispatcherPlan:
         c = step.cfg
         return routed_rows(step) * 2 * (c.hidden_size + c.moe_intermediate_size)
 
+    def dropped_row_bytes(self, step: Step) -> float:
+        """Bytes per row its backward rebuilds beyond what it saved (in backward's working set)."""
+        return 0.0
+
+    def backward_rebuild(self, step: Step) -> dict[str, float]:
+        """What its backward runs again per layer beyond ac's recompute: gate/up GEMM passes, row gathers and row
+        exchanges."""
+        return {"gate_up": 0.0, "gathers": 0.0, "exchanges": 0.0}
+
     def outside_allocator(self, step: Step) -> dict:
         return {}
 
@@ -129,10 +140,13 @@ class FusedDispatcherPlan:
     exchange_in_kernels = True  # the rows it pulls and pushes over NVLink are its kernels' work (dispatch_glue)
     buffer_ops = frozenset({torch.ops.moe_lab.fused_moe.default})  # its receive-side residuals and output
     unread_ops = frozenset()
+    save_modes = tuple(SAVES)  # dispatcher.save
+    expert_keep_set = "dispatcher"  # its expert GEMMs run inside the op it declares
 
     def step_fields(self, option: FusedDispatcher, train) -> dict:
         # The GPU machine's backend by the dispatcher's own rule, DeepGEMM taken as importable there.
-        return {"fused_align": ALIGN[option.gpu_backend_where_deep_gemm_imports(train.parallel.ep)]}
+        return {"fused_align": ALIGN[option.gpu_backend_where_deep_gemm_imports(train.parallel.ep)],
+                "fused_save": option.save}  # fmt: skip
 
     def kernel_rows(self, step: Step) -> float:
         # the padded received rows (a worst-case buffer's unused rows are skipped)
@@ -143,12 +157,33 @@ class FusedDispatcherPlan:
 
     def op_outputs(self, step: Step) -> dict:
         c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
-        rows, inter = fused_receive_rows(step), c.moe_intermediate_size
-        saved = 2 * t * c.hidden_size + rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k
+        rows = fused_receive_rows(step)
+        # per received row: x_routed and gate/up where dispatcher.save keeps them, its weight and source
+        kept = self._row_bytes(step, "inputs") - self.dropped_row_bytes(step)
+        saved = 2 * t * c.hidden_size + rows * (kept + 4 + 8) + 8 * t * k
         return {torch.ops.moe_lab.fused_moe.default: [saved]}
 
     def elementwise_outputs(self, step: Step) -> float:
-        return 0.0
+        """The op's input, which autograd keeps for it where save=inputs."""
+        return 2 * step.tokens * step.cfg.hidden_size if step.fused_save == "inputs" else 0.0
+
+    @staticmethod
+    def _row_bytes(step: Step, save: str) -> float:
+        """Bytes per received row the ``save`` mode does not keep: gate/up (2I in bf16) under rows_only, and the row
+        itself (H) under inputs."""
+        c = step.cfg
+        gate_up, row = 4 * c.moe_intermediate_size, 2 * c.hidden_size
+        return {"rows": 0.0, "rows_only": gate_up, "inputs": row + gate_up}[save]
+
+    def dropped_row_bytes(self, step: Step) -> float:
+        return self._row_bytes(step, step.fused_save)
+
+    def backward_rebuild(self, step: Step) -> dict[str, float]:
+        # rows_only / inputs: the gate/up GEMM again; inputs: the row gather (and the rows' exchange at EP > 1) too
+        if step.fused_save == "rows":
+            return {"gate_up": 0.0, "gathers": 0.0, "exchanges": 0.0}
+        inputs = step.fused_save == "inputs"
+        return {"gate_up": 1.0, "gathers": float(inputs), "exchanges": float(inputs and step.mesh.ep > 1)}
 
     def outside_allocator(self, step: Step) -> dict:
         """The symmetric workspace at EP>1: 4 receive-side buffers, the 1.25x ladder."""
@@ -166,11 +201,15 @@ class FusedDispatcherPlan:
 @planner_model("ac", NoCheckpoint)
 class NoCheckpointPlan:
     name = "none"
-    recompute_passes = 0.0  # forwards backward runs again, beyond the one
+    recompute_passes = 0.0  # forwards of the whole block backward runs again, beyond the one
     keeps_elementwise = True  # autograd keeps the elementwise outputs backward reads
 
     def step_fields(self, option, train) -> dict:
-        return {}
+        return {"offload_activations": option.offload_activations}
+
+    def recomputed(self, step: Step, part: str) -> float:
+        """Forward passes of ``part`` (dense | attention | dispatcher | experts) backward runs again."""
+        return self.recompute_passes
 
     def keeps(self, op, step: Step) -> bool:
         """Whether the block keeps ``op``'s outputs for backward: every output backward reads."""
@@ -185,8 +224,22 @@ class SelectiveCheckpointPlan(NoCheckpointPlan):
     name = "selective"
     keeps_elementwise = False
 
+    def step_fields(self, option: SelectiveCheckpoint, train) -> dict:
+        return {"keep": tuple(option.keep), "offload_activations": option.offload_activations}
+
     def keeps(self, op, step: Step) -> bool:
         return op in step.saved_ops
+
+    def recomputed(self, step: Step, part: str) -> float:
+        # those of the sets ac.keep leaves out (the experts: the set the dispatcher's expert GEMMs are in)
+        needs = {"dense": "matmul", "attention": "attention", "dispatcher": "dispatcher"}.get(part)
+        if part == "experts":
+            needs = step.dispatcher.expert_keep_set
+        return 0.0 if needs in step.keep else 1.0
+
+    def recompute_workspace(self, step: Step) -> float:
+        """The outputs of the sets ac.keep leaves out, recomputed for one layer."""
+        return sum(sum(sizes) for op, sizes in op_outputs(step).items() if op not in step.saved_ops)
 
 
 @planner_model("ac", FullCheckpoint)
@@ -194,6 +247,9 @@ class FullCheckpointPlan(NoCheckpointPlan):
     name = "full"
     recompute_passes = 1.0
     keeps_elementwise = False
+
+    def step_fields(self, option, train) -> dict:
+        return {}
 
     def keeps(self, op, step: Step) -> bool:
         return False

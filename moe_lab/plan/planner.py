@@ -19,12 +19,12 @@ from moe_lab.metrics.flops import flops_per_token
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload import Offload
 from moe_lab.optim.offload.host import HOST_RESERVE
-from moe_lab.parallel.ac import GENERIC_SAVED_OPS
+from moe_lab.parallel.ac import KEEP_SETS, kept_ops
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.memory import Step, plan_memory
 from moe_lab.plan.options import MODELS, PLANNED_GROUPS, model_of, named
 from moe_lab.plan.shapes import Mesh, Shapes
-from moe_lab.plan.step_time import plan_time
+from moe_lab.plan.step_time import offload_pace, plan_time
 
 OPTION_FIELD = {"dispatcher": "dispatcher", "ac": "ac", "offload": "offload", "optimizer": "make_optimizer"}  # Options
 
@@ -94,7 +94,7 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         grad_accum=train.trainer.grad_accum,
         **models,
         compile=train.trainer.compile,
-        saved_ops=frozenset(GENERIC_SAVED_OPS | Router.saved_ops | options.dispatcher.saved_ops),
+        saved_ops=kept_ops(fields.get("keep", KEEP_SETS), declared_ops(models["dispatcher"])),
         grad_sync=train.parallel.grad_sync,
         keep_unsharded=train.parallel.keep_unsharded,
         **fields,
@@ -117,7 +117,7 @@ def usable_host_bytes(hw: Hardware) -> float:
 
 
 def fits(step: Step, hw: Hardware) -> tuple[bool, str]:
-    memory = plan_memory(step)
+    memory = plan_memory(step, offload_pace(step, hw))
     ranks_on_node = min(step.mesh.world, step.mesh.gpus_per_node)
     device = memory.device_total + ALLOCATOR_SLACK * memory.peak
     if device > usable_device_bytes(hw):
@@ -149,6 +149,81 @@ def _with(step: Step, field: str, value: int) -> Step:
     return dataclasses.replace(step, **{field: value})
 
 
+# ac.keep sets the fastest-fitting search tries under ac=selective, from keeping all towards recomputing more.
+KEEP_CHOICES = (
+    KEEP_SETS,
+    ("matmul", "grouped_mm", "attention", "router"),
+    ("attention", "router", "dispatcher"),
+    ("attention", "router"),
+)
+
+
+def declared_ops(dispatcher) -> dict[str, frozenset]:
+    """The ops the router and the dispatcher (of planner model ``dispatcher``) declare for ac=selective to keep."""
+    return {"router": Router.saved_ops, "dispatcher": dispatcher.option_class.saved_ops}
+
+
+def room_settings(step: Step) -> list[dict]:
+    """The settings of AC, ``ac.keep``, ``ac.offload_activations`` and ``dispatcher.save`` a step may take (offload
+    of activations with ac=selective only compiled, as validation asks), each as the overrides that choose it."""
+    acs = [{"ac": "none"}, {"ac": "full"}] + [{"ac": "selective", "ac.keep": list(keep)} for keep in KEEP_CHOICES]
+    saves = step.dispatcher.save_modes or (None,)
+    out = []
+    for ac in acs:
+        offloads = (False, True) if ac["ac"] == "none" or (ac["ac"] == "selective" and step.compile) else (False,)
+        for offload in offloads:
+            for save in saves:
+                setting = dict(ac)
+                if offload:
+                    setting["ac.offload_activations"] = True
+                if save is not None:
+                    setting["dispatcher.save"] = save
+                out.append(setting)
+    return out
+
+
+def with_setting(step: Step, setting: dict) -> Step:
+    keep = tuple(setting.get("ac.keep", KEEP_SETS))
+    saved_ops = kept_ops(keep, declared_ops(step.dispatcher))
+    return dataclasses.replace(
+        step, ac=named("ac", setting["ac"]), keep=keep, saved_ops=saved_ops,
+        fused_save=setting.get("dispatcher.save", "rows"),
+        offload_activations=setting.get("ac.offload_activations", False),
+    )
+
+
+def overrides_of(setting: dict) -> str:
+    def value(v):
+        return f"[{','.join(v)}]" if isinstance(v, list) else str(v).lower()
+
+    return " ".join(f"{k}={value(v)}" for k, v in setting.items())
+
+
+def fastest_fitting(step: Step, hw: Hardware) -> dict | None:
+    """The fastest of ``room_settings`` that fits on ``hw`` (its overrides, tokens/s, step time, peak), or None."""
+    best = None
+    for setting in room_settings(step):
+        candidate = with_setting(step, setting)
+        if not fits(candidate, hw)[0]:
+            continue
+        seconds = plan_time(candidate, hw)["step_s"]
+        if best is None or seconds < best["s_per_step"]:
+            peak = plan_memory(candidate, offload_pace(candidate, hw)).peak / GIB
+            best = {"overrides": overrides_of(setting), "s_per_step": seconds, "peak_gpu_mem_gib": peak,
+                    "tokens_per_s_per_gpu": candidate.tokens * candidate.grad_accum / seconds}  # fmt: skip
+    return best
+
+
+def fastest_by_depth(step: Step, hw: Hardware, depths, seq_lens) -> list[dict]:
+    """``fastest_fitting`` at each depth (num_layers) and sequence length: the room a setting leaves, per shape."""
+    rows = []
+    for layers in depths:
+        for seq in seq_lens:
+            shaped = dataclasses.replace(_with(step, "num_layers", layers), seq_len=seq)
+            rows.append({"num_layers": layers, "seq_len": seq, "fastest": fastest_fitting(shaped, hw)})
+    return rows
+
+
 def offload_step(step: Step, mode: str, options_offload: Offload) -> Step:
     """``step`` under the offload mode named ``mode``: with the configured option's values where it is that mode,
     else with the mode's defaults."""
@@ -169,7 +244,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
     hw = hw or build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
     train, options = validated(cfg, hw)
     step = step_of(train, options, hw, fused_worst_case=fused_worst_case)
-    memory = plan_memory(step)
+    memory = plan_memory(step, offload_pace(step, hw))
     time = plan_time(step, hw)
     fpt = flops_per_token(step.cfg, step.seq_len)
     tokens = step.tokens * step.grad_accum
@@ -184,6 +259,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
             "seq_len": largest(moded, hw, "seq_len", 128, options.model.max_position_embeddings, multiple=128),
         }
     memory_detail = memory.gib() | {"allocator_slack_gib": ALLOCATOR_SLACK * memory.peak / GIB}
+    fastest = fastest_fitting(step, hw) if search else None
     metrics = {
         "s_per_step": time["step_s"],
         "tokens_per_s_per_gpu": tokens_per_s,
@@ -208,6 +284,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
         "exposed_communication_s": time["exposed_communication_s"],
         "exposed_communication_fraction": time["exposed_fraction"],
         "largest_fitting": deepest,
+        "fastest_fitting": fastest,  # at this depth and sequence: the fastest AC / keep / save / activation offload
         "params_per_gpu": step.shapes.local_params(step.mesh),
     }
     return {"metrics": metrics, "plan": detail}

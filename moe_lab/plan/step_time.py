@@ -6,7 +6,11 @@ Each category's time is its work over the rate the hardware profile gives for th
   forward again where ac=full recomputes) over the achieved FLOP/s of each kind;
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
 - pcie: offload=optimizer's moments beyond what its device ring holds (8 bytes per parameter), which the compute
-  stream waits for beyond the last micro-batch's backward;
+  stream waits for beyond the last micro-batch's backward; ``ac.offload_activations``' copies out and back (one
+  side stream, overlapped with the micro-batch's compute: exposed only beyond it);
+- recompute: ac=full's forward again; under ac=selective the forward of the sets ``ac.keep`` leaves out; with
+  ``dispatcher.save`` rows_only / inputs the fused op's gate/up GEMM (2/3 of the experts' forward) in backward and,
+  for inputs, its row gather (and the rows' exchange at EP > 1) again;
 - host_step: offload=full's host AdamW over this rank's parameters kept on the host (little of it hides behind
   backward in the records: the planner adds it whole); those of its ``device_share`` step on the GPU, as
   ``optimizer``;
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import Step, routed_rows, routed_slots
+from moe_lab.plan.memory import Step, offloaded_bytes, routed_rows, routed_slots
 
 # The HBM traffic per element of a dispatcher's index_add (its model's ``index_adds``), fitted on the H200 records
 # (experiments/plan/README.md): 10 ms per 4 layers of 131,072 rows x 2048 on the H200.
@@ -55,10 +59,15 @@ def grouped_shape_factor(step: Step) -> float:
     return share(width) / share(GROUPED_REFERENCE_WIDTH)
 
 
-def passes(step: Step) -> tuple[float, float]:
-    """(GEMM passes, attention passes) over one forward's FLOPs: forward + backward, and ac=full's recompute."""
-    recompute = step.ac.recompute_passes
-    return 3.0 + recompute, 1.0 + ATTENTION_BACKWARD + recompute
+GATE_UP_SHARE = 2 / 3  # of the experts' forward FLOPs: gate/up [2I, H] beside down [H, I]
+GATHER_BYTES_PER_ELEMENT = 4.0  # the fused op's row gather again in backward (save=inputs): bf16 read and written
+
+
+def passes(step: Step, part: str = "dense") -> float:
+    """Passes over one forward's FLOPs of ``part`` (dense | attention | dispatcher | experts): forward + backward
+    (2.5x for attention), and what the AC mode recomputes of it."""
+    base = 1.0 + ATTENTION_BACKWARD if part == "attention" else 3.0
+    return base + step.ac.recomputed(step, part)
 
 
 def exchange_bytes(step: Step) -> float:
@@ -68,7 +77,8 @@ def exchange_bytes(step: Step) -> float:
     if mesh.ep == 1:
         return 0.0
     per_exchange = routed_rows(step) * 2 * c.hidden_size * (mesh.ep - 1) / mesh.ep
-    exchanges = 4 + 2 * step.ac.recompute_passes
+    rebuild = step.dispatcher.backward_rebuild(step)
+    exchanges = 4 + 2 * step.ac.recomputed(step, "dispatcher") + rebuild["exchanges"]
     return c.num_layers * exchanges * per_exchange
 
 
@@ -109,14 +119,18 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     dispatcher's glue (with the fused op's exchange, which its kernels do), the torch dispatcher's all-to-all, and
     its permutation backwards (``index_add``, which the trace puts in ``other``)."""
     c, dispatcher = step.cfg, step.dispatcher
-    gemm_passes, _ = passes(step)
+    rebuild = dispatcher.backward_rebuild(step)  # what its backward runs again beyond the AC mode's recompute
+    expert_passes = passes(step, "experts") + GATE_UP_SHARE * rebuild["gate_up"]
     expert_rate = hw.flops("grouped_gemm") * dispatcher.expert_rate * grouped_shape_factor(step)
     rows = dispatcher.kernel_rows(step)
-    glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * dispatcher.glue_bytes_per_element
+    glue_per_row = passes(step, "dispatcher") * dispatcher.glue_bytes_per_element
+    glue_per_row += rebuild["gathers"] * GATHER_BYTES_PER_ELEMENT
+    glue_bytes = c.num_layers * rows * c.hidden_size * glue_per_row
     exchange = exchange_seconds(step, hw)
     return {
         # the busiest rank's rows (skewed routing) over the rows it routes
-        "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
+        "expert_gemm": expert_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step)
+        / expert_rate,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if dispatcher.exchange_in_kernels else 0.0),
         "ep_all_to_all": 0.0 if dispatcher.exchange_in_kernels else exchange,
         "other": c.num_layers * dispatcher.index_adds(step) * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT
@@ -127,16 +141,17 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
 def plan_time(step: Step, hw: Hardware) -> dict:
     s, c, mesh = step.shapes, step.cfg, step.mesh
     t, micro = step.tokens, step.grad_accum
-    gemm_passes, attention_passes = passes(step)
     layer_dense = s.layer_dense_flops(t)
     head = s.dense_flops(t) - layer_dense
     seconds = dict.fromkeys(CATEGORIES, 0.0)
-    seconds["dense_gemm"] = micro * (gemm_passes * layer_dense + 3 * head) / hw.flops("dense_gemm")
-    seconds["attention"] = micro * attention_passes * s.attention_flops(t, step.seq_len) / hw.flops("attention")
+    seconds["dense_gemm"] = micro * (passes(step, "dense") * layer_dense + 3 * head) / hw.flops("dense_gemm")
+    attention_flops = passes(step, "attention") * s.attention_flops(t, step.seq_len)
+    seconds["attention"] = micro * attention_flops / hw.flops("attention")
     for category, value in moe_seconds(step, hw).items():
         seconds[category] += micro * value
     exchange = micro * exchange_seconds(step, hw)
-    elementwise = c.num_layers * gemm_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue
+    elementwise_passes = 3.0 + step.ac.recompute_passes  # ac=full runs them again; selective keeps its own
+    elementwise = c.num_layers * elementwise_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue
     if not step.compile:
         elementwise *= EAGER_OTHER
     seconds["other"] += micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
@@ -158,6 +173,8 @@ def plan_time(step: Step, hw: Hardware) -> dict:
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
     seconds["pcie"] += step.offload.exposed_pcie(step, hw, n, compute)
+    # ac.offload_activations: out in forward, back in backward, on one side stream beside the micro-batch's compute
+    seconds["pcie"] += micro * max(0.0, 2 * offloaded_bytes(step) / hw.pcie_bytes_per_s - compute / micro)
     exposed, total_comm = fsdp_exposed(step, hw, compute)
     seconds.update({k: exposed[k] + casts[k] for k in exposed})
     seconds["idle"] = hw.step_overhead_ms / 1e3
@@ -198,3 +215,15 @@ def fsdp_exposed(step: Step, hw: Hardware, compute: float) -> tuple[dict, dict]:
         {"fsdp_all_gather": min(gather, exposed_gather), "fsdp_reduce_scatter": min(reduce, exposed_reduce)},
         {"fsdp_all_gather": gather, "fsdp_reduce_scatter": reduce},
     )
+
+
+def offload_pace(step: Step, hw: Hardware) -> float:
+    """With ``ac.offload_activations``: the share of forward's saved bytes PCIe takes to the host while forward
+    (a third of a micro-batch's compute) runs; what it has not taken by the loss is still on the device."""
+    sent = offloaded_bytes(step)
+    if not sent:
+        return 1.0
+    seconds = plan_time(step, hw)["seconds"]
+    compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
+    compute /= step.grad_accum
+    return min(1.0, compute / 3 / (sent / hw.pcie_bytes_per_s))

@@ -26,6 +26,7 @@ import triton
 
 from moe_lab.moe.fused import kernels
 from moe_lab.moe.fused.layout import Layout, gather_counts, receive_rows, workspace_rows
+from moe_lab.moe.fused.ops import SAVES, kept_residuals
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
@@ -260,7 +261,7 @@ def _swiglu_block(inter: int) -> int:
     return min(ROW_BLOCK, triton.next_power_of_2(inter))
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, kept=SAVES["rows"]):
     num_tokens, top_k = topk_ids.shape
     inter = down_proj.shape[2]
     layout = kernel_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
@@ -278,15 +279,22 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, gro
     )
     out = gemms.nt(act, down_proj)
     y = ex.combine("out", out, layout.pos, ids, local_experts, x.dtype)
+    x_routed, gate_up = kept_residuals(kept, x_routed, gate_up)
     return y, x_routed, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
+def backward(
+    dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend, x=None
+):
     num_tokens, top_k = pos.shape
-    rows, inter = gate_up.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
+    rows, inter = row_src.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, dy.device)
     gemms = _Gemms(backend, offs, row_src)
+    if x_routed.shape[0] == 0:  # forward kept its inputs only: pull the rows again, from the peers' x at EP > 1
+        x_routed = ex.gather_rows("x", x.contiguous(), row_src, offs)
+    if gate_up.shape[0] == 0:
+        gate_up = gemms.nt(x_routed, gate_up_proj)
     dy_routed = ex.gather_rows("dy", dy, row_src, offs)
     d_act_weighted = gemms.nn(dy_routed, down_proj)
     d_gate_up = torch.empty_like(gate_up)

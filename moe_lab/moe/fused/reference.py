@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_lab.moe.fused.layout import routing_layout
+from moe_lab.moe.fused.ops import SAVES, kept_residuals
 
 
 def _exchange(send, send_counts, group):
@@ -62,29 +63,49 @@ def _segments(offs):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend):
+def _route_rows(x, pos, topk_ids, local_experts, rows, group):
+    """Dispatch: this rank's tokens [T, H] -> its receive buffer [rows, H] (forward, and backward where forward kept
+    no rows)."""
+    dest = topk_ids.reshape(-1) // local_experts
+    return scatter_to_owners(x.repeat_interleave(topk_ids.shape[1], 0), pos.reshape(-1), dest, rows, group)
+
+
+def _gate_up(x_routed, offs, gate_up_proj):
+    gate_up = x_routed.new_zeros(x_routed.shape[0], gate_up_proj.shape[1])
+    for j, (s, e) in enumerate(_segments(offs)):
+        gate_up[s:e] = x_routed[s:e] @ gate_up_proj[j].T
+    return gate_up
+
+
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, kept=SAVES["rows"]):
     num_tokens, top_k = topk_ids.shape
     layout = routing_layout(topk_ids, num_experts, align, group)
     pos = layout.pos.reshape(-1)
     dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]
-    x_routed = scatter_to_owners(x.repeat_interleave(top_k, 0), pos, dest, layout.rows, group)
+    x_routed = _route_rows(x, layout.pos, topk_ids, gate_up_proj.shape[0], layout.rows, group)
     row_weight = scatter_to_owners(topk_weights.reshape(-1, 1).float(), pos, dest, layout.rows, group).view(-1)
     rank = 0 if group is None else dist.get_rank(group)
     source = rank * num_tokens + torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
     row_src = scatter_to_owners(source.view(-1, 1) + 1, pos, dest, layout.rows, group).view(-1) - 1  # padding: 0 - 1
-    gate_up = x.new_zeros(layout.rows, gate_up_proj.shape[1])
+    gate_up = _gate_up(x_routed, layout.offs, gate_up_proj)
     out = x.new_zeros(layout.rows, x.shape[1])
     for j, (s, e) in enumerate(_segments(layout.offs)):
-        gate_up[s:e] = x_routed[s:e] @ gate_up_proj[j].T
         gate, up = gate_up[s:e].float().chunk(2, dim=-1)
         act = F.silu(gate) * up * row_weight[s:e, None]
         out[s:e] = act.to(x.dtype) @ down_proj[j].T
     y = gather_from_owners(out, pos, dest, group).view(num_tokens, top_k, -1).float().sum(1).to(x.dtype)
+    x_routed, gate_up = kept_residuals(kept, x_routed, gate_up)
     return y, x_routed, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend):
+def backward(
+    dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend, x=None
+):
     del row_src  # the gpu backend's shortcut; this oracle routes dy from the slots, as forward routed x
+    if x_routed.shape[0] == 0:  # forward kept its inputs only: dispatch again
+        x_routed = _route_rows(x, pos, topk_ids, gate_up_proj.shape[0], row_weight.shape[0], group)
+    if gate_up.shape[0] == 0:
+        gate_up = _gate_up(x_routed, offs, gate_up_proj)
     num_tokens, top_k = pos.shape
     flat_pos = pos.reshape(-1)
     dest = topk_ids.reshape(-1) // gate_up_proj.shape[0]

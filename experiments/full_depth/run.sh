@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# full_depth's runs on one H200, one part per call (each under a 10-minute device call; README.md says what they answer):
+#   bash experiments/full_depth/run.sh seq16384    the points below at seq 16384 (estimated 9 minutes; stops itself at 9.5)
+#   bash experiments/full_depth/run.sh seq32768    the points below at seq 32768 (estimated 10 minutes; stops itself at 9.5)
+#   bash experiments/full_depth/run.sh gpu_tests   the GPU tests of dispatcher.save and ac.offload_activations (1 GPU)
+#   bash experiments/full_depth/run.sh gpu_tests_ep2   dispatcher.save=inputs over symmetric memory (2 GPUs)
+# Overrides after a part go to every point (e.g. trainer.steps=5). A point runs once: one already recorded is skipped
+# (delete its folder to run it again), so a part cut short resumes where it stopped.
+# Records: records/<machine>_1gpu_seq<len>/<UTC start>/<point>/result.json (see ../common.sh); test logs .log.
+source "$(dirname "$0")/../common.sh"
+
+# point name -> its overrides (beside the preset: fused dispatcher, ac=selective, 48 layers, 16 experts)
+POINTS=(
+  "selective|ac=selective"
+  "full|ac=full"
+  "save-rows_only|ac=selective dispatcher.save=rows_only"
+  "save-inputs|ac=selective dispatcher.save=inputs"
+  "keep-no-dispatcher|ac=selective ac.keep=[matmul,grouped_mm,attention,router]"
+  "keep-no-matmul|ac=selective ac.keep=[attention,router,dispatcher]"
+  "save-inputs_keep-no-matmul|ac=selective dispatcher.save=inputs ac.keep=[attention,router,dispatcher]"
+  "save-inputs_offload|ac=selective dispatcher.save=inputs ac.offload_activations=true"
+  "none_save-inputs_offload|ac=none dispatcher.save=inputs ac.offload_activations=true"
+)
+
+sweep() {  # sweep PRESET LABEL LIMIT_S OVERRIDES...: every point, one process each, inside LIMIT_S seconds in all
+  local preset=$1 dir end name overrides
+  dir=$(record "$2")
+  end=$((SECONDS + $3))
+  for point in "${POINTS[@]}"; do
+    name=${point%%|*} overrides=${point#*|}
+    [ -f "$dir/$name/result.json" ] && continue
+    [ $((end - SECONDS)) -gt 30 ] || { echo "full_depth: out of time before $name" >&2; break; }
+    # shellcheck disable=SC2086  # the overrides are words
+    timeout -k 20 $((end - SECONDS)) python3 -m moe_lab.train +experiment="$preset" $overrides "${@:4}" \
+      hydra.run.dir="$dir/$name"
+  done
+  pack "$dir"
+}
+
+tests() {  # tests LABEL LIMIT_S SELECT: the GPU tests of this study's settings, logged with commit and GPU
+  local log command
+  log=$(record "$1").log
+  command="python3 -m pytest -m gpu tests/test_fused_save_gpu.py tests/test_activation_offload.py -q -rs -p no:cacheprovider -k \"$3\""
+  {
+    echo "# moe_lab commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo "# $command"
+    timeout "$2" bash -c "$command"
+  } > "$log" 2>&1
+  pack "$log"
+}
+
+case "${1:-}" in
+seq16384) sweep full_depth 1gpu_seq16384 570 "${@:2}" ;;
+seq32768) sweep full_depth/seq32768 1gpu_seq32768 570 "${@:2}" ;;
+gpu_tests) tests 1gpu_tests 400 "not ep2" ;;
+gpu_tests_ep2) tests 2gpu_tests 200 "ep2" ;;
+*) echo "usage: $0 seq16384|seq32768|gpu_tests|gpu_tests_ep2" >&2; exit 2 ;;
+esac
