@@ -24,6 +24,7 @@ from moe_lab.runtime.errors import ConfigError
 from moe_lab.runtime.device import computes_in_bf16, runs_on_cuda
 from moe_lab.runtime.host_read import to_host
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
+from moe_lab.moe.fused import fp8_ops  # registers torch.ops.moe_lab.fused_moe_fp8
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 from moe_lab.moe.experts import compute_dtype, grouped_swiglu
 
@@ -177,24 +178,38 @@ class FusedDispatcher(TokenDispatcher):
     ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
     ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
     receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``).
+
+    ``expert_precision``: ``bf16`` (the compute dtype) or ``fp8``: the routed experts' GEMMs in blockwise FP8
+    (``moe_lab.moe.fused.fp8_ops``; the gpu backend with DeepGEMM on SM90+, or the reference backend's emulation).
     """
 
-    # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.
-    saved_ops = frozenset({torch.ops.moe_lab.fused_moe.default})
+    # The ops return what backward needs: saving their outputs means recompute re-runs none of it (the FP8 weight
+    # copies are cached per step anyway).
+    saved_ops = frozenset(
+        {torch.ops.moe_lab.fused_moe.default, torch.ops.moe_lab.fused_moe_fp8.default, torch.ops.moe_lab.fp8_expert_weights.default}
+    )
 
-    def __init__(self, backend: Literal["auto", "reference", "gpu"] = "auto", gemm: Literal["auto", "deep_gemm", "torch"] = "auto"):
-        self.backend, self.gemm = backend, gemm
+    def __init__(
+        self,
+        backend: Literal["auto", "reference", "gpu"] = "auto",
+        gemm: Literal["auto", "deep_gemm", "torch"] = "auto",
+        expert_precision: Literal["bf16", "fp8"] = "bf16",
+    ):
+        self.backend, self.gemm, self.expert_precision = backend, gemm, expert_precision
         super().__init__()
 
     def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> FusedDispatcher:
         super().set_ep_group(ep_group)
-        # The gpu backend's GEMMs depend on the EP degree (moe_lab.moe.fused.gpu_backend_name).
+        # The gpu backend's GEMMs depend on the EP degree (moe_lab.moe.fused.gpu_backend_name); FP8 has DeepGEMM's only.
         cuda = self.backend != "reference" and torch.cuda.is_available()
-        self.gpu_backend = fused.gpu_backend_name(self.gemm, self.ep_size) if cuda else None
+        gemm = "deep_gemm" if self.expert_precision == "fp8" else self.gemm
+        self.gpu_backend = fused.gpu_backend_name(gemm, self.ep_size) if cuda else None
         return self
 
     def validate(self, cfg) -> None:
         cuda = runs_on_cuda(cfg.trainer)
+        if self.expert_precision == "fp8":
+            fp8_ops.validate(cfg, self.backend, self.gemm, cuda)
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
         if self.gemm == "deep_gemm" and not fused.deep_gemm_available():
@@ -214,6 +229,10 @@ class FusedDispatcher(TokenDispatcher):
             backend = self.gpu_backend
         else:
             raise RuntimeError(f"dispatcher.backend=gpu needs CUDA tensors, got {x.device}")
+        if self.expert_precision == "fp8":
+            return fp8_ops.fused_moe_fp8_layer(
+                x.to(dtype), topk_ids, topk_weights.to(dtype), gate_up_proj, down_proj, self.ep_size, self.group_name, backend
+            )
         y, *_ = torch.ops.moe_lab.fused_moe(
             x.to(dtype),
             topk_ids,

@@ -1,0 +1,143 @@
+"""Triton kernels of the blockwise FP8 path, each tested against ``moe_lab.moe.fp8.quant`` (tests/test_fp8.py, under
+Triton's interpreter on CPU).
+
+Quantization sits where the values are made: the SwiGLU kernels quantize their outputs in registers (the activation
+for the down GEMM, the gate/up gradient for the input-gradient GEMM), ``quantize_rows_kernel`` quantizes a row
+tensor in one pass (x before its dispatch, so the rows travel in FP8; the routed output gradient), and
+``weight_blocks_kernel`` quantizes an expert stack and its transpose in one pass. Every tile's scale is
+amax / 448 (1 for an all-zero tile). Values are rounded to e4m3's grid in fp32 arithmetic (``_round_e4m3``) so that
+the final cast is exact: the same bits on the GPU, in the interpreter and in torch's reference.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+TILE = 128
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Round fp32 v (|v| <= 448) to the nearest e4m3 value, ties to even: normals keep 3 mantissa bits (a carry
+    into the exponent is right by construction), subnormals (|v| < 2**-6) are multiples of 2**-9."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((v * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)  # 1.5 * 2**23: fp32's round-to-nearest-even
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _quantize(vals):
+    """One 1x128 (or 128x128) tile of fp32 values -> (its e4m3 values, still fp32 but exactly representable; its
+    scale)."""
+    scale = tl.max(tl.abs(vals)) / 448.0
+    scale = tl.where(scale > 0, scale, 1.0)
+    return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)), scale
+
+
+@triton.jit
+def _quantize_tile(vals, q_ptrs, scale_ptr, mask):
+    """Quantize a tile and store its e4m3 values at q_ptrs and its scale at scale_ptr."""
+    q, scale = _quantize(vals)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, WIDTH: tl.constexpr):
+    """x [M, WIDTH] -> e4m3 [M, WIDTH] and scales [M, WIDTH / 128]; one program per (row, tile)."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    cols = tile * 128 + tl.arange(0, 128)
+    vals = tl.load(x_ptr + row * WIDTH + cols).to(tl.float32)
+    _quantize_tile(vals, q_ptr + row * WIDTH + cols, scale_ptr + row * (WIDTH // 128) + tile, cols < WIDTH)
+
+
+@triton.jit
+def dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, WIDTH: tl.constexpr):
+    """The inverse: out [M, WIDTH] = e4m3 * its tile's scale, in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    cols = tile * 128 + tl.arange(0, 128)
+    scale = tl.load(scale_ptr + row * (WIDTH // 128) + tile)
+    vals = tl.load(q_ptr + row * WIDTH + cols).to(tl.float32) * scale
+    tl.store(out_ptr + row * WIDTH + cols, vals.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def swiglu_forward_fp8_kernel(
+    act_ptr, act_scale_ptr, gate_up_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts, INTER: tl.constexpr
+):
+    """act = silu(gate) * up * routing weight, quantized per 1x128 tile for the down GEMM (zeros, scale 1, for
+    padding rows); one program per (row, tile); rows past the last expert's segment are left alone."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    live = row < tl.load(offs_ptr + num_local_experts - 1)
+    if live:
+        valid = tl.load(row_src_ptr + row) >= 0
+        weight = tl.load(row_weight_ptr + row)
+        cols = tile * 128 + tl.arange(0, 128)
+        base = gate_up_ptr + row.to(tl.int64) * 2 * INTER
+        gate = tl.load(base + cols, mask=valid & (cols < INTER), other=0.0).to(tl.float32)
+        up = tl.load(base + INTER + cols, mask=valid & (cols < INTER), other=0.0).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * up * weight
+        _quantize_tile(act, act_ptr + row.to(tl.int64) * INTER + cols, act_scale_ptr + row * (INTER // 128) + tile,
+                       cols < INTER)  # fmt: skip
+
+
+@triton.jit
+def swiglu_backward_fp8_kernel(
+    d_gate_up_ptr, d_gate_up_q_ptr, d_gate_up_scale_ptr, act_weighted_ptr, d_row_weight_ptr, gate_up_ptr,
+    d_act_weighted_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts, INTER: tl.constexpr,
+):
+    """``moe_lab.moe.fused.kernels.swiglu_backward_kernel`` in 128-column tiles that also quantizes the gate/up
+    gradient per 1x128 tile (gate tile j's scale in column j, up tile j's in column INTER / 128 + j) for the
+    input-gradient GEMM; the bf16 gradient and weighted activation stay for the weight-gradient GEMMs."""
+    row = tl.program_id(0)
+    live = row < tl.load(offs_ptr + num_local_experts - 1)
+    valid = tl.load(row_src_ptr + row, mask=live, other=-1) >= 0
+    weight = tl.load(row_weight_ptr + row, mask=live, other=0.0)
+    r64 = row.to(tl.int64)
+    gu_base = gate_up_ptr + r64 * 2 * INTER
+    dgu_base = d_gate_up_ptr + r64 * 2 * INTER
+    q_base = d_gate_up_q_ptr + r64 * 2 * INTER
+    s_base = d_gate_up_scale_ptr + r64 * (2 * INTER // 128)
+    acc = tl.zeros([128], dtype=tl.float32)
+    for tile in tl.static_range(INTER // 128):
+        cols = tile * 128 + tl.arange(0, 128)
+        mask = (cols < INTER) & live
+        gate = tl.load(gu_base + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        up = tl.load(gu_base + INTER + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        d_act_weighted = tl.load(d_act_weighted_ptr + r64 * INTER + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        acc += d_act_weighted * silu * up
+        d_act = d_act_weighted * weight
+        d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = d_act * silu
+        tl.store(dgu_base + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_base + INTER + cols, d_up.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+        tl.store(act_weighted_ptr + r64 * INTER + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask)
+        if live:
+            _quantize_tile(d_gate, q_base + cols, s_base + tile, mask)
+            _quantize_tile(d_up, q_base + INTER + cols, s_base + INTER // 128 + tile, mask)
+    tl.store(d_row_weight_ptr + row, tl.sum(acc, axis=0), mask=live)
+
+
+@triton.jit
+def weight_blocks_kernel(w_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, N: tl.constexpr, K: tl.constexpr):
+    """w [L, N, K] -> e4m3 w and its transpose [L, K, N], with the 128x128 block scales [L, N/128, K/128] and their
+    transpose [L, K/128, N/128]; one program per (expert, block row, block column)."""
+    e = tl.program_id(0).to(tl.int64)
+    bn = tl.program_id(1)
+    bk = tl.program_id(2)
+    n = bn * 128 + tl.arange(0, 128)
+    k = bk * 128 + tl.arange(0, 128)
+    vals = tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :]).to(tl.float32)
+    q, scale = _quantize(vals)
+    q = q.to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + e * N * K + n[:, None] * K + k[None, :], q)
+    tl.store(qt_ptr + e * N * K + k[None, :] * N + n[:, None], q)
+    tl.store(scale_ptr + (e * (N // 128) + bn) * (K // 128) + bk, scale)
+    tl.store(scale_t_ptr + (e * (K // 128) + bk) * (N // 128) + bn, scale)
