@@ -238,12 +238,17 @@ for H, I in ((2048, 768), (4096, 1536)):
     gs2 = torch.ones(Mr // 128, 2 * I, device=dev)
     xq2 = torch.empty(Mr * H, device=dev, dtype=torch.float8_e4m3fn)
     xs2 = torch.ones(Mr // 128, H, device=dev)
-    t_wf8 = try_(f"H{H}: fp8 k-grouped tn wgrad", lambda: bench(lambda: deep_gemm.k_grouped_fp8_gemm_tn_contiguous(
+    def wgrad_fp8():  # as a step would run it: zero the fp32 accumulator, the GEMM, the cast to bf16
+        d.zero_()
+        deep_gemm.k_grouped_fp8_gemm_nt_contiguous((gq2, gs2.T), (xq2, xs2.T), d, ks_l, kt, c=d)
+        return d.to(torch.bfloat16)
+    t_wf8 = try_(f"H{H}: fp8 k-grouped nt wgrad (zero + gemm + cast)", lambda: bench(wgrad_fp8))
+    t_wf8g = try_(f"H{H}: fp8 k-grouped nt wgrad, gemm alone", lambda: bench(lambda: deep_gemm.k_grouped_fp8_gemm_nt_contiguous(
         (gq2, gs2.T), (xq2, xs2.T), d, ks_l, kt, c=d)))
     t_wbf = try_(f"H{H}: bf16 k-grouped tn wgrad", lambda: bench(lambda: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(
         g2, xr, d, ks_l, kt, c=d)))
     t_wtg = bench(lambda: torch._grouped_mm(g2.t(), xr, offs=offs))
-    print(f"H{H} wgrad: torch._grouped_mm {t_wtg:.3f} ms ({flops/t_wtg/1e9:.0f} TF/s), fp8 {t_wf8}, bf16 dg {t_wbf}")
+    print(f"H{H} wgrad: torch._grouped_mm {t_wtg:.3f} ms ({flops/t_wtg/1e9:.0f} TF/s), fp8 {t_wf8} (gemm {t_wf8g}), bf16 dg {t_wbf}")
     del xr, wg, xq, wgq, out, g2, d, gq2, xq2
     torch.cuda.empty_cache()
 print("done")
