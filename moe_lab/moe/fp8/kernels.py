@@ -29,100 +29,107 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize(vals):
-    """One 1x128 (or 128x128) tile of fp32 values -> (its e4m3 values, still fp32 but exactly representable; its
-    scale)."""
+    """One 128x128 tile of fp32 values -> (its e4m3 values, still fp32 but exactly representable; its scale)."""
     scale = tl.max(tl.abs(vals)) / 448.0
     scale = tl.where(scale > 0, scale, 1.0)
     return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)), scale
 
 
 @triton.jit
-def _quantize_tile(vals, q_ptrs, scale_ptr, mask):
-    """Quantize a tile and store its e4m3 values at q_ptrs and its scale at scale_ptr."""
-    q, scale = _quantize(vals)
-    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr, scale)
+def _quantize_tiles(vals):
+    """fp32 values [tiles, 128], one 1x128 tile per row -> (e4m3 values as fp32, scales [tiles])."""
+    scale = tl.max(tl.abs(vals), axis=1) / 448.0
+    scale = tl.where(scale > 0, scale, 1.0)
+    return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale[:, None]), -448.0), 448.0)), scale
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, WIDTH: tl.constexpr):
-    """x [M, WIDTH] -> e4m3 [M, WIDTH] and scales [M, WIDTH / 128]; one program per (row, tile)."""
-    row = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    cols = tile * 128 + tl.arange(0, 128)
-    vals = tl.load(x_ptr + row * WIDTH + cols).to(tl.float32)
-    _quantize_tile(vals, q_ptr + row * WIDTH + cols, scale_ptr + row * (WIDTH // 128) + tile, cols < WIDTH)
+def _row_tiles(TILES: tl.constexpr, TILES_P2: tl.constexpr):
+    """A row of TILES 1x128 tiles as a [TILES_P2, 128] block: (tile index, column offsets, mask)."""
+    tiles = tl.arange(0, TILES_P2)
+    return tiles, tiles[:, None] * 128 + tl.arange(0, 128)[None, :], (tiles < TILES)[:, None]
 
 
 @triton.jit
-def dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, WIDTH: tl.constexpr):
-    """The inverse: out [M, WIDTH] = e4m3 * its tile's scale, in out's dtype."""
+def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, TILES: tl.constexpr, TILES_P2: tl.constexpr):
+    """x [M, TILES * 128] -> e4m3 [M, TILES * 128] and scales [M, TILES]; one program per row."""
     row = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    cols = tile * 128 + tl.arange(0, 128)
-    scale = tl.load(scale_ptr + row * (WIDTH // 128) + tile)
-    vals = tl.load(q_ptr + row * WIDTH + cols).to(tl.float32) * scale
-    tl.store(out_ptr + row * WIDTH + cols, vals.to(out_ptr.dtype.element_ty))
+    tiles, cols, mask = _row_tiles(TILES, TILES_P2)
+    vals = tl.load(x_ptr + row * TILES * 128 + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_tiles(vals)
+    tl.store(q_ptr + row * TILES * 128 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * TILES + tiles, scale, mask=tiles < TILES)
+
+
+@triton.jit
+def dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, TILES: tl.constexpr, TILES_P2: tl.constexpr):
+    """The inverse: out [M, TILES * 128] = e4m3 * its tile's scale, in out's dtype; one program per row."""
+    row = tl.program_id(0).to(tl.int64)
+    tiles, cols, mask = _row_tiles(TILES, TILES_P2)
+    scale = tl.load(scale_ptr + row * TILES + tiles, mask=tiles < TILES, other=0.0)
+    vals = tl.load(q_ptr + row * TILES * 128 + cols, mask=mask, other=0.0).to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + row * TILES * 128 + cols, vals.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def swiglu_forward_fp8_kernel(
-    act_ptr, act_scale_ptr, gate_up_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts, INTER: tl.constexpr
+    act_ptr, act_scale_ptr, gate_up_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts,
+    TILES: tl.constexpr, TILES_P2: tl.constexpr,
 ):
-    """act = silu(gate) * up * routing weight, quantized per 1x128 tile for the down GEMM (zeros, scale 1, for
-    padding rows); one program per (row, tile); rows past the last expert's segment are left alone."""
+    """act = silu(gate) * up * routing weight [R, TILES * 128], quantized per 1x128 tile for the down GEMM (zeros,
+    scale 1, for padding rows); one program per row; rows past the last expert's segment are left alone."""
     row = tl.program_id(0)
-    tile = tl.program_id(1)
-    live = row < tl.load(offs_ptr + num_local_experts - 1)
-    if live:
+    inter: tl.constexpr = TILES * 128
+    if row < tl.load(offs_ptr + num_local_experts - 1):
         valid = tl.load(row_src_ptr + row) >= 0
         weight = tl.load(row_weight_ptr + row)
-        cols = tile * 128 + tl.arange(0, 128)
-        base = gate_up_ptr + row.to(tl.int64) * 2 * INTER
-        gate = tl.load(base + cols, mask=valid & (cols < INTER), other=0.0).to(tl.float32)
-        up = tl.load(base + INTER + cols, mask=valid & (cols < INTER), other=0.0).to(tl.float32)
-        act = gate * tl.sigmoid(gate) * up * weight
-        _quantize_tile(act, act_ptr + row.to(tl.int64) * INTER + cols, act_scale_ptr + row * (INTER // 128) + tile,
-                       cols < INTER)  # fmt: skip
+        tiles, cols, mask = _row_tiles(TILES, TILES_P2)
+        base = gate_up_ptr + row.to(tl.int64) * 2 * inter
+        gate = tl.load(base + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        up = tl.load(base + inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        q, scale = _quantize_tiles(gate * tl.sigmoid(gate) * up * weight)
+        tl.store(act_ptr + row.to(tl.int64) * inter + cols, q.to(act_ptr.dtype.element_ty), mask=mask)
+        tl.store(act_scale_ptr + row * TILES + tiles, scale, mask=tiles < TILES)
 
 
 @triton.jit
 def swiglu_backward_fp8_kernel(
     d_gate_up_ptr, d_gate_up_q_ptr, d_gate_up_scale_ptr, act_weighted_ptr, d_row_weight_ptr, gate_up_ptr,
-    d_act_weighted_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts, INTER: tl.constexpr,
+    d_act_weighted_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts,
+    TILES: tl.constexpr, TILES_P2: tl.constexpr,
 ):
-    """``moe_lab.moe.fused.kernels.swiglu_backward_kernel`` in 128-column tiles that also quantizes the gate/up
-    gradient per 1x128 tile (gate tile j's scale in column j, up tile j's in column INTER / 128 + j) for the
-    input-gradient GEMM; the bf16 gradient and weighted activation stay for the weight-gradient GEMMs."""
+    """``moe_lab.moe.fused.kernels.swiglu_backward_kernel`` that also quantizes the gate/up gradient per 1x128 tile
+    (gate tile j's scale in column j, up tile j's in column TILES + j) for the input-gradient GEMM; the bf16
+    gradient and weighted activation stay for the weight-gradient GEMMs. One program per row."""
     row = tl.program_id(0)
+    inter: tl.constexpr = TILES * 128
     live = row < tl.load(offs_ptr + num_local_experts - 1)
     valid = tl.load(row_src_ptr + row, mask=live, other=-1) >= 0
     weight = tl.load(row_weight_ptr + row, mask=live, other=0.0)
     r64 = row.to(tl.int64)
-    gu_base = gate_up_ptr + r64 * 2 * INTER
-    dgu_base = d_gate_up_ptr + r64 * 2 * INTER
-    q_base = d_gate_up_q_ptr + r64 * 2 * INTER
-    s_base = d_gate_up_scale_ptr + r64 * (2 * INTER // 128)
-    acc = tl.zeros([128], dtype=tl.float32)
-    for tile in tl.static_range(INTER // 128):
-        cols = tile * 128 + tl.arange(0, 128)
-        mask = (cols < INTER) & live
-        gate = tl.load(gu_base + cols, mask=mask & valid, other=0.0).to(tl.float32)
-        up = tl.load(gu_base + INTER + cols, mask=mask & valid, other=0.0).to(tl.float32)
-        d_act_weighted = tl.load(d_act_weighted_ptr + r64 * INTER + cols, mask=mask & valid, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        acc += d_act_weighted * silu * up
-        d_act = d_act_weighted * weight
-        d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
-        d_up = d_act * silu
-        tl.store(dgu_base + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
-        tl.store(dgu_base + INTER + cols, d_up.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
-        tl.store(act_weighted_ptr + r64 * INTER + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask)
-        if live:
-            _quantize_tile(d_gate, q_base + cols, s_base + tile, mask)
-            _quantize_tile(d_up, q_base + INTER + cols, s_base + INTER // 128 + tile, mask)
-    tl.store(d_row_weight_ptr + row, tl.sum(acc, axis=0), mask=live)
+    tiles, cols, tile_mask = _row_tiles(TILES, TILES_P2)
+    mask = tile_mask & live
+    gate = tl.load(gate_up_ptr + r64 * 2 * inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + r64 * 2 * inter + inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
+    d_act_weighted = tl.load(d_act_weighted_ptr + r64 * inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    d_act = d_act_weighted * weight
+    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = d_act * silu
+    dgu = d_gate_up_ptr + r64 * 2 * inter
+    tl.store(dgu + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgu + inter + cols, d_up.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(act_weighted_ptr + r64 * inter + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask)
+    q_gate, s_gate = _quantize_tiles(d_gate)
+    q_up, s_up = _quantize_tiles(d_up)
+    qgu = d_gate_up_q_ptr + r64 * 2 * inter
+    tl.store(qgu + cols, q_gate.to(d_gate_up_q_ptr.dtype.element_ty), mask=mask)
+    tl.store(qgu + inter + cols, q_up.to(d_gate_up_q_ptr.dtype.element_ty), mask=mask)
+    scales = d_gate_up_scale_ptr + r64 * 2 * TILES + tiles
+    tl.store(scales, s_gate, mask=(tiles < TILES) & live)
+    tl.store(scales + TILES, s_up, mask=(tiles < TILES) & live)
+    tl.store(d_row_weight_ptr + row, tl.sum(tl.sum(d_act_weighted * silu * up, axis=1), axis=0), mask=live)
 
 
 @triton.jit
@@ -138,6 +145,6 @@ def weight_blocks_kernel(w_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, N: tl.con
     q, scale = _quantize(vals)
     q = q.to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + e * N * K + n[:, None] * K + k[None, :], q)
-    tl.store(qt_ptr + e * N * K + k[None, :] * N + n[:, None], q)
+    tl.store(qt_ptr + e * N * K + k[:, None] * N + n[None, :], tl.trans(q))  # transposed in registers: coalesced
     tl.store(scale_ptr + (e * (N // 128) + bn) * (K // 128) + bk, scale)
     tl.store(scale_t_ptr + (e * (K // 128) + bk) * (N // 128) + bn, scale)

@@ -5,10 +5,16 @@ quantizing kernels of ``moe_lab.moe.fp8.kernels`` between them. No host sync bey
 from __future__ import annotations
 
 import torch
+import triton
 
 from moe_lab.moe.fp8 import kernels
 from moe_lab.moe.fp8.quant import FP8, TILE
 from moe_lab.moe.fused.gpu import _Exchange, _Gemms, kernel_layout, row_experts
+
+
+def _tiles(width: int) -> tuple[int, int]:
+    """A row's 1x128 tiles, and that rounded up to a power of 2 (the kernels' block)."""
+    return width // TILE, triton.next_power_of_2(width // TILE)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,7 +23,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
     scale = torch.empty(rows, width // TILE, dtype=torch.float32, device=x.device)
     if rows:
-        kernels.quantize_rows_kernel[(rows, width // TILE)](x, q, scale, WIDTH=width)
+        kernels.quantize_rows_kernel[(rows,)](x, q, scale, *_tiles(width))
     return q, scale
 
 
@@ -25,7 +31,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     rows, width = q.shape
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if rows:
-        kernels.dequantize_rows_kernel[(rows, width // TILE)](q, scale, out, WIDTH=width)
+        kernels.dequantize_rows_kernel[(rows,)](q, scale, out, *_tiles(width))
     return out
 
 
@@ -35,7 +41,10 @@ def gemm_nt(m_indices, a_q, a_scale, w) -> torch.Tensor:
     import deep_gemm
 
     out = torch.empty(a_q.shape[0], w[0].shape[1], dtype=torch.bfloat16, device=a_q.device)
-    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_q, a_scale.t().contiguous().t()), w, out, m_indices)
+    # Padding rows are zeros already (and skipped: m_indices -1): no zero-filling pass over them.
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+        (a_q, a_scale.t().contiguous().t()), w, out, m_indices, ensure_zero_padding=False
+    )
     return out
 
 
@@ -54,8 +63,8 @@ def forward(x, topk_ids, topk_weights, gate_up_w, down_w, local_experts, num_exp
     gate_up = gemm_nt(m_indices, x_q, x_scale, gate_up_w)
     act_q = torch.empty(layout.rows, inter, dtype=FP8, device=x.device)
     act_scale = torch.empty(layout.rows, inter // TILE, dtype=torch.float32, device=x.device)
-    kernels.swiglu_forward_fp8_kernel[(layout.rows, inter // TILE)](
-        act_q, act_scale, gate_up, row_weight, row_src, layout.offs, layout.offs.numel(), INTER=inter
+    kernels.swiglu_forward_fp8_kernel[(layout.rows,)](
+        act_q, act_scale, gate_up, row_weight, row_src, layout.offs, layout.offs.numel(), *_tiles(inter)
     )
     out = gemm_nt(m_indices, act_q, act_scale, down_w)
     y = ex.combine("out", out, layout.pos, ids, local_experts, x.dtype)
@@ -77,7 +86,7 @@ def backward(dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids
     d_row_weight = torch.empty_like(row_weight)
     kernels.swiglu_backward_fp8_kernel[(rows,)](
         d_gate_up, d_gate_up_q, d_gate_up_scale, act_weighted, d_row_weight, gate_up, d_act_weighted, row_weight,
-        row_src, offs, offs.numel(), INTER=inter,
+        row_src, offs, offs.numel(), *_tiles(inter),
     )
     d_down_proj = gemms.wgrad(dy_routed, act_weighted)
     dx_routed = gemm_nt(m_indices, d_gate_up_q, d_gate_up_scale, gate_up_wt)
