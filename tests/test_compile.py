@@ -39,11 +39,11 @@ def can_compile() -> str | None:
     return None
 
 
-def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str) -> dict:
+def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str, extra: tuple = ()) -> dict:
     """3 steps on this rank's share of the global batch; the loss (mean over ranks) and the all-to-alls run during
-    each forward and each backward."""
+    each forward and each backward. ``extra``: more overrides (the model's among them must match the checkpoint's)."""
     config.register()
-    overrides = [f"dispatcher={dispatcher}", f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2"]
+    overrides = [f"dispatcher={dispatcher}", f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2", *extra]
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     with torch.device("meta"):
@@ -85,15 +85,15 @@ def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str) -> dict:
     return {"losses": losses, "forward_a2a": forward_a2a, "backward_a2a": backward_a2a}
 
 
-def train_all(dispatcher: str, checkpoint: str) -> dict:
-    return {(ac, compiled): train(dispatcher, ac, compiled, checkpoint) for ac, compiled in MODES}
+def train_all(dispatcher: str, checkpoint: str, extra: tuple = ()) -> dict:
+    return {(ac, compiled): train(dispatcher, ac, compiled, checkpoint, extra) for ac, compiled in MODES}
 
 
-def config_model():
-    """The default (tiny) model's config, as conf/ composes it."""
+def config_model(overrides: tuple = ()):
+    """The default (tiny) model's config, as conf/ composes it (with ``overrides``)."""
     config.register()
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        return instantiate(compose("train").model)
+        return instantiate(compose("train", overrides=list(overrides)).model)
 
 
 @pytest.mark.parametrize("dispatcher", ["torch", "fused"])

@@ -113,10 +113,37 @@ def test_fp8_layer_compiles_fullgraph():
     xr = x.clone().requires_grad_()
     y = fn(xr, ids, w, *params)
     y.backward(grad_out)
+    before = dict(weights.stats)
+    fn(x, ids, w, *params)  # a second micro-batch of the step: the compiled graph hands the op the parameters
+    assert weights.stats["reused"] - before["reused"] == 2 and weights.stats["quantized"] == before["quantized"]
     expected = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
     torch.testing.assert_close(y, expected[0])
     torch.testing.assert_close(xr.grad, expected[1])
     torch.testing.assert_close(params[0].grad, expected[3])
+
+
+@pytest.mark.slow
+def test_fp8_blocks_compile_fullgraph_under_every_ac_mode(tmp_path):
+    """The tiny model at 128-wide experts, 2 gloo ranks with ep 2 (the FP8 rows exchanged over a real process group),
+    the fused dispatcher's FP8 reference: compiled blocks (fullgraph) train like eager under ac=none, selective and
+    full, as tests/test_compile.py checks for bf16."""
+    from moe_lab.models.hf_weights import save_hf_checkpoint
+    from tests import test_compile
+    from tests.distributed import run_world
+
+    if reason := test_compile.can_compile():
+        pytest.skip(reason)
+    shape = ("model.hidden_size=128", "model.moe_intermediate_size=128")
+    torch.manual_seed(0)
+    model = test_compile.config_model(shape).build()
+    model.init_weights()
+    save_hf_checkpoint(model.state_dict(), tmp_path)
+    extra = (*shape, "dispatcher.backend=reference", "dispatcher.expert_precision=fp8")
+    runs = run_world(2, test_compile.train_all, "fused", str(tmp_path), extra)[0]
+    eager = runs[("none", False)]
+    assert eager["losses"][-1] < eager["losses"][0]
+    for ac, compiled in test_compile.MODES[1:]:
+        assert runs[(ac, compiled)]["losses"] == pytest.approx(eager["losses"], rel=2e-3), ac
 
 
 # --- the Triton kernels, interpreted -------------------------------------------------------------------------------
