@@ -255,3 +255,41 @@ def test_deep_gemm_fp8_matches_reference_on_gpu():
     assert max(errors) < 1e-2, errors
     bf16 = run_op("bf16", "gpu_deep_gemm", *tensors)
     assert max(rel(a, b) for a, b in zip(got, bf16)) < 0.09
+
+
+# --- the planner ---------------------------------------------------------------------------------------------------
+
+
+def _planned(*overrides):
+    from moe_lab.plan.config import compose
+    from moe_lab.plan.planner import build_hardware, plan, step_of, validated
+    from moe_lab.plan.step_time import exchange_bytes
+
+    cfg = compose(["model=qwen3_30b", "model.num_layers=4", "dispatcher=fused", "data.seq_len=16384", *overrides])
+    hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+    train, options = validated(cfg, hw)
+    return plan(cfg, search=False), exchange_bytes(step_of(train, options, hw))
+
+
+def test_planner_plans_fp8_experts():
+    """FP8: expert GEMMs at the FP8 rate but the weight gradients', the saved rows in FP8 (smaller fused residuals),
+    the weight copies in memory, forward's dispatch in FP8 at EP > 1 (fewer bytes), MFU still on the bf16 peak;
+    a profile without an FP8 peak is refused by its key."""
+    bf16, _ = _planned()
+    fp8, _ = _planned("dispatcher.expert_precision=fp8")
+    seconds = lambda p: p["metrics"]["trace_breakdown"]["seconds"]  # noqa: E731
+    assert 0.5 < seconds(fp8)["expert_gemm"] / seconds(bf16)["expert_gemm"] < 0.8
+    memory = lambda p: p["plan"]["memory"]["by_category_gib"]  # noqa: E731
+    assert memory(fp8)["fp8 weight copies"] > 0 and "fp8 weight copies" not in memory(bf16)
+    assert memory(fp8)["fused dispatcher buffers"] < memory(bf16)["fused dispatcher buffers"]
+    mfu = lambda p: p["metrics"]["mfu"] / p["metrics"]["tokens_per_s_per_gpu"]  # noqa: E731
+    assert mfu(fp8) == pytest.approx(mfu(bf16))
+    ep2 = ("hardware.gpus_per_node=2", "parallel.ep=2")
+    _, sent_bf16 = _planned(*ep2)
+    _, sent_fp8 = _planned(*ep2, "dispatcher.expert_precision=fp8")
+    assert sent_fp8 / sent_bf16 == pytest.approx((3 + (1 + 1 / 32) / 2) / 4)
+    from moe_lab.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _planned("hardware=b300", "dispatcher.expert_precision=fp8")
+    assert error.value.key == "hardware.peak_fp8_tflops"

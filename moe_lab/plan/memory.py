@@ -55,6 +55,7 @@ class Step:
     compile: bool
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     fused_align: int = 8  # rows per expert segment of the fused op (8 torch._grouped_mm, 128 DeepGEMM)
+    expert_precision: str = "bf16"  # "bf16" | "fp8": the fused op's expert GEMMs (moe_lab.moe.fused.fp8_ops)
     fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
     chunk_mib: float = 256.0  # offload chunking
     max_inflight: int = 3
@@ -136,7 +137,9 @@ def op_outputs(step: Step) -> dict:
     if step.dispatcher == "fused":
         fused_rows = fused_receive_rows(step)
         inter = c.moe_intermediate_size
-        outputs[torch.ops.moe_lab.fused_moe.default] = [2 * t * c.hidden_size + fused_rows * (2 * c.hidden_size + 4 * inter + 4 + 8) + 8 * t * k]
+        # the received rows: bf16, or e4m3 with a fp32 scale per 128 (FP8); gate/up bf16 either way
+        x_row = 2 * c.hidden_size if step.expert_precision == "bf16" else c.hidden_size * (1 + 4 / 128)
+        outputs[fused_op(step)] = [2 * t * c.hidden_size + fused_rows * (x_row + 4 * inter + 4 + 8) + 8 * t * k]
     else:
         outputs[_aten.sort.stable] = [16 * t * k]
         outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
@@ -171,9 +174,22 @@ def saved_per_layer(step: Step) -> float:
     return block_input + every + elementwise_outputs(step)
 
 
+def fused_op(step: Step):
+    """The fused dispatcher's op at this step's expert precision."""
+    return torch.ops.moe_lab.fused_moe_fp8.default if step.expert_precision == "fp8" else torch.ops.moe_lab.fused_moe.default
+
+
+def fp8_weight_copies(step: Step) -> float:
+    """The FP8 experts' per-step weight copies (``moe_lab.moe.fp8.weights``): every local expert stack in e4m3 and
+    its transpose, with a fp32 scale per 128x128 block; kept from the first forward of a step to its optimizer step."""
+    if step.expert_precision != "fp8":
+        return 0.0
+    return step.cfg.num_layers * step.shapes.expert_layer_params / step.mesh.ep * 2 * (1 + 4 / 128**2)
+
+
 def fused_saved_per_layer(step: Step) -> float:
     """Of ``saved_per_layer``, what the fused op keeps: its receive-side residuals (rows received) and its output."""
-    op = torch.ops.moe_lab.fused_moe.default
+    op = fused_op(step)
     if step.dispatcher != "fused" or step.ac == "full" or (step.ac == "selective" and op not in step.saved_ops):
         return 0.0
     return sum(op_outputs(step)[op])
@@ -342,7 +358,7 @@ def plan_memory(step: Step) -> Memory:
     fused = fused_saved_per_layer(step)
     saved = saved_per_layer(step) - fused
     workspace = backward_workspace(step)
-    base = {**weights, "optimizer state": state}
+    base = {**weights, "optimizer state": state, "fp8 weight copies": fp8_weight_copies(step)}
 
     phases = {}
     # The loss of the last micro-batch: every layer's activations, the logits and their gradient.

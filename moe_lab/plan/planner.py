@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe_lab import config
 from moe_lab.config import ConfigError, Options
 from moe_lab.config.validate import check_target_node
+from moe_lab.moe.fused.fp8_ops import PLANNED_HARDWARE
 from moe_lab.metrics.flops import flops_per_token
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.moe.fused.ops import ALIGN
@@ -51,9 +52,11 @@ def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
 
 @contextlib.contextmanager
 def job_of(hw: Hardware):
-    """Validation sees the plan's mesh as the job's ranks, as it sees an outer launcher's (WORLD_SIZE)."""
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    """Validation sees the plan's mesh as the job's ranks, as it sees an outer launcher's (WORLD_SIZE), and knows
+    the GPU is the profile's, not this machine's (PLANNED_HARDWARE: checks of the GPU in hand stand aside)."""
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", PLANNED_HARDWARE)}
     os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = str(hw.gpus), str(hw.gpus_per_node)
+    os.environ[PLANNED_HARDWARE] = hw.name
     try:
         yield
     finally:
@@ -97,6 +100,11 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
     dispatcher = options.dispatcher
     # The GPU's backend choice (moe_lab.moe.fused.gpu_backend_name), DeepGEMM taken as importable there
     deep_gemm = kind["dispatcher"] == "fused" and dispatcher.gemm != "torch" and (dispatcher.gemm == "deep_gemm" or train.parallel.ep == 1)
+    expert_precision = getattr(dispatcher, "expert_precision", "bf16")
+    if expert_precision == "fp8":
+        deep_gemm = True  # the FP8 path has DeepGEMM's GEMMs only
+        if hw.peak_fp8_tflops is None:
+            raise ConfigError("hardware.peak_fp8_tflops", f"dispatcher.expert_precision=fp8 is planned at the FP8 peak, which hardware={hw.name} does not set")
     align = ALIGN["gpu_deep_gemm" if deep_gemm else "gpu"]
     if kind["dispatcher"] == "fused" and train.parallel.ep > hw.gpus_per_node:
         raise ConfigError(
@@ -119,6 +127,7 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         compile=train.trainer.compile,
         saved_ops=frozenset(GENERIC_SAVED_OPS | Router.saved_ops | dispatcher.saved_ops),
         fused_align=align,
+        expert_precision=expert_precision,
         grad_sync=train.parallel.grad_sync,
         keep_unsharded=train.parallel.keep_unsharded,
         **chunking(offload),

@@ -35,6 +35,12 @@ from moe_lab.plan.memory import Step, full_offload_chunks, fused_receive_rows, r
 EXPERT_RATE = {"fused": 1.0, "torch": 0.72}
 GLUE_BYTES_PER_ELEMENT = {"fused": 10.25, "torch": 7.3}  # per element of a routed row (H wide)
 INDEX_ADD_BYTES_PER_ELEMENT = 32.0
+# FP8 experts (experiments/fp8/README.md, records/h200_layer/2026-12-01_21-28.json): the quantizing kernels' extra
+# traffic over the bf16 glue, per routed row element and pass (the routed gradient's quantization, the saved rows'
+# dequantization, the SwiGLU kernels' FP8 outputs), and the weight copies' quantization, made once per optimizer step
+# (2.3 ms for the 30B layer's 604M expert parameters on the H200: 13 bytes per parameter at the HBM rate).
+FP8_GLUE_BYTES_PER_ELEMENT = 1.5
+FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 13.0
 # The grouped GEMMs' share of peak grows with the experts' narrower side (min(H, I)): the profile's share is at the
 # 30B proxy's experts (I = 768); the 235B's (I = 1536) ran at 1.16x it (experiments/moe_layer/records/h200_ep2/
 # 2026-11-30_09-45.json: 735 vs 633 TFLOP/s), which a share of d / (d + 284) fits.
@@ -68,12 +74,14 @@ def passes(step: Step) -> tuple[float, float]:
 
 def exchange_bytes(step: Step) -> float:
     """Bytes one rank sends over the EP group per micro-batch: the rows to peers each way, forward and backward, and
-    again in ac=full's recompute (ac=selective keeps the exchanged rows)."""
+    again in ac=full's recompute (ac=selective keeps the exchanged rows). FP8 experts dispatch forward's rows in
+    e4m3 with their scales: about half the bytes of that exchange."""
     mesh, c = step.mesh, step.cfg
     if mesh.ep == 1:
         return 0.0
     per_exchange = routed_rows(step) * 2 * c.hidden_size * (mesh.ep - 1) / mesh.ep
-    exchanges = 4 + (2 if step.ac == "full" else 0)
+    dispatch = (1 + 4 / 128) / 2 if step.expert_precision == "fp8" else 1.0  # forward's dispatch, of a bf16 exchange
+    exchanges = 3 + dispatch + ((1 + dispatch) if step.ac == "full" else 0)
     return c.num_layers * exchanges * per_exchange
 
 
@@ -118,12 +126,19 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     expert_rate = hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher] * grouped_shape_factor(step)
     # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
     rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
-    glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * GLUE_BYTES_PER_ELEMENT[step.dispatcher]
+    glue_per_element = GLUE_BYTES_PER_ELEMENT[step.dispatcher] + (FP8_GLUE_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0)
+    glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * glue_per_element
     exchange = exchange_seconds(step, hw)
     index_adds = (3 if mesh.ep > 1 else 1) if step.dispatcher == "torch" else 0
+    # the busiest rank's rows (skewed routing) over the rows it routes
+    pass_flops = step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step)
+    if step.expert_precision == "fp8":  # every pass but the weight gradients' (bf16) at the FP8 rate
+        fp8_rate = hw.flops("fp8_grouped_gemm") * grouped_shape_factor(step)
+        expert_gemm = (gemm_passes - 1) * pass_flops / fp8_rate + pass_flops / expert_rate
+    else:
+        expert_gemm = gemm_passes * pass_flops / expert_rate
     return {
-        # the busiest rank's rows (skewed routing) over the rows it routes
-        "expert_gemm": gemm_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step) / expert_rate,
+        "expert_gemm": expert_gemm,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if step.dispatcher == "fused" else 0.0),
         "ep_all_to_all": exchange if step.dispatcher == "torch" else 0.0,
         "other": c.num_layers * index_adds * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s,
@@ -141,6 +156,9 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     seconds["attention"] = micro * attention_passes * s.attention_flops(t, step.seq_len) / hw.flops("attention")
     for category, value in moe_seconds(step, hw).items():
         seconds[category] += micro * value
+    if step.expert_precision == "fp8":  # the weight copies, once per optimizer step
+        local_experts = c.num_layers * s.expert_layer_params / mesh.ep
+        seconds["dispatch_glue"] += local_experts * FP8_WEIGHT_QUANT_BYTES_PER_PARAM / hw.hbm_bytes_per_s
     exchange = micro * exchange_seconds(step, hw)
     elementwise = c.num_layers * gemm_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue
     if not step.compile:

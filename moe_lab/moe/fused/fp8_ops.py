@@ -20,6 +20,7 @@ quantize-dequantize with the same scales, GEMMs in fp32, any device and process 
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 from torch import Tensor
@@ -146,9 +147,14 @@ def fused_moe_fp8_layer(x, topk_ids, topk_weights, gate_up_proj, down_proj, ep_s
     return y
 
 
+# Set (to the profile's name) while the planner validates a config for a GPU it is not running on.
+PLANNED_HARDWARE = "MOE_LAB_PLANNED_HARDWARE"
+
+
 def validate(cfg, backend: str, gemm: str, cuda: bool) -> None:
     """Where ``dispatcher.expert_precision=fp8`` can run: 128-multiple expert shapes always (the tiles); the
-    reference backend's emulation anywhere; otherwise a CUDA GPU of compute capability 9.0+ with DeepGEMM."""
+    reference backend's emulation anywhere; otherwise a CUDA GPU of compute capability 9.0+ with DeepGEMM (for a
+    planned GPU, ``moe_lab.plan`` checks its profile instead)."""
     from moe_lab.moe import fused
     from moe_lab.runtime.errors import ConfigError
 
@@ -156,7 +162,9 @@ def validate(cfg, backend: str, gemm: str, cuda: bool) -> None:
     for name in ("hidden_size", "moe_intermediate_size"):
         if cfg.model[name] % TILE:
             raise ConfigError(f"model.{name}", f"{key}=fp8 quantizes in {TILE}-wide tiles: needs a multiple of {TILE}, got {cfg.model[name]}")
-    if backend == "reference":
+    if gemm == "torch":
+        raise ConfigError("dispatcher.gemm", "expert_precision=fp8 runs DeepGEMM's FP8 GEMMs: use gemm=auto or deep_gemm")
+    if backend == "reference" or os.environ.get(PLANNED_HARDWARE):
         return
     if not cuda:
         raise ConfigError(key, "fp8 runs DeepGEMM's FP8 GEMMs on an SM90+ GPU; without CUDA only dispatcher.backend=reference emulates it (slowly)")
@@ -164,5 +172,3 @@ def validate(cfg, backend: str, gemm: str, cuda: bool) -> None:
         raise ConfigError(key, f"fp8 needs compute capability 9.0+ (Hopper), this GPU has {torch.cuda.get_device_capability()}; use bf16")
     if not fused.deep_gemm_available():
         raise ConfigError(key, f"fp8 needs deep_gemm, which cannot be imported here ({fused.deep_gemm_import_error()}); use bf16")
-    if gemm == "torch":
-        raise ConfigError("dispatcher.gemm", "expert_precision=fp8 runs DeepGEMM's FP8 GEMMs: use gemm=auto or deep_gemm")
