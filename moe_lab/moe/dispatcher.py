@@ -186,7 +186,11 @@ class FusedDispatcher(TokenDispatcher):
     # The ops return what backward needs: saving their outputs means recompute re-runs none of it (the FP8 weight
     # copies are cached per step anyway).
     saved_ops = frozenset(
-        {torch.ops.moe_lab.fused_moe.default, torch.ops.moe_lab.fused_moe_fp8.default, torch.ops.moe_lab.fp8_expert_weights.default}
+        {
+            torch.ops.moe_lab.fused_moe.default,
+            torch.ops.moe_lab.fused_moe_fp8.default,
+            torch.ops.moe_lab.fp8_expert_weights.default,
+        }
     )
 
     def __init__(
@@ -231,7 +235,8 @@ class FusedDispatcher(TokenDispatcher):
             raise RuntimeError(f"dispatcher.backend=gpu needs CUDA tensors, got {x.device}")
         if self.expert_precision == "fp8":
             return fp8_ops.fused_moe_fp8_layer(
-                x.to(dtype), topk_ids, topk_weights.to(dtype), gate_up_proj, down_proj, self.ep_size, self.group_name, backend
+                x.to(dtype), topk_ids, topk_weights.to(dtype), gate_up_proj, down_proj, self.ep_size, self.group_name,
+                backend,
             )
         y, *_ = torch.ops.moe_lab.fused_moe(
             x.to(dtype),

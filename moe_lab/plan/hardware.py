@@ -37,7 +37,7 @@ class Hardware:
     pcie_gbps: float  # host <-> device, per direction
     host_memory_gib: float  # per node, as the OS reports it
     host_memory_gbps: float  # per node
-    peak_fp8_tflops: Optional[float] = None  # dense FP8 (e4m3) tensor-core FLOP/s; None: the planner refuses fp8 experts
+    peak_fp8_tflops: Optional[float] = None  # dense e4m3 tensor-core FLOP/s; None: the planner refuses FP8 experts
     nodes: int = 1
     gpus_per_node: Optional[int] = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
     # Achieved shares of those peaks (the H200 fit, experiments/plan/README.md).

@@ -176,7 +176,8 @@ def saved_per_layer(step: Step) -> float:
 
 def fused_op(step: Step):
     """The fused dispatcher's op at this step's expert precision."""
-    return torch.ops.moe_lab.fused_moe_fp8.default if step.expert_precision == "fp8" else torch.ops.moe_lab.fused_moe.default
+    fp8 = step.expert_precision == "fp8"
+    return torch.ops.moe_lab.fused_moe_fp8.default if fp8 else torch.ops.moe_lab.fused_moe.default
 
 
 def fp8_weight_copies(step: Step) -> float:

@@ -126,7 +126,9 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     expert_rate = hw.flops("grouped_gemm") * EXPERT_RATE[step.dispatcher] * grouped_shape_factor(step)
     # Rows the kernels move (the fused op's padded received rows; a worst-case buffer's unused rows are skipped).
     rows = fused_receive_rows(step, worst_case=False) if step.dispatcher == "fused" else routed_rows(step)
-    glue_per_element = GLUE_BYTES_PER_ELEMENT[step.dispatcher] + (FP8_GLUE_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0)
+    glue_per_element = GLUE_BYTES_PER_ELEMENT[step.dispatcher]
+    if step.expert_precision == "fp8":
+        glue_per_element += FP8_GLUE_BYTES_PER_ELEMENT
     glue_bytes = c.num_layers * gemm_passes * rows * c.hidden_size * glue_per_element
     exchange = exchange_seconds(step, hw)
     index_adds = (3 if mesh.ep > 1 else 1) if step.dispatcher == "torch" else 0

@@ -120,7 +120,8 @@ def swiglu_backward_fp8_kernel(
     dgu = d_gate_up_ptr + r64 * 2 * inter
     tl.store(dgu + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
     tl.store(dgu + inter + cols, d_up.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
-    tl.store(act_weighted_ptr + r64 * inter + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask)
+    act_weighted = silu * up * weight
+    tl.store(act_weighted_ptr + r64 * inter + cols, act_weighted.to(act_weighted_ptr.dtype.element_ty), mask=mask)
     q_gate, s_gate = _quantize_tiles(d_gate)
     q_up, s_up = _quantize_tiles(d_up)
     qgu = d_gate_up_q_ptr + r64 * 2 * inter

@@ -48,4 +48,7 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def transpose_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The blockwise quantization of w.transpose(1, 2): the same blocks, transposed (a block's amax does not care)."""
-    return q.transpose(1, 2).clone(memory_format=torch.contiguous_format), scale.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    def transposed(t):
+        return t.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # a copy even where a view is contiguous
+
+    return transposed(q), transposed(scale)

@@ -34,7 +34,8 @@ def quantize_expert_stack(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     qt = torch.empty(lead, k, n, dtype=quant.FP8, device=w.device)
     scale = torch.empty(lead, n // quant.TILE, k // quant.TILE, dtype=torch.float32, device=w.device)
     scale_t = torch.empty(lead, k // quant.TILE, n // quant.TILE, dtype=torch.float32, device=w.device)
-    kernels.weight_blocks_kernel[(lead, n // quant.TILE, k // quant.TILE)](w, q, scale, qt, scale_t, N=n, K=k, num_warps=8)
+    grid = (lead, n // quant.TILE, k // quant.TILE)
+    kernels.weight_blocks_kernel[grid](w, q, scale, qt, scale_t, N=n, K=k, num_warps=8)
     return q, scale, qt, scale_t
 
 

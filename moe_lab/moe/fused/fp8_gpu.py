@@ -71,7 +71,9 @@ def forward(x, topk_ids, topk_weights, gate_up_w, down_w, local_experts, num_exp
     return y, x_q, x_scale, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_wt, down_wt, local_experts, group):
+def backward(
+    dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_wt, down_wt, local_experts, group
+):
     num_tokens, top_k = pos.shape
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ids = topk_ids.contiguous()
@@ -92,5 +94,7 @@ def backward(dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids
     dx_routed = gemm_nt(m_indices, d_gate_up_q, d_gate_up_scale, gate_up_wt)
     d_gate_up_proj = gemms.wgrad(d_gate_up, dequantize_rows(x_q, x_scale, gate_up.dtype))
     dx = ex.combine("out", dx_routed, pos, ids, local_experts, dy.dtype)
-    d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), ids.view(-1, 1), local_experts, torch.float32)
+    d_weights = ex.combine(
+        "d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), ids.view(-1, 1), local_experts, torch.float32
+    )
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj

@@ -118,7 +118,9 @@ def _(dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids, *rest
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, gate_up_proj, down_proj, _, _, gu_qt, gu_st, _, _, d_qt, d_st, _, group_name, backend = inputs
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, _, _, gu_qt, gu_st, _, _, d_qt, d_st, _, group_name, backend = (
+        inputs
+    )
     _, *residuals = output
     ctx.save_for_backward(*residuals, topk_ids, gu_qt, gu_st, d_qt, d_st, gate_up_proj, down_proj)
     ctx.group_name, ctx.backend, ctx.weights_dtype = group_name, backend, topk_weights.dtype
@@ -135,7 +137,9 @@ def _backward(ctx, dy, *unused_residual_grads):
 fused_moe_fp8.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_moe_fp8_layer(x, topk_ids, topk_weights, gate_up_proj, down_proj, ep_size: int, group_name: str, backend: str):
+def fused_moe_fp8_layer(
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, ep_size: int, group_name: str, backend: str
+) -> Tensor:
     """The FP8 layer as ``FusedDispatcher`` calls it: the parameters as stored (master dtype; their FP8 copies come
     from the per-step cache) and x, topk_weights in the compute dtype -> y [T, H]."""
     gate_up_w = torch.ops.moe_lab.fp8_expert_weights(gate_up_proj)

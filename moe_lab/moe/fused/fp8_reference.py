@@ -42,7 +42,9 @@ def forward(x, topk_ids, topk_weights, gate_up_w, down_w, local_experts, num_exp
     return y, x_q, x_scale, gate_up, row_weight, row_src, layout.pos, layout.offs
 
 
-def backward(dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_wt, down_wt, local_experts, group):
+def backward(
+    dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_wt, down_wt, local_experts, group
+):
     num_tokens, top_k = pos.shape
     dtype = gate_up.dtype
     flat_pos, dest = pos.reshape(-1), topk_ids.reshape(-1) // local_experts
