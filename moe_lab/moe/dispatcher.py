@@ -213,7 +213,7 @@ class FusedDispatcher(TokenDispatcher):
     def validate(self, cfg) -> None:
         cuda = runs_on_cuda(cfg.trainer)
         if self.expert_precision == "fp8":
-            fp8_ops.validate(cfg, self.backend, self.gemm, cuda)
+            fp8_ops.validate(cfg, self.backend, self.gemm, cuda, fused.deep_gemm_import_error())
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
         if self.gemm == "deep_gemm" and not fused.deep_gemm_available():

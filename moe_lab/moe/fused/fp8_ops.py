@@ -155,11 +155,11 @@ def fused_moe_fp8_layer(
 PLANNED_HARDWARE = "MOE_LAB_PLANNED_HARDWARE"
 
 
-def validate(cfg, backend: str, gemm: str, cuda: bool) -> None:
+def validate(cfg, backend: str, gemm: str, cuda: bool, deep_gemm_error: str | None) -> None:
     """Where ``dispatcher.expert_precision=fp8`` can run: 128-multiple expert shapes always (the tiles); the
     reference backend's emulation anywhere; otherwise a CUDA GPU of compute capability 9.0+ with DeepGEMM (for a
-    planned GPU, ``moe_lab.plan`` checks its profile instead)."""
-    from moe_lab.moe import fused
+    planned GPU, ``moe_lab.plan`` checks its profile instead). ``deep_gemm_error``: why deep_gemm cannot be
+    imported here, None if it can."""
     from moe_lab.runtime.errors import ConfigError
 
     key = "dispatcher.expert_precision"
@@ -174,5 +174,5 @@ def validate(cfg, backend: str, gemm: str, cuda: bool) -> None:
         raise ConfigError(key, "fp8 runs DeepGEMM's FP8 GEMMs on an SM90+ GPU; without CUDA only dispatcher.backend=reference emulates it (slowly)")
     if torch.cuda.get_device_capability() < (9, 0):
         raise ConfigError(key, f"fp8 needs compute capability 9.0+ (Hopper), this GPU has {torch.cuda.get_device_capability()}; use bf16")
-    if not fused.deep_gemm_available():
-        raise ConfigError(key, f"fp8 needs deep_gemm, which cannot be imported here ({fused.deep_gemm_import_error()}); use bf16")
+    if deep_gemm_error is not None:
+        raise ConfigError(key, f"fp8 needs deep_gemm, which cannot be imported here ({deep_gemm_error}); use bf16")
