@@ -28,14 +28,6 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _quantize(vals):
-    """One 128x128 tile of fp32 values -> (its e4m3 values, still fp32 but exactly representable; its scale)."""
-    scale = tl.max(tl.abs(vals)) / 448.0
-    scale = tl.where(scale > 0, scale, 1.0)
-    return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)), scale
-
-
-@triton.jit
 def _quantize_tiles(vals):
     """fp32 values [tiles, 128], one 1x128 tile per row -> (e4m3 values as fp32, scales [tiles])."""
     scale = tl.max(tl.abs(vals), axis=1) / 448.0
@@ -136,16 +128,23 @@ def swiglu_backward_fp8_kernel(
 @triton.jit
 def weight_blocks_kernel(w_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, N: tl.constexpr, K: tl.constexpr):
     """w [L, N, K] -> e4m3 w and its transpose [L, K, N], with the 128x128 block scales [L, N/128, K/128] and their
-    transpose [L, K/128, N/128]; one program per (expert, block row, block column)."""
+    transpose [L, K/128, N/128]; one program per (expert, block row, block column), over the block in 32-row slices
+    (the amax first, then the quantization: a whole block in registers spills)."""
     e = tl.program_id(0).to(tl.int64)
     bn = tl.program_id(1)
     bk = tl.program_id(2)
-    n = bn * 128 + tl.arange(0, 128)
     k = bk * 128 + tl.arange(0, 128)
-    vals = tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :]).to(tl.float32)
-    q, scale = _quantize(vals)
-    q = q.to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + e * N * K + n[:, None] * K + k[None, :], q)
-    tl.store(qt_ptr + e * N * K + k[:, None] * N + n[None, :], tl.trans(q))  # transposed in registers: coalesced
+    amax = 0.0
+    for i in tl.static_range(0, 128, 32):
+        n = bn * 128 + i + tl.arange(0, 32)
+        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :]).to(tl.float32))))
+    scale = amax / 448.0
+    scale = tl.where(scale > 0, scale, 1.0)
+    for i in tl.static_range(0, 128, 32):
+        n = bn * 128 + i + tl.arange(0, 32)
+        vals = tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :]).to(tl.float32)
+        q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + e * N * K + n[:, None] * K + k[None, :], q)
+        tl.store(qt_ptr + e * N * K + k[:, None] * N + n[None, :], tl.trans(q))  # transposed in registers: coalesced
     tl.store(scale_ptr + (e * (N // 128) + bn) * (K // 128) + bk, scale)
     tl.store(scale_t_ptr + (e * (K // 128) + bk) * (N // 128) + bn, scale)

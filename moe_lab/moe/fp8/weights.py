@@ -35,7 +35,7 @@ def quantize_expert_stack(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     scale = torch.empty(lead, n // quant.TILE, k // quant.TILE, dtype=torch.float32, device=w.device)
     scale_t = torch.empty(lead, k // quant.TILE, n // quant.TILE, dtype=torch.float32, device=w.device)
     grid = (lead, n // quant.TILE, k // quant.TILE)
-    kernels.weight_blocks_kernel[grid](w, q, scale, qt, scale_t, N=n, K=k, num_warps=8)
+    kernels.weight_blocks_kernel[grid](w, q, scale, qt, scale_t, N=n, K=k)
     return q, scale, qt, scale_t
 
 
