@@ -10,6 +10,9 @@ Writes one JSON file: per point the median ms of forward+backward (CUDA events, 
 from ``layer_flops``), the fused/torch speedup, and a per-kernel time breakdown from torch.profiler for the largest
 balanced point of each model. A point that fails records its error instead of a time. ``--trace-dir DIR`` also
 writes those points' profiles (CPU and GPU) as Chrome traces there: where the GPU waits on the host.
+``--expert-precision fp8`` adds the fused dispatcher with its experts in blockwise FP8 (``fused_fp8``; its weight
+copies made again every step, as with one micro-batch per optimizer step) and each point's ``fp8_over_bf16`` (fused
+ms / fused_fp8 ms); ``--dispatchers`` picks which of them run.
 """
 
 from __future__ import annotations
