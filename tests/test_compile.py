@@ -36,10 +36,10 @@ def can_compile() -> str | None:
     return None
 
 
-def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str) -> dict:
+def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str, extra: tuple = ()) -> dict:
     """3 steps on this rank's share of the global batch; the loss (mean over ranks) and the all-to-alls run during
-    each forward and each backward."""
-    overrides = [f"dispatcher={dispatcher}", f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2"]
+    each forward and each backward. ``extra``: more overrides (the model's among them must match the checkpoint's)."""
+    overrides = [f"dispatcher={dispatcher}", f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2", *extra]
     cfg = compose_train(*overrides)
     with torch.device("meta"):
         model = instantiate(cfg.model).build()
@@ -80,13 +80,13 @@ def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str) -> dict:
     return {"losses": losses, "forward_a2a": forward_a2a, "backward_a2a": backward_a2a}
 
 
-def train_all(dispatcher: str, checkpoint: str) -> dict:
-    return {(ac, compiled): train(dispatcher, ac, compiled, checkpoint) for ac, compiled in MODES}
+def train_all(dispatcher: str, checkpoint: str, extra: tuple = ()) -> dict:
+    return {(ac, compiled): train(dispatcher, ac, compiled, checkpoint, extra) for ac, compiled in MODES}
 
 
-def config_model():
-    """The default (tiny) model's config, as conf/ composes it."""
-    return instantiate(compose_train().model)
+def config_model(overrides: tuple = ()):
+    """The default (tiny) model's config, as conf/ composes it (with ``overrides``)."""
+    return instantiate(compose_train(*overrides).model)
 
 
 @pytest.mark.parametrize("dispatcher", ["torch", "fused"])

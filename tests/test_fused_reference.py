@@ -175,7 +175,7 @@ def _validation_error(dispatcher) -> str | None:
 
     from moe_lab.runtime.errors import ConfigError
 
-    cfg = OmegaConf.create({"trainer": {"device": "auto"}, "parallel": {"ep": 1}, "model": {"hidden_size": 64, "moe_intermediate_size": 32}})
+    cfg = OmegaConf.create({"trainer": {"device": "auto", "nproc_per_node": 1}, "parallel": {"ep": 1}, "model": {"hidden_size": 64, "moe_intermediate_size": 32}})
     try:
         dispatcher.validate(cfg)
     except ConfigError as e:

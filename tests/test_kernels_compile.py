@@ -47,6 +47,21 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
         {"EP": 2, "NUM_EXPERTS": 128, "LOCAL": 64, "EP_POW2": 2, "E_POW2": 128, "BLOCK": 128}, 16),
     ("moe_lab.moe.fused.kernels", "row_experts_kernel"): (
         {"m_indices_ptr": "*i32", "offs_ptr": "*i32", "row_src_ptr": "*i64", "rows": "i32"}, {"LOCAL": 64, "L_POW2": 64, "BLOCK": 128}, 4),
+    # FP8 experts at the 235B shape (H 4096: 32 tiles a row; I 1536: 12 tiles, a block of 16)
+    ("moe_lab.moe.fp8.kernels", "quantize_rows_kernel"): (
+        {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, {"TILES": 32, "TILES_P2": 32}, 4),
+    ("moe_lab.moe.fp8.kernels", "dequantize_rows_kernel"): (
+        {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"}, {"TILES": 32, "TILES_P2": 32}, 4),
+    ("moe_lab.moe.fp8.kernels", "swiglu_forward_fp8_kernel"): (
+        {"act_ptr": "*fp8e4nv", "act_scale_ptr": "*fp32", "gate_up_ptr": "*bf16", "row_weight_ptr": "*fp32",
+         "row_src_ptr": "*i64", "offs_ptr": "*i32", "num_local_experts": "i32"}, {"TILES": 12, "TILES_P2": 16}, 4),
+    ("moe_lab.moe.fp8.kernels", "swiglu_backward_fp8_kernel"): (
+        {"d_gate_up_ptr": "*bf16", "d_gate_up_q_ptr": "*fp8e4nv", "d_gate_up_scale_ptr": "*fp32", "act_weighted_ptr": "*bf16",
+         "d_row_weight_ptr": "*fp32", "gate_up_ptr": "*bf16", "d_act_weighted_ptr": "*bf16", "row_weight_ptr": "*fp32",
+         "row_src_ptr": "*i64", "offs_ptr": "*i32", "num_local_experts": "i32"}, {"TILES": 12, "TILES_P2": 16}, 4),
+    ("moe_lab.moe.fp8.kernels", "weight_blocks_kernel"): (
+        {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "scale_t_ptr": "*fp32"},
+        {"N": 3072, "K": 4096}, 4),
     ("moe_lab.runtime.host_read_kernel", "store_bytes_kernel"): (
         {"src_ptr": "*u8", "dst_address": "i64", "nbytes": "i64"}, {"BLOCK": 1024}, 4),
 }  # fmt: skip

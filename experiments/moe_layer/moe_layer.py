@@ -2,6 +2,7 @@
 expert shapes (128 experts, top-8), several token counts per GPU, balanced and skewed routing.
 
     python experiments/moe_layer/moe_layer.py --out /tmp/moe_layer_ep1.json                         # EP=1, one GPU
+    python experiments/moe_layer/moe_layer.py --expert-precision fp8 --out /tmp/fp8.json  # + the fused op in FP8
     torchrun --nproc_per_node 2 experiments/moe_layer/moe_layer.py --out /tmp/moe_layer_ep2.json    # EP=2
     bash experiments/moe_layer/run.sh ep1|ep2                    # the study's runs, into its records/
 
@@ -9,6 +10,9 @@ Writes one JSON file: per point the median ms of forward+backward (CUDA events, 
 from ``layer_flops``), the fused/torch speedup, and a per-kernel time breakdown from torch.profiler for the largest
 balanced point of each model. A point that fails records its error instead of a time. ``--trace-dir DIR`` also
 writes those points' profiles (CPU and GPU) as Chrome traces there: where the GPU waits on the host.
+``--expert-precision fp8`` adds the fused dispatcher with its experts in blockwise FP8 (``fused_fp8``; its weight
+copies made again every step, as with one micro-batch per optimizer step) and each point's ``fp8_over_bf16`` (fused
+ms / fused_fp8 ms); ``--dispatchers`` picks which of them run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
+from moe_lab.moe.fp8 import weights as fp8_weights
 from moe_lab.moe.router import Router
 from moe_lab.parallel.expert_parallel import keep_local_experts
 from moe_lab.results.record import git_state
@@ -61,6 +66,7 @@ def inputs(tokens, hidden, routing, rank):
 def step(experts, dispatcher, x, ids, weights, grad):
     # Fresh gradients each step (as FSDP's reduce-scatter consumes them), so no accumulation kernel is timed.
     experts.zero_grad(set_to_none=True)
+    fp8_weights._CACHE.clear()  # the FP8 copies are made once per optimizer step: here every step has one
     x.grad = weights.grad = None
     dispatcher(x, ids, weights, experts.gate_up_proj, experts.down_proj).backward(grad)
 
@@ -106,6 +112,8 @@ def main():
     parser.add_argument("--tokens", default="4096,8192,16384", help="tokens per GPU")
     parser.add_argument("--routing", default="balanced,skewed")
     parser.add_argument("--gemm", default="auto", choices=["auto", "deep_gemm", "torch"])
+    parser.add_argument("--expert-precision", default="bf16", choices=["bf16", "fp8"], help="fp8: add fused_fp8")
+    parser.add_argument("--dispatchers", help="comma-separated subset of torch,fused,fused_fp8 (default: all built)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", required=True)
@@ -120,6 +128,10 @@ def main():
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         group, rank = dist.group.WORLD, dist.get_rank()
     dispatchers = {"torch": TorchDispatcher().set_ep_group(group), "fused": FusedDispatcher(backend="gpu", gemm=args.gemm).set_ep_group(group)}
+    if args.expert_precision == "fp8":
+        dispatchers["fused_fp8"] = FusedDispatcher(backend="gpu", expert_precision="fp8").set_ep_group(group)
+    if args.dispatchers:
+        dispatchers = {name: dispatchers[name] for name in args.dispatchers.split(",")}
 
     points, breakdowns = [], []
     for model in args.models.split(","):
@@ -149,7 +161,10 @@ def main():
                             os.makedirs(args.trace_dir, exist_ok=True)
                         breakdowns.append({"model": model, "tokens_per_gpu": tokens, "routing": routing, "dispatcher": name,
                                            "kernels": kernel_breakdown(fn, trace=trace)})
-                point["speedup"] = point["torch_ms"] / point["fused_ms"]
+                if "torch_ms" in point and "fused_ms" in point:
+                    point["speedup"] = point["torch_ms"] / point["fused_ms"]
+                if "fused_ms" in point and "fused_fp8_ms" in point:
+                    point["fp8_over_bf16"] = point["fused_ms"] / point["fused_fp8_ms"]
                 points.append(point)
                 if rank == 0:
                     print(json.dumps(point), flush=True)
@@ -165,7 +180,7 @@ def main():
             "num_gpus": ep,
             "torch": torch.__version__,
             "host": platform.node(),
-            "fused_gemm": dispatchers["fused"].gpu_backend,
+            "fused_gemm": dispatchers["fused"].gpu_backend if "fused" in dispatchers else None,
             "points": points,
             "kernel_breakdown": breakdowns,
         }

@@ -24,6 +24,7 @@ from moe_lab.runtime.errors import ConfigError
 from moe_lab.runtime.device import computes_in_bf16, ranks_per_node, runs_on_cuda
 from moe_lab.runtime.host_read import to_host
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
+from moe_lab.moe.fused import fp8_ops  # registers torch.ops.moe_lab.fused_moe_fp8
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 from moe_lab.moe.experts import compute_dtype, grouped_swiglu
 
@@ -186,31 +187,47 @@ class FusedDispatcher(TokenDispatcher):
     for backward (``moe_lab.moe.fused.ops.SAVES``): ``rows`` (the received rows and gate/up), ``rows_only`` (the
     rows; gate/up recomputed in backward) or ``inputs`` (neither: backward gathers the rows again, from the peers'
     symmetric memory at EP > 1, and recomputes gate/up).
+
+    ``expert_precision``: ``bf16`` (the compute dtype) or ``fp8``: the routed experts' GEMMs in blockwise FP8
+    (``moe_lab.moe.fused.fp8_ops``; the gpu backend with DeepGEMM on SM90+, or the reference backend's emulation).
+    The FP8 op keeps its FP8 rows and gate/up for backward: it takes ``save=rows`` only.
     """
 
-    # The op returns what its backward needs: saving its outputs means recompute re-runs none of it.
-    saved_ops = frozenset({torch.ops.moe_lab.fused_moe.default})
+    # The ops return what backward needs: saving their outputs means recompute re-runs none of it (the FP8 weight
+    # copies are cached per step anyway).
+    saved_ops = frozenset(
+        {
+            torch.ops.moe_lab.fused_moe.default,
+            torch.ops.moe_lab.fused_moe_fp8.default,
+            torch.ops.moe_lab.fp8_expert_weights.default,
+        }
+    )
 
     def __init__(
         self,
         backend: Literal["auto", "reference", "gpu"] = "auto",
         gemm: Literal["auto", "deep_gemm", "torch"] = "auto",
         save: Literal["rows", "rows_only", "inputs"] = "rows",
+        expert_precision: Literal["bf16", "fp8"] = "bf16",
     ):
-        self.backend, self.gemm, self.save = backend, gemm, save
+        self.backend, self.gemm, self.save, self.expert_precision = backend, gemm, save, expert_precision
         super().__init__()
 
     def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> FusedDispatcher:
         super().set_ep_group(ep_group)
-        # The gpu backend's GEMMs depend on the EP degree (moe_lab.moe.fused.gpu_backend_name).
+        # The gpu backend's GEMMs depend on the EP degree (moe_lab.moe.fused.gpu_backend_name); FP8 has DeepGEMM's only.
         cuda = self.backend != "reference" and torch.cuda.is_available()
-        self.gpu_backend = fused.gpu_backend_name(self.gemm, self.ep_size) if cuda else None
+        self.gpu_backend = fused.gpu_backend_name(self._gemm, self.ep_size) if cuda else None
         return self
+
+    @property
+    def _gemm(self) -> str:
+        return "deep_gemm" if self.expert_precision == "fp8" else self.gemm
 
     def gpu_backend_where_deep_gemm_imports(self, ep: int) -> str:
         """The op backend this option runs at EP degree ``ep`` on a GPU machine where deep_gemm imports (what the
         planner plans; ``moe_lab.moe.fused.gpu_backend_name`` picks it at run time)."""
-        return "gpu_deep_gemm" if fused.wants_deep_gemm(self.gemm, ep) else "gpu"
+        return "gpu_deep_gemm" if fused.wants_deep_gemm(self._gemm, ep) else "gpu"
 
     def validate(self, cfg) -> None:
         cuda = runs_on_cuda(cfg.trainer)
@@ -221,6 +238,14 @@ class FusedDispatcher(TokenDispatcher):
                 f"the fused gpu backend exchanges rows through peer GPUs' memory over NVLink: its EP group must fit "
                 f"in a node ({node} ranks per node), got {cfg.parallel.ep}; use dispatcher=torch across nodes",
             )
+        if self.expert_precision == "fp8":
+            if self.save != "rows":
+                raise ConfigError(
+                    "dispatcher.save",
+                    f"expert_precision=fp8 keeps its FP8 rows and gate/up for backward: it takes save=rows only, got "
+                    f"{self.save}; use expert_precision=bf16 for rows_only / inputs",
+                )
+            fp8_ops.validate(cfg, self.backend, self.gemm, cuda, fused.deep_gemm_import_error())
         if self.backend == "gpu" and not cuda:
             raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
         if self.gemm == "deep_gemm" and not fused.deep_gemm_available():
@@ -240,6 +265,11 @@ class FusedDispatcher(TokenDispatcher):
             backend = self.gpu_backend
         else:
             raise RuntimeError(f"dispatcher.backend=gpu needs CUDA tensors, got {x.device}")
+        if self.expert_precision == "fp8":
+            return fp8_ops.fused_moe_fp8_layer(
+                x.to(dtype), topk_ids, topk_weights.to(dtype), gate_up_proj, down_proj, self.ep_size, self.group_name,
+                backend,
+            )
         y, *_ = torch.ops.moe_lab.fused_moe(
             x.to(dtype),
             topk_ids,

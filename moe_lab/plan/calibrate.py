@@ -1,7 +1,8 @@
 """``python -m moe_lab.plan.calibrate``: measure the rates the planner uses on this machine's GPU (bf16 GEMM, the
 experts' grouped GEMM, causal attention forward + backward, device memory bandwidth, pinned host <-> device copies,
-NCCL all-to-all when started by torchrun with more than one rank, offload=full's host AdamW step) and write a hardware
-profile the planner reads (``python -m moe_lab.plan hardware=<profile.yaml>``).
+NCCL all-to-all when started by torchrun with more than one rank, offload=full's host AdamW step; DeepGEMM's FP8
+grouped GEMM where it runs) and write a hardware profile the planner reads (``python -m moe_lab.plan
+hardware=<profile.yaml>``).
 
 Peaks cannot be measured: they come from a base profile (``--base``, by default the hardware group option named
 after the GPU, else h200); each ``*_efficiency`` is a measured rate over its peak. What was not measured keeps the
@@ -77,6 +78,22 @@ def grouped_gemm_flops(device, dtype, s) -> float:
     return 3 * 2 * e * rows * 3 * h * i / timed(step, device)
 
 
+def fp8_grouped_gemm_flops(device, s) -> float:
+    """DeepGEMM's blockwise-FP8 m-grouped GEMM at the experts' gate/up shape, balanced rows: the FP8 experts'
+    forward and input-gradient passes (``moe_lab.moe.fused.fp8_gpu.gemm_nt``)."""
+    import deep_gemm
+
+    from moe_lab.moe.fp8.quant import quantize_blocks, quantize_rows
+
+    e, rows, h, i = s["experts"], s["rows"], s["hidden"], s["inter"]
+    x_q, x_scale = quantize_rows(torch.randn(e * rows, h, device=device, dtype=torch.bfloat16))
+    w = quantize_blocks(torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16))
+    m_indices = torch.arange(e, device=device, dtype=torch.int32).repeat_interleave(rows)
+    out = torch.empty(e * rows, 2 * i, device=device, dtype=torch.bfloat16)
+    a = (x_q, x_scale.t().contiguous().t())  # MN-major row scales, as the op hands them over
+    return 2 * e * rows * 2 * i * h / timed(lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices), device)
+
+
 def attention_flops(device, dtype, s) -> float:
     """Causal SDPA forward + backward, executed FLOPs as the planner counts them (forward 2 * seq * heads * dim per
     token, backward 2.5x)."""
@@ -150,6 +167,12 @@ def calibrate(size: str, base: str | None) -> tuple[dict, list[str]]:
     measured["dense_gemm_efficiency"] = share(gemm_flops(device, dtype, s), flops)
     measured["grouped_gemm_efficiency"] = share(grouped_gemm_flops(device, dtype, s), flops)
     measured["attention_efficiency"] = share(attention_flops(device, dtype, s), flops)
+    if device.type == "cuda" and peak.peak_fp8_tflops and torch.cuda.get_device_capability(device) >= (9, 0):
+        from moe_lab.moe.fused import deep_gemm_available
+
+        if deep_gemm_available():
+            rate = fp8_grouped_gemm_flops(device, s)
+            measured["fp8_grouped_gemm_efficiency"] = share(rate, peak.peak_fp8_tflops * 1e12)
     big = torch.empty(s["copy_mib"] * 2**20 // 4, device=device)
     measured["hbm_efficiency"] = share(2 * copy_bytes_per_s(big, torch.empty_like(big), device), peak.hbm_tbps * 1e12)
     if device.type == "cuda":

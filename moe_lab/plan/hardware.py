@@ -39,12 +39,16 @@ class Hardware:
     # profile that leaves the node's size to the plan says how much host memory comes with each GPU).
     host_memory_gib: Optional[float]
     host_memory_gbps: float  # per node
+    peak_fp8_tflops: Optional[float] = None  # dense e4m3 tensor-core FLOP/s; None: the planner refuses FP8 experts
     nodes: int = 1
     gpus_per_node: Optional[int] = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
     host_memory_gib_per_gpu: Optional[float] = None  # what host_memory_gib null scales with the node's GPUs
     # Achieved shares of those peaks (the H200 fit, experiments/plan/README.md).
     dense_gemm_efficiency: float = 0.77  # bf16 matmuls of the model's shapes, forward and backward
     grouped_gemm_efficiency: float = 0.64  # expert grouped GEMMs (DeepGEMM / torch._grouped_mm), forward and backward
+    # DeepGEMM's blockwise-FP8 m-grouped GEMMs, of peak_fp8_tflops (experiments/fp8/: 1300 of 1979 TFLOP/s at the 30B
+    # experts' gate/up shape, 131k rows, on the H200)
+    fp8_grouped_gemm_efficiency: float = 0.66
     attention_efficiency: float = 0.55  # causal flash attention, executed FLOPs, forward and backward
     hbm_efficiency: float = 0.73  # streaming kernels (AdamW, casts, norms)
     nvlink_efficiency: float = 0.70  # all-to-all and FSDP collectives inside a node
@@ -90,7 +94,13 @@ class Hardware:
 
     # Achieved rates, in bytes/s and FLOP/s.
     def flops(self, kind: str) -> float:
-        return self.peak_bf16_tflops * 1e12 * getattr(self, f"{kind}_efficiency")
+        peak = self.peak_fp8_tflops if kind.startswith("fp8_") else self.peak_bf16_tflops
+        if peak is None:  # FP8 GEMMs planned on a profile without an FP8 peak
+            raise ConfigError(
+                "hardware.peak_fp8_tflops",
+                f"dispatcher.expert_precision=fp8 is planned at the FP8 peak, which hardware={self.name} does not set",
+            )
+        return peak * 1e12 * getattr(self, f"{kind}_efficiency")
 
     @property
     def hbm_bytes_per_s(self) -> float:

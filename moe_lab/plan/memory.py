@@ -64,6 +64,7 @@ class Step:
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     foreach: bool = False  # AdamW without fused=true: torch's foreach path
     fused_align: int = 8  # rows per expert segment of the fused op (8 torch._grouped_mm, 128 DeepGEMM)
+    expert_precision: str = "bf16"  # "bf16" | "fp8": the fused op's expert GEMMs (moe_lab.moe.fused.fp8_ops)
     fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
     chunk_mib: float = 256.0  # offload chunking
     max_inflight: int = 3
@@ -168,7 +169,7 @@ def fused_saved_per_layer(step: Step) -> float:
     """Of ``saved_per_layer``, what the dispatcher's buffers hold (the fused op's receive-side residuals, rows
     received, and its output), counted apart from the activations."""
     outputs = op_outputs(step)
-    return sum(sum(outputs[op]) for op in step.dispatcher.buffer_ops if step.ac.keeps(op, step))
+    return sum(sum(outputs[op]) for op in step.dispatcher.buffer_ops if op in outputs and step.ac.keeps(op, step))
 
 
 def backward_workspace(step: Step) -> float:
@@ -337,7 +338,7 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     fused = fused_saved_per_layer(step)
     saved = saved_per_layer(step) - fused
     workspace = backward_workspace(step)
-    base = {**weights, "optimizer state": state}
+    base = {**weights, "optimizer state": state, "fp8 weight copies": step.dispatcher.weight_copies(step)}
 
     def resident(layer: int | None) -> float:
         """Layers' worth of saved tensors on the device at the loss (None) and in backward of ``layer``."""

@@ -71,15 +71,25 @@ def named(group: str, name: str):
 _aten = torch.ops.aten
 
 
+# FP8 experts (experiments/fp8/README.md, records/h200_layer/2026-12-01_21-28.json): the quantizing kernels' extra
+# traffic over the bf16 glue, per routed row element and pass (the routed gradient's quantization, the saved rows'
+# dequantization, the SwiGLU kernels' FP8 outputs), and the weight copies' quantization, made once per optimizer step
+# (2.3 ms for the 30B layer's 604M expert parameters on the H200: 13 bytes per parameter at the HBM rate).
+FP8_GLUE_BYTES_PER_ELEMENT = 1.5
+FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 13.0
+
+
 @planner_model("dispatcher", TorchDispatcher)
 class TorchDispatcherPlan:
     name = "torch"
     expert_rate = 0.72
-    glue_bytes_per_element = 7.3
     exchange_in_kernels = False  # its NCCL all-to-alls are a category of their own (ep_all_to_all)
     buffer_ops = frozenset()  # no op's saved outputs are counted apart from the activations
-    save_modes = ()  # no dispatcher.save key
     expert_keep_set = "grouped_mm"  # the ac.keep set whose ops hold its expert GEMMs
+
+    def save_modes(self, step: Step) -> tuple[str, ...]:
+        """The ``dispatcher.save`` values this step may take (none: no such key)."""
+        return ()
 
     def step_fields(self, option, train) -> dict:
         return {}
@@ -87,6 +97,26 @@ class TorchDispatcherPlan:
     def kernel_rows(self, step: Step) -> float:
         """Rows its kernels move per layer and pass (step time)."""
         return routed_rows(step)
+
+    def glue_bytes_per_element(self, step: Step) -> float:
+        """Its glue's HBM traffic per element of a row its kernels move (H wide), per pass."""
+        return 7.3
+
+    def fp8_passes(self, step: Step, passes: float) -> float:
+        """Of its expert GEMMs' ``passes``, those at the FP8 rate."""
+        return 0.0
+
+    def dispatch_exchange_share(self, step: Step) -> float:
+        """Forward's dispatch exchange, of a bf16 one's bytes."""
+        return 1.0
+
+    def weight_copies(self, step: Step) -> float:
+        """Device bytes of expert weight copies it keeps over a step."""
+        return 0.0
+
+    def per_step_glue_bytes(self, step: Step) -> float:
+        """HBM traffic it adds once per optimizer step (not per micro-batch)."""
+        return 0.0
 
     def buffer_rows(self, step: Step) -> float:
         """Rows its backward's working set is sized by (memory)."""
@@ -136,17 +166,20 @@ class TorchDispatcherPlan:
 class FusedDispatcherPlan:
     name = "fused"
     expert_rate = 1.0
-    glue_bytes_per_element = 10.25
     exchange_in_kernels = True  # the rows it pulls and pushes over NVLink are its kernels' work (dispatch_glue)
-    buffer_ops = frozenset({torch.ops.moe_lab.fused_moe.default})  # its receive-side residuals and output
+    # its receive-side residuals and output (the op at either expert precision)
+    buffer_ops = frozenset({torch.ops.moe_lab.fused_moe.default, torch.ops.moe_lab.fused_moe_fp8.default})
     unread_ops = frozenset()
-    save_modes = tuple(SAVES)  # dispatcher.save
     expert_keep_set = "dispatcher"  # its expert GEMMs run inside the op it declares
+
+    def save_modes(self, step: Step) -> tuple[str, ...]:
+        # the FP8 op keeps its FP8 rows and gate/up: rows only (as validation asks)
+        return tuple(SAVES) if step.expert_precision == "bf16" else ("rows",)
 
     def step_fields(self, option: FusedDispatcher, train) -> dict:
         # The GPU machine's backend by the dispatcher's own rule, DeepGEMM taken as importable there.
         return {"fused_align": ALIGN[option.gpu_backend_where_deep_gemm_imports(train.parallel.ep)],
-                "fused_save": option.save}  # fmt: skip
+                "fused_save": option.save, "expert_precision": option.expert_precision}  # fmt: skip
 
     def kernel_rows(self, step: Step) -> float:
         # the padded received rows (a worst-case buffer's unused rows are skipped)
@@ -155,13 +188,44 @@ class FusedDispatcherPlan:
     def buffer_rows(self, step: Step) -> float:
         return fused_receive_rows(step)
 
+    def glue_bytes_per_element(self, step: Step) -> float:
+        return 10.25 + (FP8_GLUE_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0)
+
+    def fp8_passes(self, step: Step, passes: float) -> float:
+        # FP8: every pass but the weight gradients' (bf16 grouped GEMMs)
+        return passes - 1.0 if step.expert_precision == "fp8" else 0.0
+
+    def dispatch_exchange_share(self, step: Step) -> float:
+        # FP8 dispatches e4m3 rows with a fp32 scale per 128
+        return (1 + 4 / 128) / 2 if step.expert_precision == "fp8" else 1.0
+
+    def weight_copies(self, step: Step) -> float:
+        """FP8: the per-step weight copies (``moe_lab.moe.fp8.weights``), every local expert stack in e4m3 and its
+        transpose, with a fp32 scale per 128x128 block; kept from the first forward of a step to its optimizer
+        step."""
+        if step.expert_precision != "fp8":
+            return 0.0
+        return self._local_expert_params(step) * 2 * (1 + 4 / 128**2)
+
+    def per_step_glue_bytes(self, step: Step) -> float:
+        # FP8: the weight copies' quantization, once per optimizer step
+        if step.expert_precision != "fp8":
+            return 0.0
+        return self._local_expert_params(step) * FP8_WEIGHT_QUANT_BYTES_PER_PARAM
+
+    @staticmethod
+    def _local_expert_params(step: Step) -> float:
+        return step.cfg.num_layers * step.shapes.expert_layer_params / step.mesh.ep
+
     def op_outputs(self, step: Step) -> dict:
         c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
         rows = fused_receive_rows(step)
         # per received row: x_routed and gate/up where dispatcher.save keeps them, its weight and source
         kept = self._row_bytes(step, "inputs") - self.dropped_row_bytes(step)
         saved = 2 * t * c.hidden_size + rows * (kept + 4 + 8) + 8 * t * k
-        return {torch.ops.moe_lab.fused_moe.default: [saved]}
+        fp8 = step.expert_precision == "fp8"
+        op = torch.ops.moe_lab.fused_moe_fp8.default if fp8 else torch.ops.moe_lab.fused_moe.default
+        return {op: [saved]}
 
     def elementwise_outputs(self, step: Step) -> float:
         """The op's input, which autograd keeps for it where save=inputs."""
@@ -170,9 +234,10 @@ class FusedDispatcherPlan:
     @staticmethod
     def _row_bytes(step: Step, save: str) -> float:
         """Bytes per received row the ``save`` mode does not keep: gate/up (2I in bf16) under rows_only, and the row
-        itself (H) under inputs."""
+        itself (H: bf16, or FP8's e4m3 with a fp32 scale per 128) under inputs."""
         c = step.cfg
-        gate_up, row = 4 * c.moe_intermediate_size, 2 * c.hidden_size
+        gate_up = 4 * c.moe_intermediate_size
+        row = c.hidden_size * (1 + 4 / 128) if step.expert_precision == "fp8" else 2 * c.hidden_size
         return {"rows": 0.0, "rows_only": gate_up, "inputs": row + gate_up}[save]
 
     def dropped_row_bytes(self, step: Step) -> float:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe_lab import config
 from moe_lab.config import ConfigError, Options
 from moe_lab.config.validate import check_target_node
+from moe_lab.moe.fused.fp8_ops import PLANNED_HARDWARE
 from moe_lab.metrics.flops import flops_per_token
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload import Offload
@@ -45,9 +46,11 @@ def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
 
 @contextlib.contextmanager
 def job_of(hw: Hardware):
-    """Validation sees the plan's mesh as the job's ranks, as it sees an outer launcher's (WORLD_SIZE)."""
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    """Validation sees the plan's mesh as the job's ranks, as it sees an outer launcher's (WORLD_SIZE), and knows
+    the GPU is the profile's, not this machine's (PLANNED_HARDWARE: checks of the GPU in hand stand aside)."""
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", PLANNED_HARDWARE)}
     os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = str(hw.gpus), str(hw.gpus_per_node)
+    os.environ[PLANNED_HARDWARE] = hw.name
     try:
         yield
     finally:
@@ -167,7 +170,7 @@ def room_settings(step: Step) -> list[dict]:
     """The settings of AC, ``ac.keep``, ``ac.offload_activations`` and ``dispatcher.save`` a step may take (offload
     of activations with ac=selective only compiled, as validation asks), each as the overrides that choose it."""
     acs = [{"ac": "none"}, {"ac": "full"}] + [{"ac": "selective", "ac.keep": list(keep)} for keep in KEEP_CHOICES]
-    saves = step.dispatcher.save_modes or (None,)
+    saves = step.dispatcher.save_modes(step) or (None,)
     out = []
     for ac in acs:
         offloads = (False, True) if ac["ac"] == "none" or (ac["ac"] == "selective" and step.compile) else (False,)

@@ -72,13 +72,15 @@ def passes(step: Step, part: str = "dense") -> float:
 
 def exchange_bytes(step: Step) -> float:
     """Bytes one rank sends over the EP group per micro-batch: the rows to peers each way, forward and backward, and
-    again in ac=full's recompute (ac=selective keeps the exchanged rows)."""
+    again in ac=full's recompute (ac=selective keeps the exchanged rows). FP8 experts dispatch forward's rows in
+    e4m3 with their scales: about half the bytes of that exchange."""
     mesh, c = step.mesh, step.cfg
     if mesh.ep == 1:
         return 0.0
     per_exchange = routed_rows(step) * 2 * c.hidden_size * (mesh.ep - 1) / mesh.ep
     rebuild = step.dispatcher.backward_rebuild(step)
-    exchanges = 4 + 2 * step.ac.recomputed(step, "dispatcher") + rebuild["exchanges"]
+    dispatch = step.dispatcher.dispatch_exchange_share(step)  # forward's dispatch, of a bf16 exchange
+    exchanges = 3 + dispatch + step.ac.recomputed(step, "dispatcher") * (1 + dispatch) + rebuild["exchanges"]
     return c.num_layers * exchanges * per_exchange
 
 
@@ -123,14 +125,18 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     expert_passes = passes(step, "experts") + GATE_UP_SHARE * rebuild["gate_up"]
     expert_rate = hw.flops("grouped_gemm") * dispatcher.expert_rate * grouped_shape_factor(step)
     rows = dispatcher.kernel_rows(step)
-    glue_per_row = passes(step, "dispatcher") * dispatcher.glue_bytes_per_element
+    glue_per_row = passes(step, "dispatcher") * dispatcher.glue_bytes_per_element(step)
     glue_per_row += rebuild["gathers"] * GATHER_BYTES_PER_ELEMENT
     glue_bytes = c.num_layers * rows * c.hidden_size * glue_per_row
     exchange = exchange_seconds(step, hw)
+    # the busiest rank's rows (skewed routing) over the rows it routes
+    pass_flops = step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step)
+    expert_gemm = pass_flops / expert_rate * expert_passes
+    if fp8_passes := dispatcher.fp8_passes(step, expert_passes):
+        fp8_rate = hw.flops("fp8_grouped_gemm") * grouped_shape_factor(step)
+        expert_gemm = pass_flops * (fp8_passes / fp8_rate + (expert_passes - fp8_passes) / expert_rate)
     return {
-        # the busiest rank's rows (skewed routing) over the rows it routes
-        "expert_gemm": expert_passes * step.shapes.expert_flops(step.tokens) * routed_rows(step) / routed_slots(step)
-        / expert_rate,
+        "expert_gemm": expert_gemm,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if dispatcher.exchange_in_kernels else 0.0),
         "ep_all_to_all": 0.0 if dispatcher.exchange_in_kernels else exchange,
         "other": c.num_layers * dispatcher.index_adds(step) * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT
@@ -149,6 +155,7 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     seconds["attention"] = micro * attention_flops / hw.flops("attention")
     for category, value in moe_seconds(step, hw).items():
         seconds[category] += micro * value
+    seconds["dispatch_glue"] += step.dispatcher.per_step_glue_bytes(step) / hw.hbm_bytes_per_s  # once per step
     exchange = micro * exchange_seconds(step, hw)
     elementwise_passes = 3.0 + step.ac.recompute_passes  # ac=full runs them again; selective keeps its own
     elementwise = c.num_layers * elementwise_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue

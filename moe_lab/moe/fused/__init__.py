@@ -6,7 +6,7 @@ import functools
 import importlib
 import logging
 
-from moe_lab.moe.fused import ops  # noqa: F401  (registers torch.ops.moe_lab.fused_moe*)
+from moe_lab.moe.fused import fp8_ops, ops  # noqa: F401  (register torch.ops.moe_lab.fused_moe*)
 
 log = logging.getLogger(__name__)
 

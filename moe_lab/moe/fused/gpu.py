@@ -72,6 +72,16 @@ def layout_from_block_counts(topk_ids, block_counts, block_cum, all_counts, rank
 # --- grouped GEMMs -------------------------------------------------------------------------------------------------
 
 
+def row_experts(offs: torch.Tensor, row_src: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's row map [R] int32: each receive-buffer row's local expert, -1 for padding."""
+    rows, local = row_src.numel(), offs.numel()
+    m_indices = torch.empty(rows, dtype=torch.int32, device=offs.device)
+    kernels.row_experts_kernel[(triton.cdiv(rows, LAYOUT_BLOCK),)](
+        m_indices, offs, row_src, rows, local, triton.next_power_of_2(local), BLOCK=LAYOUT_BLOCK
+    )
+    return m_indices
+
+
 class _Gemms:
     def __init__(self, backend: str, offs: torch.Tensor, row_src: torch.Tensor):
         self.offs = offs
@@ -80,11 +90,7 @@ class _Gemms:
             import deep_gemm
 
             self.dg = deep_gemm
-            rows, local = row_src.numel(), offs.numel()
-            self.m_indices = torch.empty(rows, dtype=torch.int32, device=offs.device)
-            kernels.row_experts_kernel[(triton.cdiv(rows, LAYOUT_BLOCK),)](
-                self.m_indices, offs, row_src, rows, local, triton.next_power_of_2(local), BLOCK=LAYOUT_BLOCK
-            )
+            self.m_indices = row_experts(offs, row_src)
 
     def nt(self, a, w):
         """a [C, K] @ w[e].T for w [L, N, K]: the forward projections, weights as stored."""

@@ -1,0 +1,313 @@
+"""Blockwise FP8 experts (``dispatcher.expert_precision=fp8``).
+
+- The quantizers (``moe_lab.moe.fp8.quant``): tiles and scales as specified, error within e4m3's half ulp.
+- The reference FP8 op against the bf16 reference op: close within FP8's expected error, and not equal (it does
+  quantize). Each quantized operand carries a relative rounding error of at most 2**-4 per element (e4m3 keeps 3
+  mantissa bits; the scale maps each tile's largest value to 448, so no value underflows far), whose rms is at most
+  2**-4 / sqrt(3) = 3.6 %; a result that went through n quantized operands independently is off by about
+  sqrt(n) * 3.6 % in norm. y goes through 4 (x, W_gate_up, the activation, W_down), the gradients through up to 6:
+  bound 0.09 (sqrt(6) * 3.6 %).
+- The Triton kernels under Triton's interpreter (CPU, a child process) against the torch reference: the quantizers
+  bit for bit, and the whole gpu FP8 path (layout, dispatch in FP8, the SwiGLU kernels that quantize, combine) with
+  DeepGEMM's m-grouped FP8 GEMM emulated from its contract against the reference FP8 op.
+- The weight cache: one quantization per parameter version; an in-place update makes a new one.
+- Validation: refused where it cannot run, naming the key.
+GPU tests (``gpu`` marker): DeepGEMM's path against the reference op on the same GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moe_lab.moe.fused  # noqa: F401  (registers the ops)
+from moe_lab.moe.fp8 import quant, weights
+
+E, H, I, K, T = 4, 256, 256, 2, 48
+
+
+def problem(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen)
+    gate_up_proj, down_proj = torch.randn(E, 2 * I, H, generator=gen) * H**-0.5, torch.randn(E, H, I, generator=gen) * I**-0.5
+    law = torch.tensor([4.0, 2.0, 1.0, 0.0])  # skewed; expert 3 gets no token
+    ids = torch.multinomial(law.expand(T, -1), K, generator=gen)
+    weights_ = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    grad_out = torch.randn(T, H, generator=gen)
+    return [t.to(dtype) if t.is_floating_point() else t for t in (x, ids, weights_, gate_up_proj, down_proj, grad_out)]
+
+
+def run_op(precision, backend, x, ids, w, gate_up_proj, down_proj, grad_out):
+    inputs = [t.clone().requires_grad_() for t in (x, w, gate_up_proj, down_proj)]
+    if precision == "fp8":
+        from moe_lab.moe.fused.fp8_ops import fused_moe_fp8_layer
+
+        y = fused_moe_fp8_layer(inputs[0], ids, *inputs[1:], 1, "", backend)
+    else:
+        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0]
+    return [y, *torch.autograd.grad(y, inputs, grad_out)]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_quantizers_tiles_scales_and_error():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 384, generator=gen) * torch.logspace(-6, 2, 8)[:, None]  # magnitudes far apart per row
+    x[3] = 0
+    q, s = quant.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (8, 3)
+    tiles = x.view(8, 3, 128)
+    assert torch.equal(s[3], torch.ones(3)) and torch.equal(q[3].float(), torch.zeros(384))
+    live = tiles.abs().amax(-1) > 0
+    assert torch.allclose(s[live], tiles.abs().amax(-1)[live] / 448)
+    assert torch.equal(q.float().view(8, 3, 128).abs().amax(-1)[live], torch.full((int(live.sum()),), 448.0))
+    back = quant.dequantize_rows(q, s)
+    normal = back.view(8, 3, 128).abs() >= s[..., None] * 2**-6  # e4m3's normal range, tile by tile
+    err = ((back - x).abs() / x.abs().clamp_min(1e-30)).view(8, 3, 128)[normal]
+    assert err.max() <= 2**-4 + 1e-6
+    w = torch.randn(2, 256, 384, generator=gen)
+    wq, ws = quant.quantize_blocks(w)
+    assert ws.shape == (2, 2, 3)
+    assert torch.allclose(ws, w.view(2, 2, 128, 3, 128).abs().amax(dim=(2, 4)) / 448)
+    wtq, wts = quant.transpose_blocks(wq, ws)
+    assert torch.equal(quant.dequantize_blocks(wtq, wts), quant.dequantize_blocks(wq, ws).transpose(1, 2))
+
+
+def test_reference_fp8_close_to_bf16_within_fp8_error():
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem()
+    fp8 = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
+    exact = run_op("bf16", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)  # fp32 here: the exact math
+    names = ("y", "dx", "d_topk_weights", "d_gate_up_proj", "d_down_proj")
+    errors = {n: rel(a, b) for n, a, b in zip(names, fp8, exact)}
+    assert all(0.002 < e < 0.09 for e in errors.values()), errors
+    assert fp8[3][3].abs().max() == 0 and fp8[4][3].abs().max() == 0  # the idle expert's gradients
+
+
+def test_weight_cache_one_quantization_per_version():
+    w = torch.nn.Parameter(torch.randn(2, 256, 128))
+    before = dict(weights.stats)
+    first = torch.ops.moe_lab.fp8_expert_weights(w)
+    again = torch.ops.moe_lab.fp8_expert_weights(w)
+    assert all(a is b for a, b in zip(first, again))
+    assert weights.stats["quantized"] - before["quantized"] == 1 and weights.stats["reused"] - before["reused"] == 1
+    with torch.no_grad():
+        w.mul_(2)  # what an optimizer step does: an in-place write bumps the version
+    after = torch.ops.moe_lab.fp8_expert_weights(w)
+    assert after[0] is not first[0] and torch.equal(after[1], first[1] * 2)
+    expected = quant.quantize_blocks(w.detach())
+    assert torch.equal(after[0].view(torch.uint8), expected[0].view(torch.uint8)) and torch.equal(after[1], expected[1])
+
+
+def test_fp8_layer_compiles_fullgraph():
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem()
+    from moe_lab.moe.fused.fp8_ops import fused_moe_fp8_layer
+
+    params = [torch.nn.Parameter(t.clone()) for t in (gate_up_proj, down_proj)]
+    fn = torch.compile(lambda x, ids, w, a, b: fused_moe_fp8_layer(x, ids, w, a, b, 1, "", "reference"), fullgraph=True)
+    xr = x.clone().requires_grad_()
+    y = fn(xr, ids, w, *params)
+    y.backward(grad_out)
+    before = dict(weights.stats)
+    fn(x, ids, w, *params)  # a second micro-batch of the step: the compiled graph hands the op the parameters
+    assert weights.stats["reused"] - before["reused"] == 2 and weights.stats["quantized"] == before["quantized"]
+    expected = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
+    torch.testing.assert_close(y, expected[0])
+    torch.testing.assert_close(xr.grad, expected[1])
+    torch.testing.assert_close(params[0].grad, expected[3])
+
+
+@pytest.mark.slow
+def test_fp8_blocks_compile_fullgraph_under_every_ac_mode(tmp_path):
+    """The tiny model at 128-wide experts, 2 gloo ranks with ep 2 (the FP8 rows exchanged over a real process group),
+    the fused dispatcher's FP8 reference: compiled blocks (fullgraph) train like eager under ac=none, selective and
+    full, as tests/test_compile.py checks for bf16."""
+    from moe_lab.models.hf_weights import save_hf_checkpoint
+    from tests import test_compile
+    from tests.distributed import run_world
+
+    if reason := test_compile.can_compile():
+        pytest.skip(reason)
+    shape = ("model.hidden_size=128", "model.moe_intermediate_size=128")
+    torch.manual_seed(0)
+    model = test_compile.config_model(shape).build()
+    model.init_weights()
+    save_hf_checkpoint(model.state_dict(), tmp_path)
+    extra = (*shape, "dispatcher.backend=reference", "dispatcher.expert_precision=fp8")
+    runs = run_world(2, test_compile.train_all, "fused", str(tmp_path), extra, timeout=2400)[0]  # ~6 min a mode on 2 CPUs
+    eager = runs[("none", False)]
+    assert eager["losses"][-1] < eager["losses"][0]
+    for ac, compiled in test_compile.MODES[1:]:
+        assert runs[(ac, compiled)]["losses"] == pytest.approx(eager["losses"], rel=2e-3), ac
+
+
+# --- the Triton kernels, interpreted -------------------------------------------------------------------------------
+
+
+def _interpreted(function: str) -> str:
+    code = f"from tests.test_fp8 import {function} as f; print(f())"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def quantizer_kernels_check() -> str:
+    from moe_lab.moe.fused import fp8_gpu
+
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 384, generator=gen) * torch.logspace(-8, 3, 5)[:, None]).to(torch.bfloat16)
+    x[2, :128] = 0
+    q, s = fp8_gpu.quantize_rows(x)
+    rq, rs = quant.quantize_rows(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert torch.equal(fp8_gpu.dequantize_rows(q, s, torch.float32), quant.dequantize_rows(rq, rs))
+    w = torch.randn(2, 256, 384, generator=gen)
+    from moe_lab.moe.fp8 import kernels
+
+    n, k = 256, 384
+    out = [torch.empty(2, n, k, dtype=quant.FP8), torch.empty(2, 2, 3), torch.empty(2, k, n, dtype=quant.FP8), torch.empty(2, 3, 2)]
+    kernels.weight_blocks_kernel[(2, 2, 3)](w, out[0], out[1], out[2], out[3], N=n, K=k)
+    wq, ws = quant.quantize_blocks(w)
+    expected = [wq, ws, *quant.transpose_blocks(wq, ws)]
+    for a, b in zip(out, expected):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == quant.FP8 else a, b.view(torch.uint8) if b.dtype == quant.FP8 else b)
+    return "ok"
+
+
+def test_quantizer_kernels_interpreted_match_reference():
+    assert _interpreted("quantizer_kernels_check") == "ok"
+
+
+def emulated_gemm_nt(m_indices, a_q, a_scale, w):
+    """DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` contract in torch: out[r] = dq(a[r]) @ dq(w[m[r]]).T in fp32,
+    rounded to bf16; rows with m[r] = -1 are padding (left zero here; the kernels never read them)."""
+    out = torch.zeros(a_q.shape[0], w[0].shape[1], dtype=torch.bfloat16)
+    a = quant.dequantize_rows(a_q, a_scale)
+    for e in m_indices.unique().tolist():
+        if e >= 0:
+            rows = m_indices == e
+            out[rows] = (a[rows] @ quant.dequantize_blocks(w[0][e : e + 1], w[1][e : e + 1])[0].T).to(torch.bfloat16)
+    return out
+
+
+def gpu_fp8_path_check() -> str:
+    from moe_lab.moe.fused import fp8_gpu
+
+    fp8_gpu.gemm_nt = emulated_gemm_nt
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem(torch.bfloat16)
+    got = run_op("fp8", "gpu_deep_gemm", x, ids, w, gate_up_proj, down_proj, grad_out)
+    expected = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
+    assert got[3][3].abs().max() == 0 and got[4][3].abs().max() == 0
+    return str(max(rel(a, b) for a, b in zip(got, expected)))
+
+
+@pytest.mark.slow
+def test_gpu_fp8_path_interpreted_matches_reference():
+    assert float(_interpreted("gpu_fp8_path_check")) < 1e-2
+
+
+# --- validation ----------------------------------------------------------------------------------------------------
+
+
+def _validation_error(dispatcher, hidden=256, inter=128, device="auto") -> str | None:
+    from omegaconf import OmegaConf
+
+    from moe_lab.runtime.errors import ConfigError
+
+    cfg = OmegaConf.create({"trainer": {"device": device, "nproc_per_node": 1}, "parallel": {"ep": 1}, "model": {"hidden_size": hidden, "moe_intermediate_size": inter}})
+    try:
+        dispatcher.validate(cfg)
+    except ConfigError as e:
+        return e.key
+    return None
+
+
+def test_validate_fp8():
+    from moe_lab.moe.dispatcher import FusedDispatcher
+
+    assert _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8")) is None
+    assert _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), inter=96) == "model.moe_intermediate_size"
+    assert _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), hidden=200) == "model.hidden_size"
+    assert _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8"), device="cpu") == "dispatcher.expert_precision"
+    # the FP8 op keeps its FP8 rows and gate/up: no other dispatcher.save mode
+    fp8_inputs = FusedDispatcher(backend="reference", save="inputs", expert_precision="fp8")
+    assert _validation_error(fp8_inputs) == "dispatcher.save"
+    if not torch.cuda.is_available():
+        assert _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8")) == "dispatcher.expert_precision"
+
+
+# --- GPU: DeepGEMM against the reference ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deep_gemm_fp8_matches_reference_on_gpu():
+    import moe_lab.moe.fused as fused
+
+    if not fused.deep_gemm_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs deep_gemm on an SM90+ GPU")
+    tensors = [t.cuda() for t in problem(torch.bfloat16)]
+    got = run_op("fp8", "gpu_deep_gemm", *tensors)
+    expected = run_op("fp8", "reference", *tensors)
+    errors = [rel(a, b) for a, b in zip(got, expected)]
+    assert max(errors) < 1e-2, errors
+    bf16 = run_op("bf16", "gpu_deep_gemm", *tensors)
+    assert max(rel(a, b) for a, b in zip(got, bf16)) < 0.09
+
+
+# --- the planner ---------------------------------------------------------------------------------------------------
+
+
+def _planned(*overrides):
+    from moe_lab.plan.config import compose
+    from moe_lab.plan.planner import build_hardware, plan, step_of, validated
+    from moe_lab.plan.step_time import exchange_bytes
+
+    cfg = compose(["model=qwen3_30b", "model.num_layers=4", "dispatcher=fused", "data.seq_len=16384", *overrides])
+    hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+    train, options = validated(cfg, hw)
+    return plan(cfg, search=False), exchange_bytes(step_of(train, options, hw))
+
+
+def test_planner_plans_fp8_experts():
+    """FP8: expert GEMMs at the FP8 rate but the weight gradients', the saved rows in FP8 (smaller fused residuals),
+    the weight copies in memory, forward's dispatch in FP8 at EP > 1 (fewer bytes), MFU still on the bf16 peak;
+    a profile without an FP8 peak is refused by its key."""
+    bf16, _ = _planned()
+    fp8, _ = _planned("dispatcher.expert_precision=fp8")
+    seconds = lambda p: p["metrics"]["trace_breakdown"]["seconds"]  # noqa: E731
+    assert 0.5 < seconds(fp8)["expert_gemm"] / seconds(bf16)["expert_gemm"] < 0.8
+    memory = lambda p: p["plan"]["memory"]["by_category_gib"]  # noqa: E731
+    assert memory(fp8)["fp8 weight copies"] > 0 and "fp8 weight copies" not in memory(bf16)
+    assert memory(fp8)["fused dispatcher buffers"] < memory(bf16)["fused dispatcher buffers"]
+    mfu = lambda p: p["metrics"]["mfu"] / p["metrics"]["tokens_per_s_per_gpu"]  # noqa: E731
+    assert mfu(fp8) == pytest.approx(mfu(bf16))
+    ep2 = ("hardware.gpus_per_node=2", "parallel.ep=2")
+    _, sent_bf16 = _planned(*ep2)
+    _, sent_fp8 = _planned(*ep2, "dispatcher.expert_precision=fp8")
+    assert sent_fp8 / sent_bf16 == pytest.approx((3 + (1 + 1 / 32) / 2) / 4)
+    from moe_lab.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _planned("hardware=b300", "dispatcher.expert_precision=fp8")
+    assert error.value.key == "hardware.peak_fp8_tflops"
+
+
+def test_planner_searches_fp8_with_save_rows_only():
+    """The fastest-fitting search offers FP8 experts no dispatcher.save mode their op lacks (validation refuses it)."""
+    from moe_lab.plan.config import compose
+    from moe_lab.plan.planner import build_hardware, room_settings, step_of, validated
+
+    def saves(*overrides):
+        cfg = compose(["model=qwen3_30b", "model.num_layers=4", "dispatcher=fused", *overrides])
+        hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+        step = step_of(*validated(cfg, hw), hw)
+        return {setting["dispatcher.save"] for setting in room_settings(step)}
+
+    assert saves("dispatcher.expert_precision=fp8") == {"rows"}
+    assert saves() == {"rows", "rows_only", "inputs"}
