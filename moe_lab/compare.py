@@ -78,8 +78,13 @@ def noise_from_repeats(repeats: pd.DataFrame) -> pd.Series:
 
 
 def noise_record(band: pd.Series, metric: str, reference: str, repeats: list[str]) -> dict:
-    return {"metric": metric, "reference": reference, "repeats": repeats, "envelope": float(band.max()),
-            "band": [[int(s), float(v)] for s, v in band.items()]}  # fmt: skip
+    return {
+        "metric": metric,
+        "reference": reference,
+        "repeats": repeats,
+        "envelope": float(band.max()),
+        "band": [[int(s), float(v)] for s, v in band.items()],
+    }
 
 
 def read_noise(path: Path, steps: pd.Index) -> pd.Series:
@@ -101,8 +106,9 @@ class Verdict:
     message: str
 
 
-def check(table: pd.DataFrame, runs: pd.DataFrame, band: pd.Series | None, atol: float, rtol: float,
-          exact: bool) -> list[Verdict]:  # fmt: skip
+def check(
+    table: pd.DataFrame, runs: pd.DataFrame, band: pd.Series | None, atol: float, rtol: float, exact: bool
+) -> list[Verdict]:
     """Each run against the reference (``table``'s first column): its largest difference and whether it stays in
     its band (``band`` + atol + rtol * |reference|; ``exact``: bitwise equal at every step)."""
     reference = table.columns[0]
@@ -123,26 +129,35 @@ def check(table: pd.DataFrame, runs: pd.DataFrame, band: pd.Series | None, atol:
             unequal = diff.index[diff != 0]
             ok = unequal.empty and missing.empty
             first = unequal[0] if len(unequal) else None
-            message = (f"{label}: bitwise equal to {reference} at all {len(diff)} steps" if ok else
-                       f"{label}: differs from {reference} first at step {first} by {diff[first]:+.3e}, at most "
-                       f"{diff[worst]:+.3e} (step {worst})" if first is not None else
-                       f"{label}: equal where both have a value, but steps {list(missing)[:5]} are in one run "
-                       "only")  # fmt: skip
+            message = (
+                f"{label}: bitwise equal to {reference} at all {len(diff)} steps"
+                if ok
+                else f"{label}: differs from {reference} first at step {first} by {diff[first]:+.3e}, at most "
+                f"{diff[worst]:+.3e} (step {worst})"
+                if first is not None
+                else f"{label}: equal where both have a value, but steps {list(missing)[:5]} are in one run only"
+            )
         else:
             allowed = (band.reindex(diff.index).fillna(0) if band is not None else 0) + atol + rtol * ref[both].abs()
             over = diff.index[diff.abs() > allowed]
             ok = over.empty and missing.empty
             if not over.empty:
                 s = over[0]
-                message = (f"{label}: leaves the band first at step {s}: difference {diff[s]:+.3e}, band "
-                           f"{allowed[s]:.3e} ({len(over)} of {len(diff)} steps outside; largest {diff[worst]:+.3e} at "
-                           f"step {worst}, band {allowed[worst]:.3e})")  # fmt: skip
+                message = (
+                    f"{label}: leaves the band first at step {s}: difference {diff[s]:+.3e}, band "
+                    f"{allowed[s]:.3e} ({len(over)} of {len(diff)} steps outside; largest {diff[worst]:+.3e} at "
+                    f"step {worst}, band {allowed[worst]:.3e})"
+                )
             elif not missing.empty:
-                message = (f"{label}: within the band where both have a value, but steps {list(missing)[:5]} are in "
-                           "one run only")
+                message = (
+                    f"{label}: within the band where both have a value, but steps {list(missing)[:5]} are in "
+                    "one run only"
+                )
             else:
-                message = (f"{label}: within the band at all {len(diff)} steps (largest {diff[worst]:+.3e} at step "
-                           f"{worst}, band {allowed[worst]:.3e})")
+                message = (
+                    f"{label}: within the band at all {len(diff)} steps (largest {diff[worst]:+.3e} at step "
+                    f"{worst}, band {allowed[worst]:.3e})"
+                )
         verdicts.append(Verdict(label, ok, message))
     return verdicts
 
@@ -223,15 +238,27 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--assert-equal", action="store_true", help="fail unless every step is bitwise equal")
     parser.add_argument("--rtol", type=float, default=0.0, help="band: + rtol * |reference| (default 0)")
     parser.add_argument("--atol", type=float, default=0.0, help="band: + atol (default 0)")
-    mode.add_argument("--noise", nargs="+", action="extend", metavar="NOISE",
-                      help=f"repeats of the reference (run or sweep directories), or a noise record ({NOISE_RECORD})")
-    parser.add_argument("--noise-factor", type=float, default=1.0, metavar="F",
-                        help="the noise band is F times the spread the repeats showed (default 1; a few repeats show "
-                             "less than the noise's whole range)")
-    parser.add_argument("--write-noise", metavar="PATH",
-                        help="write the band measured from --noise repeats as a noise record")
-    parser.add_argument("--metric", default="loss",
-                        help="the metrics.jsonl column compared (default loss; eval_loss, grad_norm, ...)")
+    mode.add_argument(
+        "--noise",
+        nargs="+",
+        action="extend",
+        metavar="NOISE",
+        help=f"repeats of the reference (run or sweep directories), or a noise record ({NOISE_RECORD})",
+    )
+    parser.add_argument(
+        "--noise-factor",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="the noise band is F times the spread the repeats showed (default 1; a few repeats show "
+        "less than the noise's whole range)",
+    )
+    parser.add_argument(
+        "--write-noise", metavar="PATH", help="write the band measured from --noise repeats as a noise record"
+    )
+    parser.add_argument(
+        "--metric", default="loss", help="the metrics.jsonl column compared (default loss; eval_loss, grad_norm, ...)"
+    )
     parser.add_argument("--plot", metavar="PNG", help="draw the curves and their differences (matplotlib)")
     args = parser.parse_args(argv)
     if args.assert_equal and (args.rtol or args.atol):
@@ -253,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         band = noise_from_repeats(curves(repeats, args.metric)).reindex(table.index).ffill()
         band_from = f"{len(repeats) - 1} repeat(s) of the reference"
         if args.write_noise:
-            Path(args.write_noise).write_text(json.dumps(
-                noise_record(band.dropna(), args.metric, str(reference_dir), list(repeats["run_dir"][1:])), indent=1))
+            Path(args.write_noise).write_text(
+                json.dumps(
+                    noise_record(band.dropna(), args.metric, str(reference_dir), list(repeats["run_dir"][1:])), indent=1
+                )
+            )
     elif args.write_noise:
         parser.error("--write-noise needs --noise with repeats of the reference")
     committed = [reference_dir / NOISE_RECORD, reference_dir.parent / NOISE_RECORD]
@@ -271,10 +301,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reference: {runs['label'].iloc[0]} ({reference_dir}); {args.metric} by step")
     print(difference_table(table, band).to_string())
     checked = args.assert_equal or band is not None or args.rtol or args.atol
-    envelope = " + ".join(filter(None, [band_from and f"noise band ({band_from})", args.atol and f"atol {args.atol:g}",
-                                        args.rtol and f"rtol {args.rtol:g} x |reference|"]))  # fmt: skip
-    print("check: " + ("bitwise equality" if args.assert_equal else f"band = {envelope}" if checked else
-                       "none (give --assert-equal, --noise, --rtol or --atol)"))  # fmt: skip
+    envelope = " + ".join(
+        filter(
+            None,
+            [
+                band_from and f"noise band ({band_from})",
+                args.atol and f"atol {args.atol:g}",
+                args.rtol and f"rtol {args.rtol:g} x |reference|",
+            ],
+        )
+    )
+    print(
+        "check: "
+        + (
+            "bitwise equality"
+            if args.assert_equal
+            else f"band = {envelope}"
+            if checked
+            else "none (give --assert-equal, --noise, --rtol or --atol)"
+        )
+    )
     verdicts = check(table, runs, band, args.atol, args.rtol, args.assert_equal)
     for v in verdicts:
         failed = not v.ok and (checked or v.message.startswith(f"{v.label}: status"))

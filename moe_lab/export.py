@@ -29,15 +29,20 @@ log = logging.getLogger("moe_lab")
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def export(checkpoint: str | Path, out: str | Path, max_shard_bytes: int | None = 5 * 10**9, dtype: torch.dtype | None = None) -> None:
+def export(
+    checkpoint: str | Path, out: str | Path, max_shard_bytes: int | None = 5 * 10**9, dtype: torch.dtype | None = None
+) -> None:
     checkpoint, out = Path(checkpoint), Path(out)
     problem = ckpt_dir.why_incomplete(checkpoint)
     if problem is not None:
         raise ValueError(f"{checkpoint} is not a complete training checkpoint: {problem}")
     model = ckpt_dir.read_marker(checkpoint)["model"]
     if model.get("routing", "learned") != "learned":
-        log.warning("the run forced its routing (model.routing=%s); the export holds the router's weights, which "
-                    "transformers routes by", model["routing"])  # fmt: skip
+        log.warning(
+            "the run forced its routing (model.routing=%s); the export holds the router's weights, which "
+            "transformers routes by",
+            model["routing"],
+        )
     saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     sources = {}  # parameter name -> the key holding its values
     for key in saved:
@@ -47,8 +52,16 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_bytes: int | None 
             sources[name] = master if master in saved else key
     writer = SafetensorsWriter(out, max_shard_bytes)
     for batch in _batches(sources, saved, max_shard_bytes):
-        target = {sources[name]: torch.empty(saved[sources[name]].size, dtype=saved[sources[name]].properties.dtype) for name in batch}
-        dcp.load(target, checkpoint_id=str(checkpoint), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
+        target = {
+            sources[name]: torch.empty(saved[sources[name]].size, dtype=saved[sources[name]].properties.dtype)
+            for name in batch
+        }
+        dcp.load(
+            target,
+            checkpoint_id=str(checkpoint),
+            planner=dcp.DefaultLoadPlanner(flatten_state_dict=False),
+            no_dist=True,
+        )
         for name in batch:
             tensor = target[sources[name]]
             for published, matrix in published_tensors(name, tensor if dtype is None else tensor.to(dtype)):
@@ -112,8 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moe_lab.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a complete training checkpoint: <checkpoint dir>/step_<N>")
     parser.add_argument("out", help="directory for the Hugging Face model (created)")
-    parser.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest safetensors file (default 5GB)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
+    parser.add_argument(
+        "--max-shard-size", type=parse_size, default="5GB", help="largest safetensors file (default 5GB)"
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -18,8 +18,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from moe_lab import config
-from moe_lab.job.lifecycle import run_job
 from moe_lab.job.launcher import rank_hydra_overrides
+from moe_lab.job.lifecycle import run_job
 from moe_lab.results.record import job_meta
 from moe_lab.runtime.paths import CONF_DIR
 

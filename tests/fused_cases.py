@@ -47,7 +47,9 @@ class RowCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        made = not (func.is_view or func.overloadpacket.__name__.endswith("_") or func is torch.ops.aten.from_file.default)
+        made = not (
+            func.is_view or func.overloadpacket.__name__.endswith("_") or func is torch.ops.aten.from_file.default
+        )
         if made:
             for t in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(t, torch.Tensor) and 0 < t.dim() < 3:
@@ -61,7 +63,9 @@ def buffer_rows(backend: str, x, ids, weights, gate_up_proj, down_proj, grad_out
 
     impl = _impl(backend)
     with RowCounter() as counter:
-        _, *residuals = impl.forward(x, ids, weights, gate_up_proj, down_proj, num_experts, group, ALIGN[backend], backend)
+        _, *residuals = impl.forward(
+            x, ids, weights, gate_up_proj, down_proj, num_experts, group, ALIGN[backend], backend
+        )
         impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, backend)
     return counter.max_rows
 

@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-
 from moe_lab.data.synthetic import SyntheticData
 
 PAUSE = "MOE_LAB_TEST_PAUSE"

@@ -34,7 +34,9 @@ SWEEP_ARGS = [
     "profile.active=1",
 ]
 EXPECTED = {  # (ac, optimizer, ep) -> status
-    (ac, opt, ep): "invalid" if ep == "3" else {("full", "signsgd"): "oom", ("selective", "signsgd"): "error"}.get((ac, opt), "ok")
+    (ac, opt, ep): "invalid"
+    if ep == "3"
+    else {("full", "signsgd"): "oom", ("selective", "signsgd"): "error"}.get((ac, opt), "ok")
     for ac in ("none", "full", "selective")
     for opt in ("adamw", "signsgd")
     for ep in ("1", "3")
@@ -71,7 +73,9 @@ def _inject() -> None:
         for kind, match in rules:
             if all(choices.get(k) == v for k, v in match.items()):
                 if kind == "oom":
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by tests/sweep.py)")
+                    raise torch.OutOfMemoryError(
+                        "CUDA out of memory. Tried to allocate 2.00 GiB (injected by tests/sweep.py)"
+                    )
                 raise RuntimeError("injected by tests/sweep.py")
         return real_parallelize(*args, **kwargs)
 

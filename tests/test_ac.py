@@ -27,8 +27,8 @@ from moe_lab.moe.router import Router
 from moe_lab.parallel import parallelize
 from moe_lab.parallel.ac import SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
-from tests.distributed import run_world
 from tests.configs import compose_train
+from tests.distributed import run_world
 
 MODES = ("none", "full", "selective")
 SEQ, GLOBAL_BATCH = 16, 4  # tokens per sample, samples per step over all ranks
@@ -79,7 +79,15 @@ def train_step(yaml: str, checkpoint: str) -> dict:
     with torch.device("meta"):
         model = instantiate(cfg.model).build()
     options = config.build_options(cfg)
-    parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=torch.device("cpu"), compute_dtype=torch.float32)
+    parallelize(
+        model,
+        options.dispatcher,
+        options.ac,
+        ep=cfg.parallel.ep,
+        compile=cfg.trainer.compile,
+        device=torch.device("cpu"),
+        compute_dtype=torch.float32,
+    )
     model.to_empty(device="cpu")
     load_hf_checkpoint(model, checkpoint)
     batch = SyntheticData(SEQ, GLOBAL_BATCH, cfg.model.vocab_size).batch(0, 0, 1)
@@ -173,7 +181,9 @@ def selective_step_ops(dispatcher, saved_ops: dict) -> tuple[collections.Counter
     return forward.overloads, backward.overloads
 
 
-@pytest.mark.parametrize("dispatcher", [TorchDispatcher(), FusedDispatcher(backend="reference")], ids=["torch", "fused"])
+@pytest.mark.parametrize(
+    "dispatcher", [TorchDispatcher(), FusedDispatcher(backend="reference")], ids=["torch", "fused"]
+)
 def test_selective_keeps_the_declared_ops(dispatcher):
     """What ac=selective keeps beyond matmuls and attention is what the router and the dispatcher declare: with
     their saved_ops (as moe_lab.parallel.parallelize passes them) none of those ops runs again in backward; with
@@ -183,8 +193,14 @@ def test_selective_keeps_the_declared_ops(dispatcher):
     _, generic_only = selective_step_ops(dispatcher, {})
     ran = {op for op in declared if forward[op]}
     expected = {torch.ops.aten.topk.default}  # learned routing
-    expected |= {torch.ops.moe_lab.fused_moe.default} if isinstance(dispatcher, FusedDispatcher) else {torch.ops.aten.sort.stable, torch.ops.aten.bincount.default}
+    expected |= (
+        {torch.ops.moe_lab.fused_moe.default}
+        if isinstance(dispatcher, FusedDispatcher)
+        else {torch.ops.aten.sort.stable, torch.ops.aten.bincount.default}
+    )
     assert ran >= expected, ran
     for op in ran:
         assert kept[op] == 0, f"{op} re-ran in backward although declared"
-        assert generic_only[op] == forward[op], f"{op}: {generic_only[op]} calls in backward without it, {forward[op]} in forward"
+        assert generic_only[op] == forward[op], (
+            f"{op}: {generic_only[op]} calls in backward without it, {forward[op]} in forward"
+        )

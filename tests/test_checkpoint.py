@@ -91,7 +91,10 @@ def test_unknown_tensors_are_named_in_a_warning_and_model_tensors_are_not(tmp_pa
 )
 def test_shape_mismatch_names_the_tensor(tmp_path, other, tensor, shape, expected):
     write_checkpoint(tmp_path, replace(TINY, **other))
-    assert load_error(tmp_path) == f"checkpoint {tmp_path}: tensor {tensor} has shape {shape}, the model expects {expected}"
+    assert (
+        load_error(tmp_path)
+        == f"checkpoint {tmp_path}: tensor {tensor} has shape {shape}, the model expects {expected}"
+    )
 
 
 def test_stacked_experts_of_another_count_name_the_stack(tmp_path):
@@ -100,7 +103,10 @@ def test_stacked_experts_of_another_count_name_the_stack(tmp_path):
 
     write_state_dict(tmp_path, fewer_experts)
     message = load_error(tmp_path)
-    assert message == f"checkpoint {tmp_path}: tensor model.layers.1.mlp.experts.down_proj has shape (4, 64, 32), the model expects (8, 64, 32)"
+    assert (
+        message
+        == f"checkpoint {tmp_path}: tensor model.layers.1.mlp.experts.down_proj has shape (4, 64, 32), the model expects (8, 64, 32)"
+    )
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -147,7 +153,12 @@ def _load_ep2(directory: str) -> str:
 @pytest.mark.parametrize(
     "other, first_tensor, shape, expected",
     [
-        (dict(moe_intermediate_size=16), "model.layers.0.mlp.experts.{first_expert}.gate_proj.weight", (16, 64), (32, 64)),
+        (
+            dict(moe_intermediate_size=16),
+            "model.layers.0.mlp.experts.{first_expert}.gate_proj.weight",
+            (16, 64),
+            (32, 64),
+        ),
         (dict(vocab_size=256), "model.embed_tokens.weight", (256, 64), (512, 64)),
     ],
 )

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from moe_lab import config
-from moe_lab.job import lifecycle as job
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.checkpoint.checkpointer import CheckpointDamaged, CheckpointMismatch, find_damage
 from moe_lab.config import ConfigError
+from moe_lab.job import lifecycle as job
+from moe_lab.job.trainer import build_checkpointer, build_model, train
 from moe_lab.moe.router import Router
 from moe_lab.optim.schedule import warmup_cosine
-from moe_lab.job.trainer import build_checkpointer, build_model, train
 from tests.distributed import run_world
 from tests.test_offload import compose_train
 
@@ -49,7 +49,9 @@ def test_only_marked_step_directories_are_complete_and_pruning_keeps_the_newest(
     assert ckpt_dir.complete(tmp_path) == complete and ckpt_dir.newest(tmp_path) == complete[-1]
     assert ckpt_dir.why_incomplete(unmarked) == f"{ckpt_dir.MARKER} is missing"
     assert "never completed" in ckpt_dir.why_incomplete(partial)
-    assert "the newest is" in ckpt_dir.why_incomplete(tmp_path) and str(complete[-1]) in ckpt_dir.why_incomplete(tmp_path)
+    assert "the newest is" in ckpt_dir.why_incomplete(tmp_path) and str(complete[-1]) in ckpt_dir.why_incomplete(
+        tmp_path
+    )
     ckpt_dir.prune(tmp_path, keep=2)
     assert ckpt_dir.complete(tmp_path) == complete[1:]
     ckpt_dir.remove_leftovers(tmp_path)
@@ -125,7 +127,9 @@ def restored_expert_biases(overrides: list[str], run_dir) -> list[list[float]]:
 
 
 def _restored_expert_biases_world2(checkpoint: str, run_dir: str) -> list[list[float]]:
-    return restored_expert_biases(["trainer.nproc_per_node=2", "parallel.ep=2", f"trainer.resume={checkpoint}"], run_dir)
+    return restored_expert_biases(
+        ["trainer.nproc_per_node=2", "parallel.ep=2", f"trainer.resume={checkpoint}"], run_dir
+    )
 
 
 @pytest.mark.slow
@@ -140,8 +144,15 @@ def test_expert_bias_written_at_world1_restores_whole_at_world2_ep2(tmp_path, mo
 
 
 def _background_save_world2(run_dir: str) -> list[float]:
-    every = ["trainer.nproc_per_node=2", "parallel.ep=2", "offload=full", "trainer.checkpoint.every=3",
-             "trainer.checkpoint.async_save=true", "trainer.checkpoint.keep=null", *EXPERT_BIAS]  # fmt: skip
+    every = [
+        "trainer.nproc_per_node=2",
+        "parallel.ep=2",
+        "offload=full",
+        "trainer.checkpoint.every=3",
+        "trainer.checkpoint.async_save=true",
+        "trainer.checkpoint.keep=null",
+        *EXPERT_BIAS,
+    ]
     reference = train_in_process(every, f"{run_dir}/a")
     resumed = train_in_process([*every, f"trainer.resume={run_dir}/a/checkpoints/step_00000003"], f"{run_dir}/b")
     return [reference["losses"], resumed["losses"]]
@@ -155,9 +166,14 @@ def test_background_save_at_world2_ep2_resumes_exactly(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
-    train_in_process(["trainer.steps=1", "trainer.checkpoint.every=1", "model.moe_intermediate_size=16"], tmp_path / "a")
+    train_in_process(
+        ["trainer.steps=1", "trainer.checkpoint.every=1", "model.moe_intermediate_size=16"], tmp_path / "a"
+    )
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000001"
-    with pytest.raises(CheckpointMismatch, match=r"model/model\.layers\.0\.mlp\.experts\.gate_up_proj has shape \(8, 32, 64\), this model's is \(8, 64, 64\)"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"model/model\.layers\.0\.mlp\.experts\.gate_up_proj has shape \(8, 32, 64\), this model's is \(8, 64, 64\)",
+    ):
         train_in_process([f"trainer.resume={checkpoint}"], tmp_path / "b")
 
 
@@ -166,10 +182,14 @@ def test_auto_resume_refuses_a_checkpoint_of_another_configuration(tmp_path):
     stops naming the checkpoint instead of continuing from it (checkpoint settings are no part of the point)."""
     cfg = compose_train(SMALL)
     checkpoint = fake_checkpoint(tmp_path / "checkpoints", 4)
-    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"config": job.point_config(compose_train([*SMALL, "ac=full"]))}))
+    (checkpoint / ckpt_dir.MARKER).write_text(
+        json.dumps({"config": job.point_config(compose_train([*SMALL, "ac=full"]))})
+    )
     with pytest.raises(job.RunDirInUse, match=f"{checkpoint} is a checkpoint of another configuration"):
         job.earlier_record(tmp_path, cfg, multirun=True)
-    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"config": job.point_config(compose_train([*SMALL, "trainer.checkpoint.every=2"]))}))
+    (checkpoint / ckpt_dir.MARKER).write_text(
+        json.dumps({"config": job.point_config(compose_train([*SMALL, "trainer.checkpoint.every=2"]))})
+    )
     assert job.earlier_record(tmp_path, cfg, multirun=True) is None  # the same point: it resumes
     job.earlier_record(tmp_path, compose_train([*SMALL, "ac=full", "trainer.resume=never"]), multirun=True)
 
@@ -200,8 +220,11 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before_or_fails_naming_it(ho
     file = _damage(newest, how)
 
     what = {"truncated": "cut short: ", "deleted": "missing", "overwritten": "reading it failed: rank 0: "}[how]
-    with pytest.raises(CheckpointDamaged, match=f"checkpoint {newest} is damaged: {file}: {what}.*"
-                       f"trainer.resume_fallback=true would set it aside and continue from {before}") as e:  # fmt: skip
+    with pytest.raises(
+        CheckpointDamaged,
+        match=f"checkpoint {newest} is damaged: {file}: {what}.*"
+        f"trainer.resume_fallback=true would set it aside and continue from {before}",
+    ) as e:
         train_in_process([*every, "trainer.resume_fallback=false"], tmp_path / "a")
     assert e.value.details == {"checkpoint": str(newest), "file": file}
     assert ckpt_dir.complete(directory) == [before, newest]  # left as it was
@@ -215,7 +238,9 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before_or_fails_naming_it(ho
 
     _damage(newest, how)
     _damage(before, how)
-    with pytest.raises(CheckpointDamaged, match=f"checkpoint {before} is damaged: {file}: .*no complete checkpoint before it"):
+    with pytest.raises(
+        CheckpointDamaged, match=f"checkpoint {before} is damaged: {file}: .*no complete checkpoint before it"
+    ):
         train_in_process(every, tmp_path / "a")
     with pytest.raises(CheckpointDamaged, match=f"checkpoint {before} is damaged.*named by trainer.resume"):
         train_in_process([*every, f"trainer.resume={before}"], tmp_path / "b")
@@ -228,13 +253,18 @@ def test_a_checkpoint_of_another_depth_is_refused_naming_the_tensor(tmp_path):
     train_in_process(one_step, tmp_path / "two")
     train_in_process([*one_step, "model.num_layers=1"], tmp_path / "one")
     two, one = (tmp_path / name / "checkpoints" / "step_00000001" for name in ("two", "one"))
-    with pytest.raises(CheckpointMismatch, match=r"model/model\.layers\.1\.\S+ \(and \d+ more\) is the state of a parameter this model lacks"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"model/model\.layers\.1\.\S+ \(and \d+ more\) is the state of a parameter this model lacks",
+    ):
         train_in_process([*one_step, "model.num_layers=1", f"trainer.resume={two}"], tmp_path / "c")
     with pytest.raises(CheckpointMismatch, match=r"no model/model\.layers\.1\."):
         train_in_process([*one_step, f"trainer.resume={one}"], tmp_path / "d")
     train_in_process(["trainer.steps=1", "trainer.checkpoint.every=1"], tmp_path / "adamw")  # per-parameter state
     adamw = tmp_path / "adamw" / "checkpoints" / "step_00000001"
-    with pytest.raises(CheckpointMismatch, match=r"model\.layers\.1\.\S+ \(and \d+ more\) is the state of a parameter this model lacks"):
+    with pytest.raises(
+        CheckpointMismatch, match=r"model\.layers\.1\.\S+ \(and \d+ more\) is the state of a parameter this model lacks"
+    ):
         train_in_process(["trainer.steps=2", "model.num_layers=1", f"trainer.resume={adamw}"], tmp_path / "e")
 
 

@@ -23,17 +23,32 @@ def sweep(tmp_path_factory) -> Path:
     """Three tiny 4-step CPU runs in one process: points 0 and 1 the same config, point 2 a slightly larger LR."""
     out = tmp_path_factory.mktemp("compare") / "sweep"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "moe_lab.train", "-m", "trainer.steps=4", "trainer.warmup_steps=1",
-                    "data.seq_len=16", "data.batch_size=2", "optimizer.lr=0.003,0.003,0.0031",
-                    f"hydra.sweep.dir={out}"],
-                   cwd=ROOT, env=env, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_lab.train",
+            "-m",
+            "trainer.steps=4",
+            "trainer.warmup_steps=1",
+            "data.seq_len=16",
+            "data.batch_size=2",
+            "optimizer.lr=0.003,0.003,0.0031",
+            f"hydra.sweep.dir={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "moe_lab.compare", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "moe_lab.compare", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
 
 
 def test_equal_runs_pass_and_a_perturbed_run_fails(sweep, tmp_path):
@@ -56,8 +71,14 @@ def test_equal_runs_pass_and_a_perturbed_run_fails(sweep, tmp_path):
 def fake_run(directory: Path, losses: list[float], status: str = "ok", lr: float = 0.1) -> Path:
     """A run directory as a run leaves it, with these losses."""
     directory.mkdir(parents=True)
-    record = {"status": status, "error": None, "choices": {}, "overrides": [f"optimizer.lr={lr}"],
-              "config": {"optimizer": {"lr": lr}}, "metrics": {}}  # fmt: skip
+    record = {
+        "status": status,
+        "error": None,
+        "choices": {},
+        "overrides": [f"optimizer.lr={lr}"],
+        "config": {"optimizer": {"lr": lr}},
+        "metrics": {},
+    }
     (directory / RESULT).write_text(json.dumps(record))
     (directory / METRICS).write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in enumerate(losses)))
     return directory
@@ -80,10 +101,17 @@ def test_noise_band_is_the_running_maximum_of_the_repeats_spread(tmp_path):
     # The record stands in for the repeats; the run two steps outside fails, named with its step, difference and band.
     assert compare.main([str(ref), str(inside), "--noise", str(record)]) == 0
     assert compare.main([str(ref), str(outside), "--noise", str(record)]) == 1
-    verdict = compare.check(compare.curves(compare.load_runs([ref, outside])), compare.load_runs([ref, outside]),
-                            compare.read_noise(record, table.index), 0.0, 0.0, False)[0]  # fmt: skip
+    verdict = compare.check(
+        compare.curves(compare.load_runs([ref, outside])),
+        compare.load_runs([ref, outside]),
+        compare.read_noise(record, table.index),
+        0.0,
+        0.0,
+        False,
+    )[0]
     assert verdict.message.startswith(
-        "optimizer.lr=0.3: leaves the band first at step 2: difference +5.000e-04, band 3.000e-04")
+        "optimizer.lr=0.3: leaves the band first at step 2: difference +5.000e-04, band 3.000e-04"
+    )
     # A noise record committed beside the reference is read without --noise.
     (tmp_path / "ref" / "noise.json").write_text(json.dumps({"envelope": 1e-3}))
     assert compare.main([str(ref), str(outside)]) == 0

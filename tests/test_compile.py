@@ -10,7 +10,6 @@ agree to bf16 rounding: relative 2e-3 over 3 steps (they differ by about 1e-5 in
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +19,8 @@ from hydra.utils import instantiate
 from moe_lab import config
 from moe_lab.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
 from moe_lab.parallel import parallelize
-from tests.distributed import run_world
 from tests.configs import compose_train
+from tests.distributed import run_world
 
 LAYERS = 2  # the tiny model
 MODES = (("none", False), ("none", True), ("selective", True), ("full", True))  # (ac, compiled)
@@ -39,12 +38,29 @@ def can_compile() -> str | None:
 def train(dispatcher: str, ac: str, compiled: bool, checkpoint: str, extra: tuple = ()) -> dict:
     """3 steps on this rank's share of the global batch; the loss (mean over ranks) and the all-to-alls run during
     each forward and each backward. ``extra``: more overrides (the model's among them must match the checkpoint's)."""
-    overrides = [f"dispatcher={dispatcher}", f"ac={ac}", f"trainer.compile={str(compiled).lower()}", "trainer.precision=bf16", "parallel.ep=2", "data.seq_len=32", "data.batch_size=2", *extra]
+    overrides = [
+        f"dispatcher={dispatcher}",
+        f"ac={ac}",
+        f"trainer.compile={str(compiled).lower()}",
+        "trainer.precision=bf16",
+        "parallel.ep=2",
+        "data.seq_len=32",
+        "data.batch_size=2",
+        *extra,
+    ]
     cfg = compose_train(*overrides)
     with torch.device("meta"):
         model = instantiate(cfg.model).build()
     options = config.build_options(cfg)
-    parallelize(model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    parallelize(
+        model,
+        options.dispatcher,
+        options.ac,
+        ep=cfg.parallel.ep,
+        compile=cfg.trainer.compile,
+        device=torch.device("cpu"),
+        compute_dtype=torch.bfloat16,
+    )
     model.to_empty(device="cpu")
     load_hf_checkpoint(model, checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -120,8 +136,8 @@ def test_compiled_blocks_train_like_eager(dispatcher, tmp_path):
 def test_compiled_loss_equals_eager():
     if reason := can_compile():
         pytest.skip(reason)
-    from moe_lab.parallel import compile_loss
     from moe_lab.job.trainer import lm_loss
+    from moe_lab.parallel import compile_loss
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 16, 300, generator=gen).to(torch.bfloat16).requires_grad_()

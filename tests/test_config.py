@@ -51,12 +51,22 @@ def required_paths(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("required")
     tiny = yaml.safe_load((CONF / "model" / "tiny.yaml").read_text())
-    hf = {"model_type": "qwen3_moe", "vocab_size": tiny["vocab_size"], "hidden_size": tiny["hidden_size"],
-          "num_hidden_layers": tiny["num_layers"], "num_attention_heads": tiny["num_heads"],
-          "num_key_value_heads": tiny["num_kv_heads"], "head_dim": tiny["head_dim"], "num_experts": tiny["num_experts"],
-          "num_experts_per_tok": tiny["num_experts_per_tok"], "moe_intermediate_size": tiny["moe_intermediate_size"],
-          "norm_topk_prob": True, "max_position_embeddings": tiny["max_position_embeddings"],
-          "rope_theta": tiny["rope_theta"], "rms_norm_eps": tiny["rms_norm_eps"]}  # fmt: skip
+    hf = {
+        "model_type": "qwen3_moe",
+        "vocab_size": tiny["vocab_size"],
+        "hidden_size": tiny["hidden_size"],
+        "num_hidden_layers": tiny["num_layers"],
+        "num_attention_heads": tiny["num_heads"],
+        "num_key_value_heads": tiny["num_kv_heads"],
+        "head_dim": tiny["head_dim"],
+        "num_experts": tiny["num_experts"],
+        "num_experts_per_tok": tiny["num_experts_per_tok"],
+        "moe_intermediate_size": tiny["moe_intermediate_size"],
+        "norm_topk_prob": True,
+        "max_position_embeddings": tiny["max_position_embeddings"],
+        "rope_theta": tiny["rope_theta"],
+        "rms_norm_eps": tiny["rms_norm_eps"],
+    }
     (base / "hf").mkdir()
     (base / "hf" / "config.json").write_text(json.dumps(hf))
     documents = (("eval" if d % 10 == 0 else "train", np.arange(50, dtype=np.uint32) + d) for d in range(100))
@@ -103,7 +113,9 @@ def test_every_option_validates_at_world2_ep2(choice):
     cls = get_object(values.pop("_target_"))
     if values.pop("_partial_", False):  # the optimizer: a factory over the parameters
         built = built([torch.nn.Parameter(torch.zeros(1))])
-        assert isinstance(built, cls) and {k: built.defaults[k] for k in values} == {k: _as(built.defaults[k], v) for k, v in values.items()}
+        assert isinstance(built, cls) and {k: built.defaults[k] for k in values} == {
+            k: _as(built.defaults[k], v) for k, v in values.items()
+        }
         return
     assert type(built) is cls
     kept = {k: v for k, v in values.items() if hasattr(built, k)}  # the keys the option keeps as attributes
@@ -220,7 +232,9 @@ def test_fused_ep_group_across_nodes_runs_on_the_reference_backend_only(monkeypa
 def test_validation_returns_the_options_it_built():
     """Validation builds each option once and hands it over: the trainer builds nothing from the config again."""
     options = config.validate(compose_train(["dispatcher=fused", "offload=optimizer"]))
-    assert type(options.dispatcher).__name__ == "FusedDispatcher" and type(options.offload).__name__ == "OptimizerOffload"
+    assert (
+        type(options.dispatcher).__name__ == "FusedDispatcher" and type(options.offload).__name__ == "OptimizerOffload"
+    )
     assert options.model.num_layers == 2 and options.data.seq_len == 128
 
 
@@ -243,14 +257,34 @@ def test_unknown_key_lists_the_allowed_ones():
 # Published config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (Hugging Face), in this project's names.
 PUBLISHED = {
     "qwen3_30b": dict(
-        vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-        max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
     ),
     "qwen3_235b": dict(
-        vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
-        max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
     ),
 }
 

@@ -46,8 +46,10 @@ def test_compile_without_inductors_deterministic_mode_is_refused(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(determinism, "inductor_has_deterministic_mode", lambda: False)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["trainer.deterministic=true", "trainer.compile=true",
-                                                      "trainer.precision=bf16"])  # fmt: skip
+        cfg = compose(
+            config_name="train",
+            overrides=["trainer.deterministic=true", "trainer.compile=true", "trainer.precision=bf16"],
+        )
         with pytest.raises(ConfigError) as refused:
             validate(cfg)
         assert refused.value.key == "trainer.deterministic" and "Inductor's deterministic mode" in str(refused.value)
@@ -76,8 +78,14 @@ def train(args: list[str], env_extra: dict | None = None, check: bool = True) ->
 
 
 def test_two_deterministic_cpu_runs_are_bitwise_equal(tmp_path):
-    common = ["trainer.deterministic=true", "trainer.steps=4", "trainer.warmup_steps=1", "data.seq_len=16",
-              "data.batch_size=2", "dispatcher=fused"]  # fmt: skip
+    common = [
+        "trainer.deterministic=true",
+        "trainer.steps=4",
+        "trainer.warmup_steps=1",
+        "data.seq_len=16",
+        "data.batch_size=2",
+        "dispatcher=fused",
+    ]
     for name in ("a", "b"):
         train([*common, f"hydra.run.dir={tmp_path / name}"])
     assert compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--assert-equal"]) == 0
@@ -87,11 +95,21 @@ def test_two_deterministic_cpu_runs_are_bitwise_equal(tmp_path):
 
 # A small shape the fused gpu backend runs with torch._grouped_mm (DeepGEMM needs multiples of 128), bf16, compiled,
 # learned routing; 12 steps, a checkpoint at 6.
-GPU_RUN = ["trainer.device=cuda", "trainer.compile=true", "dispatcher=fused", "dispatcher.gemm=torch",
-           "model.hidden_size=256", "model.moe_intermediate_size=128", "model.num_experts=16",
-           "model.num_experts_per_tok=4",
-           "data.seq_len=256", "data.batch_size=4", "trainer.steps=12", "trainer.warmup_steps=2",
-           "trainer.checkpoint.every=6"]  # fmt: skip
+GPU_RUN = [
+    "trainer.device=cuda",
+    "trainer.compile=true",
+    "dispatcher=fused",
+    "dispatcher.gemm=torch",
+    "model.hidden_size=256",
+    "model.moe_intermediate_size=128",
+    "model.num_experts=16",
+    "model.num_experts_per_tok=4",
+    "data.seq_len=256",
+    "data.batch_size=4",
+    "trainer.steps=12",
+    "trainer.warmup_steps=2",
+    "trainer.checkpoint.every=6",
+]
 
 
 def killed_and_resumed(tmp_path: Path, args: list[str]) -> Path:

@@ -51,7 +51,9 @@ def run_job(run_dir: Path, ranks: int, ep: int, checkpoint: Path | None) -> dict
         "trainer.seed=0",
         *([f"trainer.init_checkpoint={checkpoint}"] if checkpoint else []),
     ]
-    proc = subprocess.run([sys.executable, "-m", "moe_lab.train", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_lab.train", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "ok" and result["world_size"] == ranks
@@ -64,8 +66,10 @@ def test_mesh_shapes_train_like_one_rank(tmp_path):
     model.init_weights(seed=0)
     save_hf_checkpoint(model.state_dict(), tmp_path / "init")
 
-    runs = {name: run_job(tmp_path / name, ranks, ep, tmp_path / "init" if from_checkpoint else None)
-            for name, (ranks, ep, from_checkpoint) in WORLDS.items()}  # fmt: skip
+    runs = {
+        name: run_job(tmp_path / name, ranks, ep, tmp_path / "init" if from_checkpoint else None)
+        for name, (ranks, ep, from_checkpoint) in WORLDS.items()
+    }
 
     reference = runs.pop("world1")
     assert len(reference["losses"]) == 5

@@ -27,9 +27,18 @@ from tests.distributed import run_world
 from tests.test_train_cpu import result, train_cli
 
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast", "barrier",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "barrier",
+)
 
 
 def compose_train(overrides: list[str]):
@@ -146,6 +155,7 @@ def test_emulated_rank_is_real_rank_0_of_world_4():
 
 def test_collectives_mirror_this_rank():
     """Each stand-in peer holds and sends what this rank does (rank 1 of 4)."""
+
     def check():
         x = torch.arange(4.0)
         dist.all_reduce(y := x.clone())
@@ -187,8 +197,9 @@ def loopback_fused_check(ep: int) -> dict:
             weights = torch.rand(16, K, generator=gen)
             y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
             grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, "gpu")
-            reference = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, group.group_name,
-                                                    "reference")  # fmt: skip
+            reference = torch.ops.moe_lab.fused_moe(
+                x, ids, weights, gate_up_proj, down_proj, E, group.group_name, "reference"
+            )
             out[kind] = {
                 "gpu_rows": residuals[0].shape[0],
                 "reference_rows": reference[1].shape[0],
@@ -204,8 +215,13 @@ def test_fused_receive_buffer_holds_the_mirrored_rows():
     """The receive buffer of emulated rank 0 has the rows real rank 0 of a world routing like it receives, in the
     gpu backend (the group's loopback symmetric memory) and the reference backend (its collectives)."""
     code = "from tests.test_emulate import loopback_fused_check as f; print(repr(f(4)))"
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for kind, r in eval(done.stdout.strip().splitlines()[-1]).items():
         assert [r["gpu_rows"], r["reference_rows"]] == r["mirrored_rows"], kind
@@ -213,8 +229,14 @@ def test_fused_receive_buffer_holds_the_mirrored_rows():
 
 
 def _job(run_dir, *overrides):
-    proc = train_cli(f"hydra.run.dir={run_dir}", "trainer.device=cpu", "trainer.steps=3", "data.seq_len=32",
-                     "data.batch_size=1", *overrides)  # fmt: skip
+    proc = train_cli(
+        f"hydra.run.dir={run_dir}",
+        "trainer.device=cpu",
+        "trainer.steps=3",
+        "data.seq_len=32",
+        "data.batch_size=1",
+        *overrides,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return result(run_dir)
 
@@ -223,13 +245,25 @@ def _job(run_dir, *overrides):
 def test_rank_0_of_large_worlds_trains(tmp_path, layout):
     nproc, nodes, ep = layout
     layout = [f"trainer.nproc_per_node={nproc}", f"parallel.emulate_nodes={nodes}", f"parallel.ep={ep}"]
-    record = _job(tmp_path, "parallel.emulate=true", *layout, "dispatcher=fused", "profile.enabled=true",
-                  "profile.wait=1", "profile.active=1")  # fmt: skip
+    record = _job(
+        tmp_path,
+        "parallel.emulate=true",
+        *layout,
+        "dispatcher=fused",
+        "profile.enabled=true",
+        "profile.wait=1",
+        "profile.active=1",
+    )
     world = int(nproc) * int(nodes)
     assert record["status"] == "ok" and record["world_size"] == world
     assert record["emulated"]["world"] == world and record["emulated"]["rank"] == 0
-    assert record["emulated"]["mesh"] == {"nodes": int(nodes), "gpus_per_node": int(nproc), "dp_shard": world,
-                                          "ep": int(ep), "expert_shard": world // int(ep)}  # fmt: skip
+    assert record["emulated"]["mesh"] == {
+        "nodes": int(nodes),
+        "gpus_per_node": int(nproc),
+        "dp_shard": world,
+        "ep": int(ep),
+        "expert_shard": world // int(ep),
+    }
     assert "not a model's" in record["emulated"]["note"]
     m = record["metrics"]
     assert len(m["losses"]) == 3 and all(map(lambda v: v == v, m["losses"]))

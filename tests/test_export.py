@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 
 from moe_lab import config
 from moe_lab.checkpoint.checkpointer import Checkpointer
+from moe_lab.job.trainer import build_model
 from moe_lab.models.hf_weights import INDEX, CheckpointReader
 from moe_lab.optim.schedule import warmup_cosine
-from moe_lab.job.trainer import build_model
 from tests.test_checkpointer import train_in_process
 from tests.test_offload import compose_train
 
@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def export_cli(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "moe_lab.export", *map(str, args)], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_lab.export", *map(str, args)], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
@@ -40,15 +42,31 @@ def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
     optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
     scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
     Checkpointer(
-        cfg.trainer.checkpoint, str(checkpoint), "unused", fallback=False, model=model, optimizer=optimizer,
-        scheduler=scheduler, data=options.data, device=device, state_device=device, config={}, model_config={},
-    ).restore()  # fmt: skip
+        cfg.trainer.checkpoint,
+        str(checkpoint),
+        "unused",
+        fallback=False,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=options.data,
+        device=device,
+        state_device=device,
+        config={},
+        model_config={},
+    ).restore()
     return model.eval()
 
 
 @pytest.mark.slow
 def test_export_loads_in_transformers_with_the_trained_logits(tmp_path):
-    overrides = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=2"]
+    overrides = [
+        "trainer.steps=2",
+        "trainer.warmup_steps=1",
+        "data.seq_len=16",
+        "data.batch_size=1",
+        "trainer.checkpoint.every=2",
+    ]
     train_in_process(overrides, tmp_path / "run")
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
     proc = export_cli(checkpoint, tmp_path / "hf", "--max-shard-size", "200KB")
@@ -66,14 +84,25 @@ def test_export_loads_in_transformers_with_the_trained_logits(tmp_path):
 
 @pytest.mark.slow
 def test_export_of_full_offload_in_bf16_holds_the_fp32_masters(tmp_path):
-    overrides = ["trainer.steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=1", "offload=full",
-                 "trainer.precision=bf16"]  # fmt: skip
+    overrides = [
+        "trainer.steps=1",
+        "data.seq_len=16",
+        "data.batch_size=1",
+        "trainer.checkpoint.every=1",
+        "offload=full",
+        "trainer.precision=bf16",
+    ]
     train_in_process(overrides, tmp_path / "run")
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000001"
     assert export_cli(checkpoint, tmp_path / "hf", "--max-shard-size", "100MB").returncode == 0
     name = "model.layers.0.self_attn.q_proj.weight"
-    saved = {f"model/{name}": torch.empty(64, 64, dtype=torch.bfloat16), f"optimizer/{name}/master": torch.empty(64, 64)}
-    dcp.load(saved, checkpoint_id=str(checkpoint), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
+    saved = {
+        f"model/{name}": torch.empty(64, 64, dtype=torch.bfloat16),
+        f"optimizer/{name}/master": torch.empty(64, 64),
+    }
+    dcp.load(
+        saved, checkpoint_id=str(checkpoint), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False), no_dist=True
+    )
     exported = CheckpointReader(tmp_path / "hf").get(name, (64, 64), torch.float32)
     assert exported.dtype == torch.float32 and torch.equal(exported, saved[f"optimizer/{name}/master"])
     assert not torch.equal(exported, saved[f"model/{name}"].float())  # the bf16 weights are the masters rounded

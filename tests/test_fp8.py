@@ -33,7 +33,10 @@ E, H, I, K, T = 4, 256, 256, 2, 48
 def problem(dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen)
-    gate_up_proj, down_proj = torch.randn(E, 2 * I, H, generator=gen) * H**-0.5, torch.randn(E, H, I, generator=gen) * I**-0.5
+    gate_up_proj, down_proj = (
+        torch.randn(E, 2 * I, H, generator=gen) * H**-0.5,
+        torch.randn(E, H, I, generator=gen) * I**-0.5,
+    )
     law = torch.tensor([4.0, 2.0, 1.0, 0.0])  # skewed; expert 3 gets no token
     ids = torch.multinomial(law.expand(T, -1), K, generator=gen)
     weights_ = torch.softmax(torch.randn(T, K, generator=gen), -1)
@@ -139,7 +142,9 @@ def test_fp8_blocks_compile_fullgraph_under_every_ac_mode(tmp_path):
     model.init_weights()
     save_hf_checkpoint(model.state_dict(), tmp_path)
     extra = (*shape, "dispatcher.backend=reference", "dispatcher.expert_precision=fp8")
-    runs = run_world(2, test_compile.train_all, "fused", str(tmp_path), extra, timeout=2400)[0]  # ~6 min a mode on 2 CPUs
+    runs = run_world(2, test_compile.train_all, "fused", str(tmp_path), extra, timeout=2400)[
+        0
+    ]  # ~6 min a mode on 2 CPUs
     eager = runs[("none", False)]
     assert eager["losses"][-1] < eager["losses"][0]
     for ac, compiled in test_compile.MODES[1:]:
@@ -151,7 +156,13 @@ def test_fp8_blocks_compile_fullgraph_under_every_ac_mode(tmp_path):
 
 def _interpreted(function: str) -> str:
     code = f"from tests.test_fp8 import {function} as f; print(f())"
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 
@@ -170,12 +181,19 @@ def quantizer_kernels_check() -> str:
     from moe_lab.moe.fp8 import kernels
 
     n, k = 256, 384
-    out = [torch.empty(2, n, k, dtype=quant.FP8), torch.empty(2, 2, 3), torch.empty(2, k, n, dtype=quant.FP8), torch.empty(2, 3, 2)]
+    out = [
+        torch.empty(2, n, k, dtype=quant.FP8),
+        torch.empty(2, 2, 3),
+        torch.empty(2, k, n, dtype=quant.FP8),
+        torch.empty(2, 3, 2),
+    ]
     kernels.weight_blocks_kernel[(2, 2, 3)](w, out[0], out[1], out[2], out[3], N=n, K=k)
     wq, ws = quant.quantize_blocks(w)
     expected = [wq, ws, *quant.transpose_blocks(wq, ws)]
     for a, b in zip(out, expected):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == quant.FP8 else a, b.view(torch.uint8) if b.dtype == quant.FP8 else b)
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == quant.FP8 else a, b.view(torch.uint8) if b.dtype == quant.FP8 else b
+        )
     return "ok"
 
 
@@ -219,7 +237,13 @@ def _validation_error(dispatcher, hidden=256, inter=128, device="auto") -> str |
 
     from moe_lab.runtime.errors import ConfigError
 
-    cfg = OmegaConf.create({"trainer": {"device": device, "nproc_per_node": 1}, "parallel": {"ep": 1}, "model": {"hidden_size": hidden, "moe_intermediate_size": inter}})
+    cfg = OmegaConf.create(
+        {
+            "trainer": {"device": device, "nproc_per_node": 1},
+            "parallel": {"ep": 1},
+            "model": {"hidden_size": hidden, "moe_intermediate_size": inter},
+        }
+    )
     try:
         dispatcher.validate(cfg)
     except ConfigError as e:
@@ -231,14 +255,25 @@ def test_validate_fp8():
     from moe_lab.moe.dispatcher import FusedDispatcher
 
     assert _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8")) is None
-    assert _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), inter=96) == "model.moe_intermediate_size"
-    assert _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), hidden=200) == "model.hidden_size"
-    assert _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8"), device="cpu") == "dispatcher.expert_precision"
+    assert (
+        _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), inter=96)
+        == "model.moe_intermediate_size"
+    )
+    assert (
+        _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), hidden=200)
+        == "model.hidden_size"
+    )
+    assert (
+        _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8"), device="cpu")
+        == "dispatcher.expert_precision"
+    )
     # the FP8 op keeps its FP8 rows and gate/up: no other dispatcher.save mode
     fp8_inputs = FusedDispatcher(backend="reference", save="inputs", expert_precision="fp8")
     assert _validation_error(fp8_inputs) == "dispatcher.save"
     if not torch.cuda.is_available():
-        assert _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8")) == "dispatcher.expert_precision"
+        assert (
+            _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8")) == "dispatcher.expert_precision"
+        )
 
 
 # --- GPU: DeepGEMM against the reference ---------------------------------------------------------------------------

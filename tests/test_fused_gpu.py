@@ -101,7 +101,9 @@ def test_gpu_backend_syncs_once_per_forward():
         run_op(backend, x, ids, weights, gate_up_proj, down_proj, grad_out)  # first call: kernel compilation
         inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
         outputs = []
-        forward = host_syncs(lambda: outputs.append(torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0]))
+        forward = host_syncs(
+            lambda: outputs.append(torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0])
+        )
         backward = host_syncs(lambda: torch.autograd.grad(outputs[0], inputs, grad_out))
         assert (forward, backward) == (1, 0), backend
 
@@ -118,8 +120,17 @@ def test_block_compiles_fullgraph_on_gpu(ac):
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 
     def build(dtype, backend, checkpointing=None):
-        cfg = Qwen3MoeConfig.preset("tiny", num_layers=1, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=16,
-                             num_experts_per_tok=4, moe_intermediate_size=128)
+        cfg = Qwen3MoeConfig.preset(
+            "tiny",
+            num_layers=1,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=128,
+        )
         torch.manual_seed(0)
         model = cfg.build().cuda()
         model.init_weights()
@@ -149,7 +160,9 @@ def test_block_compiles_fullgraph_on_gpu(ac):
 
 
 def _ep_worker(rank, ep, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
+    )
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
@@ -162,7 +175,9 @@ def _ep_worker(rank, ep, port, queue):
         for shape in SHAPES:
             # concentrated after skewed: the symmetric workspace grows (rank 0 receives every row) between calls
             for routing in ("balanced", "skewed", "concentrated"):
-                x, ids, weights, gate_up_proj, down_proj, grad_out = make_problem(*SHAPES[shape], 1024, routing, seed=rank)
+                x, ids, weights, gate_up_proj, down_proj, grad_out = make_problem(
+                    *SHAPES[shape], 1024, routing, seed=rank
+                )
                 all_ids = [torch.empty_like(ids) for _ in range(ep)]
                 dist.all_gather(all_ids, ids)
                 local = slice(rank * E // ep, (rank + 1) * E // ep)
@@ -174,7 +189,9 @@ def _ep_worker(rank, ep, port, queue):
                     for _ in range(2):  # the second call reuses the symmetric buffers
                         got = run_op(backend, *problem, group_name=name)
                     out[f"{shape}/{routing}/{backend}"] = rel_errors(got, ref)
-                    residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[1:5]
+                    residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[
+                        1:5
+                    ]
                     expected = received_rows([i.cpu() for i in all_ids], rank, ep, ALIGN[backend], E)[1]
                     rows[f"{shape}/{routing}/{backend}"] = ({t.shape[0] for t in residuals}, expected)
         queue.put((rank, {"errors": out, "rows": rows}))
@@ -185,7 +202,15 @@ def _ep_worker(rank, ep, port, queue):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep", [pytest.param(ep, id=f"ep{ep}", marks=pytest.mark.skipif(torch.cuda.device_count() < ep, reason=f"needs {ep} GPUs")) for ep in (2, 4)])
+@pytest.mark.parametrize(
+    "ep",
+    [
+        pytest.param(
+            ep, id=f"ep{ep}", marks=pytest.mark.skipif(torch.cuda.device_count() < ep, reason=f"needs {ep} GPUs")
+        )
+        for ep in (2, 4)
+    ],
+)
 def test_gpu_expert_parallel_symmetric_memory(ep):
     import torch.multiprocessing as mp
 

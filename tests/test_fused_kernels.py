@@ -65,7 +65,13 @@ def zero_idle_experts_check() -> bool:
 @pytest.mark.slow
 def test_zero_idle_experts_interpreted():
     code = "from tests.test_fused_kernels import zero_idle_experts_check as f; print(f())"
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "True"
 
@@ -109,7 +115,13 @@ def layout_kernels_check() -> str:
 @pytest.mark.slow
 def test_layout_kernels_interpreted_match_torch_layout():
     code = "from tests.test_fused_kernels import layout_kernels_check as f; print(f())"
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ok"
 
@@ -182,12 +194,20 @@ def compare_ep_rank(ep: int, directory: str) -> list[dict]:
             for routed, src in ((x_routed, row_src), (ref_residuals[0].detach(), ref_residuals[3]))
         )
         largest = max(largest, *(received_rows(all_ids, r, ep, ALIGN["gpu"], E)[1] for r in range(ep)))
-        results.append({
-            "kind": kind, "errors": errors, "sources_named": sources_named, "received": received, "rows": rows, "held": counter.max_rows,
-            "residual_rows": {x_routed.shape[0], gate_up.shape[0], row_weight.shape[0], row_src.shape[0]},
-            "workspace": gpu._Exchange._workspace_rows[(x.device, group.group_name)], "expected_workspace": workspace_rows(largest),
-            "allocated": memory.shapes[allocated:],
-        })
+        results.append(
+            {
+                "kind": kind,
+                "errors": errors,
+                "sources_named": sources_named,
+                "received": received,
+                "rows": rows,
+                "held": counter.max_rows,
+                "residual_rows": {x_routed.shape[0], gate_up.shape[0], row_weight.shape[0], row_src.shape[0]},
+                "workspace": gpu._Exchange._workspace_rows[(x.device, group.group_name)],
+                "expected_workspace": workspace_rows(largest),
+                "allocated": memory.shapes[allocated:],
+            }
+        )
     return results
 
 
@@ -201,7 +221,13 @@ def compare_ep(ep: int, directory: str) -> list:
 @pytest.mark.slow
 def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
     code = f"from tests.test_fused_kernels import compare_ep; print(repr(compare_ep({ep}, {str(tmp_path)!r})))"
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     per_rank = eval(done.stdout.strip().splitlines()[-1])
     for rank, results in enumerate(per_rank):
@@ -215,4 +241,6 @@ def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
         # Receive-side buffers come at the workspace's size; it grows at the worst skew (every rank at once), and
         # the smaller cases after it allocate nothing.
         workspace = [{shape for shape in r["allocated"] if shape[0] == r["workspace"]} for r in results]
-        assert workspace[0] and workspace[1] and not any(r["allocated"] for r in results[2:]), [r["allocated"] for r in results]
+        assert workspace[0] and workspace[1] and not any(r["allocated"] for r in results[2:]), [
+            r["allocated"] for r in results
+        ]

@@ -99,13 +99,18 @@ def _ep_rank(ep: int):
         expected = [ys[rank].detach(), xs[rank].grad, ws[rank].grad, full[0].grad[mine], full[1].grad[mine]]
         x, ids, weights, grad_out = problems[rank]
         errors, saved = {}, set()
-        for dispatcher in (FusedDispatcher(backend="reference").set_ep_group(group), TorchDispatcher().set_ep_group(group)):
+        for dispatcher in (
+            FusedDispatcher(backend="reference").set_ep_group(group),
+            TorchDispatcher().set_ep_group(group),
+        ):
             experts = make_experts()
             keep_local_experts(experts, rank, ep)
             params = [experts.gate_up_proj, experts.down_proj]
             got = []
             shapes = saved_shapes(
-                lambda: got.extend(forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out))
+                lambda: got.extend(
+                    forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out)
+                )
             )
             if isinstance(dispatcher, FusedDispatcher):
                 saved = shapes
@@ -114,7 +119,14 @@ def _ep_rank(ep: int):
                 (g - e).abs().max().item() / (e.abs().max().item() + 1e-6) for g, e in zip(got, expected)
             ]
         received, rows = received_rows([p[1] for p in problems], rank, ep, 1, E)
-        results[kind] = {"errors": errors, "received": received, "rows": rows, "saved": saved, "held": held, "local": local}
+        results[kind] = {
+            "errors": errors,
+            "received": received,
+            "rows": rows,
+            "saved": saved,
+            "held": held,
+            "local": local,
+        }
     return results
 
 
@@ -140,14 +152,18 @@ def test_reference_expert_parallel_gloo(ep):
 
 
 def _tiny_model(ac):
-    cfg = Qwen3MoeConfig.preset("tiny", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_intermediate_size=16)
+    cfg = Qwen3MoeConfig.preset(
+        "tiny", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_intermediate_size=16
+    )
     torch.manual_seed(0)
     model = cfg.build()
     model.init_weights()
     dispatcher = FusedDispatcher(backend="reference")
     apply_expert_parallel(model, dispatcher, 0, 1)
     if ac is not None:
-        ac.apply(model, saved_ops={"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops})  # as moe_lab.parallel.parallelize does
+        ac.apply(
+            model, saved_ops={"router": Router.saved_ops, "dispatcher": dispatcher.saved_ops}
+        )  # as moe_lab.parallel.parallelize does
     return model
 
 
@@ -155,7 +171,9 @@ def _tiny_model(ac):
 @pytest.mark.slow
 def test_block_compiles_fullgraph_under_ac(ac, monkeypatch):
     calls = []
-    monkeypatch.setattr(reference, "forward", functools.partial(lambda f, *a: calls.append(1) or f(*a), reference.forward))
+    monkeypatch.setattr(
+        reference, "forward", functools.partial(lambda f, *a: calls.append(1) or f(*a), reference.forward)
+    )
     tokens = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
     eager = _tiny_model(None)
     eager(tokens).logits.square().mean().backward()
@@ -175,7 +193,13 @@ def _validation_error(dispatcher) -> str | None:
 
     from moe_lab.runtime.errors import ConfigError
 
-    cfg = OmegaConf.create({"trainer": {"device": "auto", "nproc_per_node": 1}, "parallel": {"ep": 1}, "model": {"hidden_size": 64, "moe_intermediate_size": 32}})
+    cfg = OmegaConf.create(
+        {
+            "trainer": {"device": "auto", "nproc_per_node": 1},
+            "parallel": {"ep": 1},
+            "model": {"hidden_size": 64, "moe_intermediate_size": 32},
+        }
+    )
     try:
         dispatcher.validate(cfg)
     except ConfigError as e:

@@ -25,7 +25,7 @@ from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoin
 from moe_lab.parallel.expert_parallel import apply_expert_parallel, keep_local_experts
 from tests.distributed import run_world
 from tests.fused_cases import received_rows, routing, saved_shapes
-from tests.test_fused_reference import E, H, I, K, T, forward_backward, make_experts, make_problem
+from tests.test_fused_reference import E, H, I, T, forward_backward, make_experts, make_problem
 
 SAVES = ("rows", "rows_only", "inputs")
 
@@ -37,7 +37,11 @@ def grads_by_save(x, ids, weights, grad_out, experts: GroupedExperts, group=None
     for save in SAVES:
         dispatcher = FusedDispatcher(backend="reference", save=save).set_ep_group(group)
         got = []
-        shapes = saved_shapes(lambda: got.extend(forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out)))
+        shapes = saved_shapes(
+            lambda: got.extend(
+                forward_backward(lambda x, w: dispatcher(x, ids, w, *params), x, weights, params, grad_out)
+            )
+        )
         results[save] = (got, shapes)
     return results
 
@@ -83,7 +87,9 @@ def test_saves_equal_rows_gloo_ep2():
 def _tiny_model(save, ac):
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 
-    cfg = Qwen3MoeConfig.preset("tiny", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_intermediate_size=16)
+    cfg = Qwen3MoeConfig.preset(
+        "tiny", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_intermediate_size=16
+    )
     torch.manual_seed(0)
     model = cfg.build()
     model.init_weights()
@@ -100,7 +106,9 @@ def test_block_compiles_fullgraph_with_save_inputs(ac, monkeypatch):
     """One graph per block with save=inputs under every AC mode, gradients equal save=rows'; the op runs once per
     forward (twice under full AC: its recompute), never again in backward, whatever it saved."""
     calls = []
-    monkeypatch.setattr(reference, "forward", functools.partial(lambda f, *a: calls.append(1) or f(*a), reference.forward))
+    monkeypatch.setattr(
+        reference, "forward", functools.partial(lambda f, *a: calls.append(1) or f(*a), reference.forward)
+    )
     tokens = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
     grads = {}
     for save in ("rows", "inputs"):
@@ -127,7 +135,10 @@ def gpu_saves_check(group=None, tokens: int = 33) -> list[str]:
     E_, H_, I_, K_ = 8, 24, 40, 3  # as tests/test_fused_kernels.py: 40 is not a power of 2
     rank, ep = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     gen = torch.Generator().manual_seed(0)
-    gate_up_proj, down_proj = torch.randn(E_, 2 * I_, H_, generator=gen) * 0.3, torch.randn(E_, H_, I_, generator=gen) * 0.3
+    gate_up_proj, down_proj = (
+        torch.randn(E_, 2 * I_, H_, generator=gen) * 0.3,
+        torch.randn(E_, H_, I_, generator=gen) * 0.3,
+    )
     local = slice(rank * E_ // ep, (rank + 1) * E_ // ep)
     gate_up_proj, down_proj = gate_up_proj[local].contiguous(), down_proj[local].contiguous()
     failures = []
@@ -138,7 +149,9 @@ def gpu_saves_check(group=None, tokens: int = 33) -> list[str]:
         ids = routing(kind, rank, tokens, E_, K_)
         results = {}
         for save in SAVES:
-            y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E_, group, ALIGN["gpu"], "gpu", KEPT[save])
+            y, *residuals = gpu.forward(
+                x, ids, weights, gate_up_proj, down_proj, E_, group, ALIGN["gpu"], "gpu", KEPT[save]
+            )
             grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, "gpu", x)
             results[save] = [y, *grads]
             if save == "inputs" and residuals[0].shape[0] + residuals[1].shape[0]:
@@ -164,7 +177,13 @@ def gpu_saves_ep(directory: str) -> list:
 
 def _interpreted(code: str) -> str:
     pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_lab.moe.dispatcher import FusedDispatcher
-from tests.test_fused_gpu import E, SHAPES, backends, make_problem
+from tests.test_fused_gpu import SHAPES, E, backends, make_problem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SAVES = ("rows", "rows_only", "inputs")
@@ -35,7 +35,9 @@ def test_saves_equal_rows_bitwise_on_gpu(routing):
         results = {save: run_save(backend, save, *problem) for save in SAVES}
         for save in ("rows_only", "inputs"):
             for name, g, e in zip(("y", "dx", "dweights", "dgate_up", "ddown"), results[save][0], results["rows"][0]):
-                assert torch.equal(g, e), f"{backend} save={save}: {name} differs by {(g.float() - e.float()).abs().max()}"
+                assert torch.equal(g, e), (
+                    f"{backend} save={save}: {name} differs by {(g.float() - e.float()).abs().max()}"
+                )
         held = {save: results[save][1] for save in SAVES}
         assert held["inputs"] < held["rows_only"] < held["rows"], (backend, held)
 
@@ -49,8 +51,17 @@ def test_block_with_save_inputs_compiles_and_matches_rows(ac):
     from moe_lab.parallel.expert_parallel import apply_expert_parallel
 
     def grads(save):
-        cfg = Qwen3MoeConfig.preset("tiny", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                                    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)  # fmt: skip
+        cfg = Qwen3MoeConfig.preset(
+            "tiny",
+            num_layers=2,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=128,
+        )
         torch.manual_seed(0)
         model = cfg.build().cuda()
         model.init_weights()
@@ -72,7 +83,9 @@ def test_block_with_save_inputs_compiles_and_matches_rows(ac):
 
 
 def _ep_worker(rank, ep, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
+    )
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
@@ -88,7 +101,9 @@ def _ep_worker(rank, ep, port, queue):
             for save in ("rows_only", "inputs"):
                 for what, g, e in zip(("y", "dx", "dweights", "dgate_up", "ddown"), results[save], results["rows"]):
                     if not torch.equal(g, e):
-                        failures.append(f"{routing} save={save}: {what} by {(g.float() - e.float()).abs().max().item()}")
+                        failures.append(
+                            f"{routing} save={save}: {what} by {(g.float() - e.float()).abs().max().item()}"
+                        )
         queue.put((rank, failures))
     except BaseException as e:
         queue.put((rank, repr(e)))

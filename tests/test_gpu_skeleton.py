@@ -40,7 +40,9 @@ def dense_reference(x, ids, router_w, gate_up, down, norm_topk_prob=True):
 def bf16_block_error(device: torch.device, bf16_params: bool) -> tuple[float, float]:
     """(relative Frobenius error, max element error / max|ref|) of the MoE block in bf16: under autocast with fp32
     weights (the single-rank path) or with bf16 weights and inputs (FSDP2's mixed-precision path)."""
-    cfg = Qwen3MoeConfig.preset("tiny", hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)
+    cfg = Qwen3MoeConfig.preset(
+        "tiny", hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128
+    )
     gen = torch.Generator(device="cpu").manual_seed(0)
     block = SparseMoeBlock(cfg, layer_idx=0)
     with torch.no_grad():
@@ -53,15 +55,17 @@ def bf16_block_error(device: torch.device, bf16_params: bool) -> tuple[float, fl
         x = x.bfloat16()
         run = lambda: block(x)[0]  # noqa: E731
     else:
+
         def run():
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 return block(x)[0]
+
     with torch.no_grad():
         y = run()
         ids, *_ = block.gate(x) if bf16_params else _autocast_gate(block, x)
     assert y.dtype == x.dtype  # under autocast the weighted combine runs in the input's fp32
     ref = dense_reference(x, ids, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj)
-    err = (y.float() - ref)
+    err = y.float() - ref
     return (err.norm() / ref.norm()).item(), (err.abs().max() / ref.abs().max()).item()
 
 
@@ -80,9 +84,20 @@ def test_tiny_model_trains_in_bf16_on_cuda(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_lab.train", "trainer.steps=30", "trainer.device=cuda", "trainer.precision=bf16",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "moe_lab.train",
+            "trainer.steps=30",
+            "trainer.device=cuda",
+            "trainer.precision=bf16",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "result.json").read_text())

@@ -30,12 +30,12 @@ from hydra.utils import instantiate
 
 from moe_lab import config
 from moe_lab.data.synthetic import SyntheticData
+from moe_lab.job.trainer import accumulate_gradients, build_model, lm_loss
 from moe_lab.optim.offload import FullOffload
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel import set_micro_batch
 from moe_lab.parallel.sharding import local_rows, local_shard
-from moe_lab.job.trainer import accumulate_gradients, build_model, lm_loss
 from tests.distributed import run_world
 from tests.test_offload import SMALL_CHUNKS, compose_train
 
@@ -44,9 +44,17 @@ GLOBAL_BATCH = 4  # samples per optimizer step, over all ranks and micro-batches
 SEQ = 16
 # Constant LR (warmup 0, no decay), so the reference needs no scheduler; eps 1: the update scales with the gradient.
 # No balance loss: the reference trains the language-model loss alone (tests/test_routing.py covers the aux loss).
-COMMON = ["trainer.steps=3", "trainer.warmup_steps=0", "trainer.min_lr_ratio=1.0", "optimizer.eps=1.0",
-          "optimizer.lr=0.01", f"data.seq_len={SEQ}", "trainer.device=cpu", "trainer.precision=fp32",
-          "model.router_balance=none"]  # fmt: skip
+COMMON = [
+    "trainer.steps=3",
+    "trainer.warmup_steps=0",
+    "trainer.min_lr_ratio=1.0",
+    "optimizer.eps=1.0",
+    "optimizer.lr=0.01",
+    f"data.seq_len={SEQ}",
+    "trainer.device=cpu",
+    "trainer.precision=fp32",
+    "model.router_balance=none",
+]
 
 
 def reference(cfg) -> dict:
@@ -56,7 +64,9 @@ def reference(cfg) -> dict:
     model.init_weights(cfg.trainer.seed)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     o = cfg.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=False
+    )
     data = SyntheticData(SEQ, GLOBAL_BATCH, cfg.model.vocab_size, seed=cfg.data.seed)
     losses, grads = [], []
     for step in range(STEPS):
@@ -87,17 +97,25 @@ def stepped_gradients(optimizer: torch.optim.Optimizer, names: dict) -> list[dic
 
     if isinstance(optimizer, InBackwardOptimizer):
         for chunk in optimizer.chunks:  # the chunk's host step reads the gradients in the transfer buffer
+
             def pieces(transfer, chunk=chunk):
-                return [(names[p], transfer[offset : offset + size].float()) for p, (offset, size) in chunk.offsets.items()]
+                return [
+                    (names[p], transfer[offset : offset + size].float()) for p, (offset, size) in chunk.offsets.items()
+                ]
+
             chunk.optimizer.register_step_pre_hook(lambda o, a, k, pieces=pieces: record(lambda: pieces(k["transfer"])))
     elif isinstance(optimizer, StreamedStateOptimizer):
         for chunk in optimizer.chunks:
+
             def pieces(chunk=chunk):
                 return [(names[p], s.grad) for p, s in zip(chunk.params, chunk.shards)]
+
             chunk.optimizer.register_step_pre_hook(lambda o, a, k, pieces=pieces: record(pieces))
     else:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        optimizer.register_step_pre_hook(lambda o, a, k: record(lambda: [(names[p], local_shard(p.grad)) for p in params]))
+        optimizer.register_step_pre_hook(
+            lambda o, a, k: record(lambda: [(names[p], local_shard(p.grad)) for p in params])
+        )
     return seen
 
 
@@ -128,14 +146,22 @@ def accumulated_run(overrides: list[str]) -> dict:
     losses = []
     for step in range(STEPS):
         loss, _, _ = accumulate_gradients(
-            functools.partial(load, step), micro_batch_loss, options.model.balance().loss, cfg.trainer.grad_accum, before_micro_batch
+            functools.partial(load, step),
+            micro_batch_loss,
+            options.model.balance().loss,
+            cfg.trainer.grad_accum,
+            before_micro_batch,
         )
         optimizer.step()
         optimizer.zero_grad()
         if world > 1:
             dist.all_reduce(loss)
         losses.append(loss.item() / world)
-    weights = optimizer.master_weights() if isinstance(optimizer, InBackwardOptimizer) else [local_shard(p).detach() for p in model.parameters()]
+    weights = (
+        optimizer.master_weights()
+        if isinstance(optimizer, InBackwardOptimizer)
+        else [local_shard(p).detach() for p in model.parameters()]
+    )
     return {
         "losses": losses,
         "grads": grads,
@@ -156,7 +182,9 @@ def max_differences(overrides: list[str]) -> dict:
         return tensor[first : first + shape[0]].reshape(-1)
 
     assert len(run["grads"]) == STEPS and all(set(g) == set(ref["weights"]) for g in run["grads"])
-    grad = max((run["grads"][s][n] - part(n, g)).abs().max().item() for s in range(STEPS) for n, g in ref["grads"][s].items())
+    grad = max(
+        (run["grads"][s][n] - part(n, g)).abs().max().item() for s in range(STEPS) for n, g in ref["grads"][s].items()
+    )
     grad_scale = max(g.abs().max().item() for s in range(STEPS) for g in ref["grads"][s].values())
     moved = max((part(n, w) - part(n, ref["initial"][n])).abs().max().item() for n, w in ref["weights"].items())
     weight = max((run["weights"][n] - part(n, w)).abs().max().item() for n, w in ref["weights"].items())
@@ -177,10 +205,16 @@ MODES = {"none": [], "optimizer": SMALL_CHUNKS, "full": SMALL_CHUNKS + ["offload
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_accumulation_matches_one_big_batch_world1(mode):
-    check(max_differences([f"offload={mode}", *MODES[mode], "trainer.grad_accum=2", f"data.batch_size={GLOBAL_BATCH // 2}"]))
+    check(
+        max_differences(
+            [f"offload={mode}", *MODES[mode], "trainer.grad_accum=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
+        )
+    )
 
 
-@pytest.mark.parametrize("variant", [["ac=full"], ["ac=selective"], ["dispatcher=fused"], ["dispatcher=fused", "ac=selective"]])
+@pytest.mark.parametrize(
+    "variant", [["ac=full"], ["ac=selective"], ["dispatcher=fused"], ["dispatcher=fused", "ac=selective"]]
+)
 def test_accumulation_under_checkpointing_and_dispatchers(variant):
     full = ["offload=full", *MODES["full"]]  # the mode whose hooks must wait for the last micro-batch
     check(max_differences([*variant, *full, "trainer.grad_accum=2", f"data.batch_size={GLOBAL_BATCH // 2}"]))
@@ -197,7 +231,12 @@ WORLD2 = {  # name: overrides on 2 ranks (EP 2), batch 1 x accumulation 2
     "full": ["offload=full", *MODES["full"]],
     "none_reduce_each_micro_batch": ["offload=none", "parallel.grad_sync=micro_batch"],
     "full_keep_unsharded": ["offload=full", *MODES["full"], "parallel.keep_unsharded=true"],
-    "full_reduce_each_keep_unsharded": ["offload=full", *MODES["full"], "parallel.grad_sync=micro_batch", "parallel.keep_unsharded=true"],
+    "full_reduce_each_keep_unsharded": [
+        "offload=full",
+        *MODES["full"],
+        "parallel.grad_sync=micro_batch",
+        "parallel.keep_unsharded=true",
+    ],
 }
 
 
@@ -218,8 +257,16 @@ def _collectives_per_step() -> dict:
     """FSDP2's all-gathers and reduce-scatters in one step of two micro-batches, per (grad_sync, keep_unsharded)."""
     counts = {}
     for sync, keep in [("step", False), ("micro_batch", False), ("step", True)]:
-        cfg = compose_train(COMMON + ["trainer.nproc_per_node=2", "parallel.ep=2", "data.batch_size=1",
-                                      f"parallel.grad_sync={sync}", f"parallel.keep_unsharded={str(keep).lower()}"])  # fmt: skip
+        cfg = compose_train(
+            COMMON
+            + [
+                "trainer.nproc_per_node=2",
+                "parallel.ep=2",
+                "data.batch_size=1",
+                f"parallel.grad_sync={sync}",
+                f"parallel.keep_unsharded={str(keep).lower()}",
+            ]
+        )
         options = config.validate(cfg)
         model = build_model(cfg, options, torch.device("cpu"), torch.float32)
 
@@ -231,9 +278,18 @@ def _collectives_per_step() -> dict:
             return lm_loss(out.logits, batch.labels), out.router_stats
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            accumulate_gradients(load, micro_batch_loss, options.model.balance().loss, 2, lambda final: set_micro_batch(model, final, sync, keep))
+            accumulate_gradients(
+                load,
+                micro_batch_loss,
+                options.model.balance().loss,
+                2,
+                lambda final: set_micro_batch(model, final, sync, keep),
+            )
         names = [e.name for e in prof.events()]
-        counts[f"{sync}, keep_unsharded={keep}"] = (names.count("c10d::_allgather_base_"), names.count("c10d::_reduce_scatter_base_"))
+        counts[f"{sync}, keep_unsharded={keep}"] = (
+            names.count("c10d::_allgather_base_"),
+            names.count("c10d::_reduce_scatter_base_"),
+        )
     return counts
 
 
@@ -265,11 +321,20 @@ def test_training_job_counts_every_micro_batch(tmp_path):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return json.loads((run_dir / "result.json").read_text())["metrics"]
 
-    accumulated = job("accum", "trainer.nproc_per_node=2", "parallel.ep=2", "trainer.grad_accum=2", "data.batch_size=1",
-                      "offload=full", "offload.numa_bind=false")
+    accumulated = job(
+        "accum",
+        "trainer.nproc_per_node=2",
+        "parallel.ep=2",
+        "trainer.grad_accum=2",
+        "data.batch_size=1",
+        "offload=full",
+        "offload.numa_bind=false",
+    )
     one = job("one", f"data.batch_size={GLOBAL_BATCH}")
     assert accumulated["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    assert accumulated["tokens_per_step_per_gpu"] == 2 * 1 * SEQ and one["tokens_per_step_per_gpu"] == GLOBAL_BATCH * SEQ
+    assert (
+        accumulated["tokens_per_step_per_gpu"] == 2 * 1 * SEQ and one["tokens_per_step_per_gpu"] == GLOBAL_BATCH * SEQ
+    )
     assert accumulated["tokens_per_s_per_gpu"] == pytest.approx(2 * SEQ / accumulated["s_per_step"])
 
 
@@ -291,7 +356,13 @@ def test_full_offload_takes_gradients_the_last_micro_batch_did_not_reach():
     def forward(micro_batch):
         return micro_batch_loss(model, micro_batch), torch.zeros(0)  # no router: no routing statistics
 
-    accumulate_gradients(lambda micro_batch: micro_batch, forward, lambda stats: 0.0, 2, lambda final: offload.before_micro_batch(optimizer, final))
+    accumulate_gradients(
+        lambda micro_batch: micro_batch,
+        forward,
+        lambda stats: 0.0,
+        2,
+        lambda final: offload.before_micro_batch(optimizer, final),
+    )
     optimizer.step()
     plain = make_optimizer(reference.parameters())
     (sum(micro_batch_loss(reference, j) for j in range(2)) / 2).backward()
@@ -313,8 +384,20 @@ def test_every_micro_batch_is_loaded_before_the_first_begins():
         events.append(f"forward {int(batch.item()) - 1}")
         return batch * 2.0, torch.zeros(0)
 
-    loss, _, _ = accumulate_gradients(load, forward, lambda stats: 0.0, 3, lambda final: events.append(f"before {final}"))
-    assert events == ["load 0", "load 1", "load 2", "before False", "forward 0", "before False", "forward 1", "before True", "forward 2"]
+    loss, _, _ = accumulate_gradients(
+        load, forward, lambda stats: 0.0, 3, lambda final: events.append(f"before {final}")
+    )
+    assert events == [
+        "load 0",
+        "load 1",
+        "load 2",
+        "before False",
+        "forward 0",
+        "before False",
+        "forward 1",
+        "before True",
+        "forward 2",
+    ]
     assert loss.item() == pytest.approx(2 * (1 + 2 + 3) / 3)
 
 

@@ -21,18 +21,33 @@ SHAPE = dict(hidden_size=32, head_dim=8, num_experts=8, num_experts_per_tok=2, m
 
 def hf_config(norm_topk_prob: bool):
     return transformers.Qwen3MoeConfig(
-        vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        norm_topk_prob=norm_topk_prob, max_position_embeddings=64, rope_theta=10_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, **SHAPE,
+        vocab_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        norm_topk_prob=norm_topk_prob,
+        max_position_embeddings=64,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        **SHAPE,
     )
 
 
 def our_config(hf) -> Qwen3MoeConfig:
     return Qwen3MoeConfig.preset(
         "tiny",
-        name="hf-tiny", vocab_size=hf.vocab_size, num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads, norm_topk_prob=hf.norm_topk_prob, rms_norm_eps=hf.rms_norm_eps,
-        max_position_embeddings=hf.max_position_embeddings, rope_theta=10_000.0, **SHAPE,
+        name="hf-tiny",
+        vocab_size=hf.vocab_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        norm_topk_prob=hf.norm_topk_prob,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        rope_theta=10_000.0,
+        **SHAPE,
     )
 
 
@@ -97,7 +112,9 @@ def test_aux_loss_equals_transformers(tmp_path):
         expected = hf(ids, output_router_logits=True).aux_loss
         stats = ours(ids).router_stats
     coef = hf.config.router_aux_loss_coef
-    torch.testing.assert_close(AuxLoss(coef, hf.config.num_experts_per_tok).loss(stats) / coef, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        AuxLoss(coef, hf.config.num_experts_per_tok).loss(stats) / coef, expected, rtol=1e-5, atol=1e-7
+    )
 
 
 def compose_model(*overrides: str):
@@ -115,7 +132,11 @@ def test_model_hf_reads_config_json_and_matches_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     cfg = compose_model("model=hf", f"model.path={tmp_path}", f"trainer.init_checkpoint={tmp_path}", "data.seq_len=32")
     options = config.validate(cfg)
-    assert options.model.num_experts == 8 and options.model.norm_topk_prob is False and options.model.rope_theta == 10_000.0
+    assert (
+        options.model.num_experts == 8
+        and options.model.norm_topk_prob is False
+        and options.model.rope_theta == 10_000.0
+    )
     assert options.model.router_aux_loss_coef == hf.config.router_aux_loss_coef
     ours = load_ours(options.model, tmp_path)
     with torch.no_grad():
@@ -127,16 +148,32 @@ def test_model_hf_reads_config_json_and_matches_transformers(tmp_path):
 # transformers 4's spelling of Qwen3-30B-A3B's config.json (as published) and transformers 5's, shortened (head_dim,
 # which transformers 5's Qwen3MoeConfig does not declare, stays as the published file gives it)
 TRANSFORMERS_4 = {
-    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "rope_scaling": None, "tie_word_embeddings": False,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "initializer_range": 0.02,
-}  # fmt: skip
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "initializer_range": 0.02,
+}
 TRANSFORMERS_5 = {
     **{k: v for k, v in TRANSFORMERS_4.items() if k not in ("num_experts", "rope_theta", "rope_scaling")},
-    "num_local_experts": 128, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-}  # fmt: skip
+    "num_local_experts": 128,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+}
 
 
 def write_config(directory, values) -> str:
@@ -188,7 +225,9 @@ def test_init_checkpoint_config_json_is_checked_against_the_model(tmp_path, monk
     shape = our_config(hf.config).to_dict()
     agreeing = [f"model.{k}={v}" for k, v in shape.items() if k not in ("name", "routing", "routing_skew")]
     config.validate(compose_model(*agreeing, f"trainer.init_checkpoint={tmp_path}", "data.seq_len=32"))
-    cfg = compose_model(*agreeing, "model.rope_theta=1000000.0", f"trainer.init_checkpoint={tmp_path}", "data.seq_len=32")
+    cfg = compose_model(
+        *agreeing, "model.rope_theta=1000000.0", f"trainer.init_checkpoint={tmp_path}", "data.seq_len=32"
+    )
     with pytest.raises(config.ConfigError, match="trainer.init_checkpoint") as e:
         config.validate(cfg)
     assert e.value.key == "model.rope_theta"

@@ -45,7 +45,13 @@ def store_bytes_cases() -> list:
 def test_store_bytes_interpreted_equals_copy():
     pytest.importorskip("triton")
     code = "from tests.test_host_read import store_bytes_cases; print(store_bytes_cases())"
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
@@ -61,7 +67,14 @@ def test_to_host_on_gpu_equals_cpu_and_does_not_wait_behind_a_copy_home():
     and a read issued behind 4 GiB going home on another stream returns before that copy has finished (by the copy
     engine it waits for all of it: about 80 ms at PCIe's 55 GB/s)."""
     column = torch.arange(256, device="cuda").view(2, 128)
-    for values in [torch.arange(5, device="cuda"), torch.randn(4, 129, device="cuda").t(), torch.ones(3, device="cuda").bool(), torch.tensor(2.5, device="cuda").bfloat16(), column[:1, -1], column[:, -1]]:
+    for values in [
+        torch.arange(5, device="cuda"),
+        torch.randn(4, 129, device="cuda").t(),
+        torch.ones(3, device="cuda").bool(),
+        torch.tensor(2.5, device="cuda").bfloat16(),
+        column[:1, -1],
+        column[:, -1],
+    ]:
         expected = values.cpu()
         got = to_host(values.clone())  # the clone is queued work to wait for
         assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)

@@ -24,7 +24,9 @@ def train_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def records(sweep: Path) -> dict[str, tuple[str, bytes]]:
-    return {p.parent.name: (json.loads(p.read_text())["choices"]["ac"], p.read_bytes()) for p in sweep.glob("*/result.json")}
+    return {
+        p.parent.name: (json.loads(p.read_text())["choices"]["ac"], p.read_bytes()) for p in sweep.glob("*/result.json")
+    }
 
 
 def test_another_sweep_never_lands_on_a_sweep_directory(tmp_path):
@@ -84,14 +86,27 @@ def test_help_explains_every_group_and_key(tmp_path):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_run_says_where_its_files_went_in_its_log(nproc, tmp_path):
     run_dir = tmp_path / "run"
-    args = [*SMALL, f"trainer.nproc_per_node={nproc}", "logger=wandb", "profile.enabled=true", "profile.wait=1",
-            "profile.warmup=0", "profile.active=1", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        *SMALL,
+        f"trainer.nproc_per_node={nproc}",
+        "logger=wandb",
+        "profile.enabled=true",
+        "profile.wait=1",
+        "profile.warmup=0",
+        "profile.active=1",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = train_cli(*args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (run_dir / "train.log").read_text()
     offline = next((run_dir / "wandb").glob("offline-run-*"))
-    for line in ("done: loss", f"run directory: {run_dir}", f"trace: {run_dir / 'trace_rank0.json.gz'}",
-                 f"wandb offline run: {offline}", f"upload it with: wandb sync {offline}"):  # fmt: skip
+    for line in (
+        "done: loss",
+        f"run directory: {run_dir}",
+        f"trace: {run_dir / 'trace_rank0.json.gz'}",
+        f"wandb offline run: {offline}",
+        f"upload it with: wandb sync {offline}",
+    ):
         assert line in log and line in proc.stdout, line
 
 
@@ -121,8 +136,15 @@ def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path):
 
     layers = max(1, int(psutil.virtual_memory().total / (8 * 0.75e9)) + 1)  # > the host's RAM in weights + grads
     run_dir = tmp_path / "run"
-    proc = train_cli("model=qwen3_30b", f"model.num_layers={layers}", "data.seq_len=64", "data.batch_size=1",
-                     "trainer.device=cpu", f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    proc = train_cli(
+        "model=qwen3_30b",
+        f"model.num_layers={layers}",
+        "data.seq_len=64",
+        "data.batch_size=1",
+        "trainer.device=cpu",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0
     record = json.loads((run_dir / "result.json").read_text())
     assert record["status"] == "oom" and "host memory" in record["error"]["message"], record["error"]
@@ -133,7 +155,9 @@ def test_out_of_memory_reads_as_oom_however_it_arrives():
 
     from moe_lab.results.record import failure
 
-    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 160 GB")
+    cpu = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 160 GB"
+    )
     assert failure(cpu)["status"] == "oom" and failure(MemoryError())["status"] == "oom"
     assert failure(torch.OutOfMemoryError("CUDA out of memory"))["status"] == "oom"
     assert failure(RuntimeError("matrix batch sizes have to match"))["status"] == "error"
@@ -142,8 +166,11 @@ def test_out_of_memory_reads_as_oom_however_it_arrives():
 def test_an_unreadable_record_is_a_row_naming_its_file(tmp_path):
     from moe_lab.results import load
 
-    for point, text in (("0", json.dumps({"status": "ok", "overrides": ["ac=none"], "choices": {"ac": "none"}})),
-                        ("1", '{"status": "ok", "overr'), ("2", "[1, 2]")):  # fmt: skip
+    for point, text in (
+        ("0", json.dumps({"status": "ok", "overrides": ["ac=none"], "choices": {"ac": "none"}})),
+        ("1", '{"status": "ok", "overr'),
+        ("2", "[1, 2]"),
+    ):
         (tmp_path / point).mkdir()
         (tmp_path / point / "result.json").write_text(text)
     with pytest.warns(UserWarning, match="unreadable record"):

@@ -28,14 +28,28 @@ SMALL = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.b
 def test_sweep_of_two_rank_jobs(tmp_path):
     """``-m trainer.nproc_per_node=2 ac=full,selective``: both points run as 2-rank jobs, one result.json each."""
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "moe_lab.train", "-m", "trainer.nproc_per_node=2", "ac=full,selective", *SMALL, f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_lab.train",
+        "-m",
+        "trainer.nproc_per_node=2",
+        "ac=full,selective",
+        *SMALL,
+        f"hydra.sweep.dir={sweep}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     table = load(sweep)
     assert sorted(table["ac"]) == ["full", "selective"]
     assert (table["status"] == "ok").all() and (table["env.world_size"] == 2).all()
     for run_dir in table["run_dir"]:
-        assert sorted(p.name for p in Path(run_dir).iterdir()) == [".hydra", "metrics.jsonl", "result.json", "train.log"]
+        assert sorted(p.name for p in Path(run_dir).iterdir()) == [
+            ".hydra",
+            "metrics.jsonl",
+            "result.json",
+            "train.log",
+        ]
 
 
 @pytest.mark.parametrize("mode", ["run", "multirun"])
@@ -43,7 +57,17 @@ def test_sweep_of_two_rank_jobs(tmp_path):
 def test_outer_torchrun_only_rank0_leaves_files(mode, tmp_path):
     """Under ``torchrun`` each rank runs the Hydra app; only rank 0's run directory appears, with one record."""
     sweep = ["-m"] if mode == "multirun" else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "moe_lab.train", *sweep, "parallel.ep=2", *SMALL]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "-m",
+        "moe_lab.train",
+        *sweep,
+        "parallel.ep=2",
+        *SMALL,
+    ]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -60,21 +84,44 @@ def test_outer_torchrun_only_rank0_leaves_files(mode, tmp_path):
 
 
 def test_slurm_task_becomes_a_rank(monkeypatch):
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
+    monkeypatch.setattr(
+        os,
+        "environ",
+        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+    )
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "16",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+    }
     os.environ.update(slurm)  # a private copy: what the launcher sets here does not leak into later tests
     assert launcher.started_by_outer_launcher()
     launcher.adopt_slurm_environment()
     env = os.environ
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("9", "16", "1", "8")
     assert env["MASTER_ADDR"] == "gpu07" and 20000 <= int(env["MASTER_PORT"]) < 60000
-    assert launcher.rank_hydra_overrides()[:3] == ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    assert launcher.rank_hydra_overrides()[:3] == [
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
 
 
 @pytest.fixture
 def slurm_cfg():
     GlobalHydra.instance().clear()
-    overrides = ["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=h200", "hydra.launcher.timeout_min=90", "model=qwen3_30b", "parallel.ep=8"]
+    overrides = [
+        "hydra/launcher=slurm",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.partition=h200",
+        "hydra.launcher.timeout_min=90",
+        "model=qwen3_30b",
+        "parallel.ep=8",
+    ]
     yield compose_train(*overrides, return_hydra_config=True)
     GlobalHydra.instance().clear()
 
@@ -105,7 +152,14 @@ def test_slurm_launcher_submits_one_task_per_gpu(slurm_cfg, tmp_path, monkeypatc
     slurm = submitted["executor"]._executor
     assert isinstance(slurm, submitit.SlurmExecutor)
     sbatch = slurm._make_submission_file_text("python -u -m submitit.core._submit", "uid")
-    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=16", "--partition=h200", "--time=90"):
+    for line in (
+        "--nodes=2",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--cpus-per-task=16",
+        "--partition=h200",
+        "--time=90",
+    ):
         assert f"#SBATCH {line}\n" in sbatch, line
     assert "srun " in sbatch
     # Every task is a rank of one job: the world the config is validated against is nodes x GPUs.
@@ -136,11 +190,15 @@ def test_a_failed_rank_is_named_before_what_rank0_saw(tmp_path):
     assert killed.details["rank0_error"] == {"type": "RuntimeError", "message": "Connection closed by peer"}
     assert killed.traceback == "rank 0's traceback"  # a signal leaves none of its own
 
-    failures = {0: _process_failure(tmp_path, 0, 1, "RuntimeError: gloo timeout", timestamp=101),
-                1: _process_failure(tmp_path, 1, 3, "ValueError: bad shard", timestamp=100)}  # fmt: skip
+    failures = {
+        0: _process_failure(tmp_path, 0, 1, "RuntimeError: gloo timeout", timestamp=101),
+        1: _process_failure(tmp_path, 1, 3, "ValueError: bad shard", timestamp=100),
+    }
     raised = launcher.RanksFailed(ChildFailedError("worker", failures), symptom)
-    assert str(raised) == ("rank 1 (pid 1001) exited with code 3: ValueError: bad shard; "
-                           "rank 0 (pid 1000) exited with code 1: RuntimeError: gloo timeout")  # fmt: skip
+    assert str(raised) == (
+        "rank 1 (pid 1001) exited with code 3: ValueError: bad shard; "
+        "rank 0 (pid 1000) exited with code 1: RuntimeError: gloo timeout"
+    )
     assert raised.details["exit_code"] == 3 and raised.details["rank0_error"] is None
     assert raised.traceback == "Traceback of rank 1"
 
@@ -161,7 +219,7 @@ def test_the_record_of_a_job_whose_rank_was_killed_names_that_rank(dead, tmp_pat
     record = json.loads((run_dir / "result.json").read_text())
     error = record["error"]
     assert record["status"] == "error" and error["type"] == "RanksFailed"
-    assert error["message"].startswith(f"rank {dead} (pid ") and f"died of signal SIGKILL" in error["message"]
+    assert error["message"].startswith(f"rank {dead} (pid ") and "died of signal SIGKILL" in error["message"]
     assert (error["rank"], error["signal"]) == (dead, "SIGKILL") and "<NONE>" not in error["message"]
     if dead == 1:
         assert "; rank 0 then failed: " in error["message"] and error["rank0_error"]["type"]

@@ -82,7 +82,13 @@ def forward_backward(case, ep_group, ep_rank: int, ep: int):
     routing, skew, dead_experts = case
     router_w, gate_up, down = global_weights(dead_experts)
     cfg = Qwen3MoeConfig.preset(
-        "tiny", hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, routing=routing, routing_skew=skew
+        "tiny",
+        hidden_size=H,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=I,
+        routing=routing,
+        routing_skew=skew,
     )
     block = SparseMoeBlock(cfg, layer_idx=3)
     with torch.no_grad():

@@ -18,8 +18,14 @@ H200_GRID = "experiments/grid_30b/records/h200_1gpu/2026-11-30_09-27"
 def execute(sweep: str, tmp_path) -> list:
     """Run the notebook with ``SWEEP`` set to ``sweep``; its code cells' outputs, none of them an error."""
     out = tmp_path / "out.ipynb"
-    papermill.execute_notebook(ROOT / "notebooks" / "sweep_analysis.ipynb", out, parameters={"SWEEP": sweep}, cwd=ROOT,
-                               kernel_name="python3", progress_bar=False)  # fmt: skip
+    papermill.execute_notebook(
+        ROOT / "notebooks" / "sweep_analysis.ipynb",
+        out,
+        parameters={"SWEEP": sweep},
+        cwd=ROOT,
+        kernel_name="python3",
+        progress_bar=False,
+    )
     nb = nbformat.read(out, as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

@@ -27,16 +27,22 @@ from torch import nn
 
 from moe_lab import config
 from moe_lab.config import ConfigError
+from moe_lab.job.trainer import build_model, train
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload, host_kernel, numa
 from moe_lab.optim.offload.chunked import ChunkedOptimizer
 from moe_lab.optim.offload.full import InBackwardOptimizer, device_chunk_count
 from moe_lab.optim.offload.host import SideStream, check_host_memory
-from moe_lab.optim.offload.host_step import HOST_STEP_SWITCH_INTERVAL_S, HOST_STEPS, HostSignSGD, host_optimizer, prompt_gil_handover
+from moe_lab.optim.offload.host_step import (
+    HOST_STEP_SWITCH_INTERVAL_S,
+    HOST_STEPS,
+    HostSignSGD,
+    host_optimizer,
+    prompt_gil_handover,
+)
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
-from moe_lab.job.trainer import build_model, train
 from tests import configs
 from tests.distributed import run_world
 from tests.test_schedule import expected_factor
@@ -64,7 +70,9 @@ def run_steps(overrides: list[str], steps: int = STEPS, device: str = "cpu") -> 
     scheduler = schedule(optimizer, cfg)
     data = instantiate(cfg.data)
     for step in range(steps):
-        batch = data.batch(step, rank, torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1).to(device)
+        batch = data.batch(
+            step, rank, torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        ).to(device)
         inputs, labels = batch.inputs, batch.labels
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(inputs).logits
@@ -135,7 +143,9 @@ def test_offload_modes_match_none(optimizer):
     initial = run_steps([f"optimizer={optimizer}", "offload=none"], steps=0)
     assert any(not torch.equal(r, i) for r, i in zip(reference, initial))  # the steps moved the weights
     for mode in ("optimizer", "full", "full offload.device_share=0.5"):
-        assert_all_close(run_steps([f"optimizer={optimizer}", *f"offload={mode}".split()] + SMALL_CHUNKS), reference, atol=1e-6)
+        assert_all_close(
+            run_steps([f"optimizer={optimizer}", *f"offload={mode}".split()] + SMALL_CHUNKS), reference, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("device_share", [0.0, 0.4, 1.0])
@@ -144,7 +154,11 @@ def test_full_offload_bf16_matches_bf16_gradient_reference(optimizer, device_sha
     """bf16 weights stepped through fp32 masters, on the host, partly on the device, or all on the device."""
     overrides = [f"optimizer={optimizer}", "trainer.precision=bf16"]
     expected = reference_bf16_masters(overrides)
-    assert_all_close(run_steps(overrides + ["offload=full", f"offload.device_share={device_share}"] + SMALL_CHUNKS), expected, atol=1e-6)
+    assert_all_close(
+        run_steps(overrides + ["offload=full", f"offload.device_share={device_share}"] + SMALL_CHUNKS),
+        expected,
+        atol=1e-6,
+    )
 
 
 def test_device_share_takes_whole_chunks_from_the_end_of_backward():
@@ -171,7 +185,9 @@ def test_offload_modes_on_gpu(optimizer):
     expected = reference_bf16_masters(cuda, device="cuda")
     cfg = compose_train([f"trainer.steps={STEPS}"] + cuda)
     for device_share in (0.0, 0.5):  # all on the host; half the parameters stepped on the device, on a side stream
-        actual = run_steps(cuda + ["offload=full", f"offload.device_share={device_share}"] + SMALL_CHUNKS, device="cuda")
+        actual = run_steps(
+            cuda + ["offload=full", f"offload.device_share={device_share}"] + SMALL_CHUNKS, device="cuda"
+        )
         assert_all_close(actual, expected, atol=2 * sum(scheduled_lrs(cfg)))
         differences = torch.cat([(a - e).abs().flatten() for a, e in zip(actual, expected)])
         assert differences.median() <= 1e-5, device_share
@@ -182,7 +198,11 @@ def _world2_max_differences(optimizer: str) -> dict:
     mesh = ["trainer.nproc_per_node=2", "parallel.ep=2", f"optimizer={optimizer}"]
     reference = run_steps(mesh + ["offload=none"])
     out = {}
-    for mode in ("optimizer", "full", "full offload.device_share=0.5"):  # the last: FSDP2's shards stepped on the device
+    for mode in (
+        "optimizer",
+        "full",
+        "full offload.device_share=0.5",
+    ):  # the last: FSDP2's shards stepped on the device
         weights = run_steps(mesh + f"offload={mode}".split() + SMALL_CHUNKS)
         out[mode] = max((w - r).abs().max().item() for w, r in zip(weights, reference))
     return out
@@ -202,7 +222,9 @@ def test_training_loop_runs_and_leaves_nothing_behind(tmp_path, mode):
 
     from moe_lab.models.qwen3_moe import Qwen3MoeForCausalLM
 
-    cfg = compose_train([f"offload={mode}", "trainer.steps=3", "trainer.warmup_steps=1"] + (SMALL_CHUNKS if mode != "none" else []))
+    cfg = compose_train(
+        [f"offload={mode}", "trainer.steps=3", "trainer.warmup_steps=1"] + (SMALL_CHUNKS if mode != "none" else [])
+    )
     options = config.validate(cfg)
     threads = set(threading.enumerate())
     metrics = train(cfg, options, tmp_path, torch.device("cpu"), 0, 1)
@@ -269,7 +291,9 @@ def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode)
     host) loads it and steps on exactly as the original, its groups still the ones an LR scheduler drives."""
     model, reference = _small_model(), _small_model()
     if mode == "optimizer_pieces":
-        optimizer = OptimizerOffload(chunk_mib=PIECES_MIB).build(model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
+        optimizer = OptimizerOffload(chunk_mib=PIECES_MIB).build(
+            model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32
+        )
         assert any(not piece.whole for chunk in optimizer.chunks for piece in chunk.pieces)
         mode = "optimizer"
     else:
@@ -297,7 +321,9 @@ def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode)
     with torch.no_grad():
         for p, q in zip(resumed_model.parameters(), model.parameters()):
             p.copy_(q if mode != "full" else torch.zeros_like(q))  # offload=full takes its weights from the masters
-    one_chunk = {"optimizer": OptimizerOffload(chunk_mib=1.0), "full": FullOffload(chunk_mib=1.0, numa_bind=False)}[mode]
+    one_chunk = {"optimizer": OptimizerOffload(chunk_mib=1.0), "full": FullOffload(chunk_mib=1.0, numa_bind=False)}[
+        mode
+    ]
     resumed = one_chunk.build(resumed_model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32)
     assert len(resumed.chunk_optimizers) == 1 < len(optimizer.chunk_optimizers)
     hyperparameters = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
@@ -440,10 +466,14 @@ def test_optimizer_offload_steps_in_the_last_backward_like_plain_adamw(device, c
             if micro_batch == 0 or step == 0:
                 assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), (step, micro_batch)
         if step > 0 and not delayed:  # the chunks' steps are ordered before the compute stream by step() only
-            assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+            assert_all_close(
+                [p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6
+            )
         optimizer.step()
         optimizer.zero_grad()
-        assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+        assert_all_close(
+            [p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6
+        )
         assert optimizer.ring.numel() < sum(c.nbytes for c in optimizer.chunks)  # so the ring's room is reused
     assert optimizer.ring.device.type == device
     assert all(chunk.host.is_pinned() == (device == "cuda") for chunk in optimizer.chunks)
@@ -456,7 +486,12 @@ class _Gated(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.c, self.d = nn.Linear(4, 4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+        self.a, self.b, self.c, self.d = (
+            nn.Linear(4, 4),
+            nn.Linear(4, 4, bias=False),
+            nn.Linear(4, 4),
+            nn.Linear(4, 4, bias=False),
+        )
 
     def forward(self, x: torch.Tensor, step: int, micro_batch: int) -> torch.Tensor:
         x = torch.tanh(self.a(x))
@@ -488,7 +523,9 @@ def test_optimizer_offload_with_state_that_grows_and_gradients_backward_misses_m
             loss(model, step, micro_batch).backward()
         optimizer.step()
         optimizer.zero_grad()
-        assert_all_close([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6)
+        assert_all_close(
+            [p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()], atol=1e-6
+        )
     state = optimizer.state_dict()["state"]
     for i, p in enumerate(reference.parameters()):
         for key in ("exp_avg", "exp_avg_sq"):
@@ -500,10 +537,14 @@ def test_optimizer_offload_with_state_that_grows_and_gradients_backward_misses_m
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("transfer_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("make_optimizer", [
-    functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
-    functools.partial(SignSGD, lr=1e-2, weight_decay=0.1),
-], ids=["adamw", "signsgd"])  # fmt: skip
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
+        functools.partial(SignSGD, lr=1e-2, weight_decay=0.1),
+    ],
+    ids=["adamw", "signsgd"],
+)
 def test_host_step_is_the_optimizer_over_the_whole_masters(make_optimizer, transfer_dtype, threads):
     """The host step kernel, over flat masters of sizes no vector width divides and on any thread count, steps them
     as plain torch AdamW (within fp32 rounding: torch's kernel may fuse other multiply-adds) or SignSGD (exactly)
@@ -589,7 +630,15 @@ def test_offload_full_that_cannot_build_its_kernel_fails_when_built_naming_why(b
     model, _ = _two_chunk_model()
     try:
         with pytest.raises(RuntimeError, match=message):
-            InBackwardOptimizer(list(model.parameters()), functools.partial(SignSGD, lr=0.1), torch.float32, chunk_numel=64, max_inflight=1, timeout_s=5, num_threads=1)
+            InBackwardOptimizer(
+                list(model.parameters()),
+                functools.partial(SignSGD, lr=0.1),
+                torch.float32,
+                chunk_numel=64,
+                max_inflight=1,
+                timeout_s=5,
+                num_threads=1,
+            )
     finally:
         host_kernel.load.cache_clear()
 
@@ -609,8 +658,13 @@ def test_host_step_hands_the_gil_over_promptly_and_reports_its_work():
     default = sys.getswitchinterval()
     model, loss = _two_chunk_model()
     optimizer = InBackwardOptimizer(
-        list(model.parameters()), functools.partial(_SwitchIntervalSeen, lr=0.1), torch.float32,
-        chunk_numel=64, max_inflight=2, timeout_s=5, num_threads=1,
+        list(model.parameters()),
+        functools.partial(_SwitchIntervalSeen, lr=0.1),
+        torch.float32,
+        chunk_numel=64,
+        max_inflight=2,
+        timeout_s=5,
+        num_threads=1,
     )
     optimizer.attach()
     loss.backward()
@@ -656,7 +710,10 @@ def test_rules_fail_with_their_key(overrides, key):
     [
         (["offload=full", "optimizer=adamw"], torch.optim.AdamW),
         (["offload=full", "optimizer=signsgd"], SignSGD),
-        (["offload=optimizer", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"], torch.optim.SGD),  # any torch optimizer
+        (
+            ["offload=optimizer", "optimizer=signsgd", "optimizer._target_=torch.optim.SGD"],
+            torch.optim.SGD,
+        ),  # any torch optimizer
     ],
 )
 def test_offload_accepts_its_optimizers_with_clipping_off(overrides, plain_class):
@@ -764,8 +821,13 @@ def test_stuck_worker_times_out_in_backward():
     release = threading.Event()
     model, loss = _two_chunk_model()
     optimizer = InBackwardOptimizer(
-        list(model.parameters()), functools.partial(_BlockedSignSGD, release=release, lr=0.1), torch.float32,
-        chunk_numel=64, max_inflight=1, timeout_s=0.2, num_threads=1,
+        list(model.parameters()),
+        functools.partial(_BlockedSignSGD, release=release, lr=0.1),
+        torch.float32,
+        chunk_numel=64,
+        max_inflight=1,
+        timeout_s=0.2,
+        num_threads=1,
     )
     optimizer.attach()
     try:
@@ -780,8 +842,13 @@ def test_worker_failure_is_raised_not_swallowed():
     release.set()
     model, loss = _two_chunk_model()
     optimizer = InBackwardOptimizer(
-        list(model.parameters()), functools.partial(_BlockedSignSGD, release=release, fail=True, lr=0.1), torch.float32,
-        chunk_numel=64, max_inflight=2, timeout_s=5, num_threads=1,
+        list(model.parameters()),
+        functools.partial(_BlockedSignSGD, release=release, fail=True, lr=0.1),
+        torch.float32,
+        chunk_numel=64,
+        max_inflight=2,
+        timeout_s=5,
+        num_threads=1,
     )
     optimizer.attach()
     with pytest.raises(ValueError, match="injected failure") as e:  # from the next hook, or else from step()
@@ -803,8 +870,13 @@ def test_collected_optimizer_ends_its_worker_and_frees_its_host_state():
 
     model, loss = _two_chunk_model()
     optimizer = InBackwardOptimizer(
-        list(model.parameters()), functools.partial(torch.optim.AdamW, lr=0.1), torch.float32,
-        chunk_numel=64, max_inflight=2, timeout_s=5, num_threads=1,
+        list(model.parameters()),
+        functools.partial(torch.optim.AdamW, lr=0.1),
+        torch.float32,
+        chunk_numel=64,
+        max_inflight=2,
+        timeout_s=5,
+        num_threads=1,
     )
     optimizer.attach()
     scheduler = warmup_cosine(optimizer, steps=4, warmup_steps=2, min_lr_ratio=0.1)  # it wraps optimizer.step

@@ -12,7 +12,9 @@ SUMMARY = Path(__file__).resolve().parents[1] / "experiments" / "offload_accum" 
 TARGETS = {"none": "moe_lab.optim.offload.NoOffload", "full": "moe_lab.optim.offload.FullOffload"}
 
 
-def write_point(root: Path, index: int, accum: int, mode: str, s_per_step: float, host_rows: list[dict] = (), losses=None) -> None:
+def write_point(
+    root: Path, index: int, accum: int, mode: str, s_per_step: float, host_rows: list[dict] = (), losses=None
+) -> None:
     point = root / str(index)
     point.mkdir()
     config = {"offload": {"_target_": TARGETS[mode]}, "trainer": {"grad_accum": accum, "timing_skip": 1}}
@@ -20,7 +22,9 @@ def write_point(root: Path, index: int, accum: int, mode: str, s_per_step: float
     if losses is not None:
         metrics["losses"] = losses
     (point / "result.json").write_text(json.dumps({"config": config, "status": "ok", "metrics": metrics}))
-    (point / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **row}) + "\n" for i, row in enumerate(host_rows)))
+    (point / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, **row}) + "\n" for i, row in enumerate(host_rows))
+    )
 
 
 def test_summary_shows_ratios_host_step_and_crossover(tmp_path, capsys, monkeypatch):
@@ -28,7 +32,9 @@ def test_summary_shows_ratios_host_step_and_crossover(tmp_path, capsys, monkeypa
     write_point(tmp_path, 0, 1, "none", 0.2)
     write_point(tmp_path, 1, 1, "full", 0.6)
     write_point(tmp_path, 2, 8, "none", 1.6, losses=[12.0, 11.0, 10.0])
-    rows = [{"host_step_gparams_per_s": 9.0, "host_wait_s": 9.0}] + [{"host_step_gparams_per_s": g, "host_wait_s": 0.3} for g in (4.0, 5.0, 6.0)]
+    rows = [{"host_step_gparams_per_s": 9.0, "host_wait_s": 9.0}] + [
+        {"host_step_gparams_per_s": g, "host_wait_s": 0.3} for g in (4.0, 5.0, 6.0)
+    ]
     write_point(tmp_path, 3, 8, "full", 2.0, rows, losses=[12.0, 11.25, 10.0])
     monkeypatch.setattr(sys, "argv", ["summary.py", str(tmp_path)])
     runpy.run_path(str(SUMMARY), run_name="__main__")

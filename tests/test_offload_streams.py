@@ -46,7 +46,12 @@ class Simulation:
         earlier = self.accesses.setdefault(storage, [])
         for other, other_clock, other_lo, other_hi, other_write, other_what in earlier:
             overlaps = other_lo < hi and lo < other_hi
-            if overlaps and (write or other_write) and other is not stream and stream.clock.get(other.name, 0) < other_clock:
+            if (
+                overlaps
+                and (write or other_write)
+                and other is not stream
+                and stream.clock.get(other.name, 0) < other_clock
+            ):
                 self.unordered.append(f"{what} on {stream.name} not ordered after {other_what} on {other.name}")
         earlier.append((stream, clock, lo, hi, write, what))
 
@@ -164,7 +169,12 @@ class _Gated(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.c, self.d = nn.Linear(4, 16), nn.Linear(16, 16, bias=False), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.a, self.b, self.c, self.d = (
+            nn.Linear(4, 16),
+            nn.Linear(16, 16, bias=False),
+            nn.Linear(16, 16),
+            nn.Linear(16, 4),
+        )
 
     def forward(self, x: torch.Tensor, step: int, micro_batch: int) -> torch.Tensor:
         x = torch.tanh(self.a(x))
@@ -214,12 +224,16 @@ def test_the_simulation_finds_a_missing_ordering(simulation, monkeypatch, broken
     """The check above can fail: each ordering taken away is reported."""
     if broken == "h2d_ignores_events":
         wait = SimulatedStream.wait
-        monkeypatch.setattr(SimulatedStream, "wait", lambda self, event: None if self.name == "h2d" else wait(self, event))
+        monkeypatch.setattr(
+            SimulatedStream, "wait", lambda self, event: None if self.name == "h2d" else wait(self, event)
+        )
     elif broken == "no_then_current":
         monkeypatch.setattr(SimulatedStream, "then_current", lambda self: None)
     else:
         after = SimulatedStream.after_current
-        monkeypatch.setattr(SimulatedStream, "after_current", lambda self: None if self.name == "steps" else after(self))
+        monkeypatch.setattr(
+            SimulatedStream, "after_current", lambda self: None if self.name == "steps" else after(self)
+        )
     _train(simulation)
     assert simulation.unordered
 

@@ -62,14 +62,30 @@ def venv(path: Path) -> Path:
     files processed), behind the venv's own, so what is installed into the venv comes first."""
     run([sys.executable, "-m", "venv", "--without-pip", path], cwd=path.parent)
     python = path / "bin" / "python"
-    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=path.parent).stdout.strip())
+    purelib = Path(
+        run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=path.parent).stdout.strip()
+    )
     (purelib / "_outer_site.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in site_dirs()))
     return python
 
 
 def test_wheel_runs_the_default_job_from_another_directory(tmp_path):
     source = copy_source(tmp_path / "src")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", source], cwd=tmp_path)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            tmp_path / "dist",
+            source,
+        ],
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "dist").glob("moe_lab-*.whl")
     studies = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("moe_lab/experiments/")]
     assert "moe_lab/experiments/grid_30b/preset.yaml" in studies and all(n.endswith(".yaml") for n in studies)
@@ -91,7 +107,9 @@ def test_editable_install_imports_from_the_clones_parent_directory(tmp_path):
     clone = copy_source(tmp_path / "moe_lab")  # a clone keeps the project's name
     python = venv(tmp_path / "venv")
     run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", clone], cwd=tmp_path)
-    proc = run([python, "-c", "import moe_lab; from moe_lab.results import load; print(moe_lab.__file__)"], cwd=tmp_path)
+    proc = run(
+        [python, "-c", "import moe_lab; from moe_lab.results import load; print(moe_lab.__file__)"], cwd=tmp_path
+    )
     assert proc.stdout.strip() == str(clone / "moe_lab" / "__init__.py")
     job = run([python, "-m", "moe_lab.train", "+experiment=routing_skew", "--cfg", "job"], cwd=tmp_path).stdout
     assert "routing: skewed" in job

@@ -50,11 +50,17 @@ ONE_RANK = {  # axis: (overrides, bitwise)
 }
 GRAD_ACCUM = ["trainer.grad_accum=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
 RANKS = {  # world: {axis: overrides} (all to SUM_ORDER)
-    2: {"fsdp=2": ["parallel.ep=1"], "ep=2": ["parallel.ep=2"],
+    2: {
+        "fsdp=2": ["parallel.ep=1"],
+        "ep=2": ["parallel.ep=2"],
         "ep=2 dispatcher=fused": ["parallel.ep=2", "dispatcher=fused"],
-        "ep=2 ac=selective offload=optimizer": ["parallel.ep=2", "ac=selective", "offload=optimizer", *CHUNKS]},
-    4: {"fsdp=4": ["parallel.ep=1"], "fsdp=2 ep=2": ["parallel.ep=2"],
-        "ep=4 dispatcher=fused": ["parallel.ep=4", "dispatcher=fused"]},
+        "ep=2 ac=selective offload=optimizer": ["parallel.ep=2", "ac=selective", "offload=optimizer", *CHUNKS],
+    },
+    4: {
+        "fsdp=4": ["parallel.ep=1"],
+        "fsdp=2 ep=2": ["parallel.ep=2"],
+        "ep=4 dispatcher=fused": ["parallel.ep=4", "dispatcher=fused"],
+    },
 }
 
 
@@ -120,6 +126,9 @@ def test_mesh_axes_match_the_reference(world, reference, tmp_path, monkeypatch):
     """One gloo world runs each of its axes in turn (one start-up for all): about a minute each on 2 CPUs."""
     points = [(overrides, str(tmp_path / axis.replace(" ", "_"))) for axis, overrides in RANKS[world].items()]
     run_world(world, _train_points, points, world)
-    failed = [axis for axis, (_, run_dir) in zip(RANKS[world], points)
-              if compare.main([str(reference), run_dir, "--rtol", str(SUM_ORDER)]) != 0]  # fmt: skip
+    failed = [
+        axis
+        for axis, (_, run_dir) in zip(RANKS[world], points)
+        if compare.main([str(reference), run_dir, "--rtol", str(SUM_ORDER)]) != 0
+    ]
     assert not failed

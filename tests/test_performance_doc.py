@@ -25,7 +25,9 @@ def tables():
 
 
 def test_generated_tables_are_up_to_date():
-    proc = subprocess.run([sys.executable, "experiments/doc_tables.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "experiments/doc_tables.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -91,33 +93,64 @@ def _ours(directory, points, gpus=2, seq=16384):
     for n, (dispatcher, ac, status, tps, gib) in enumerate(points):
         (directory / str(n)).mkdir(parents=True)
         record = {
-            "status": status, "choices": {"dispatcher": dispatcher, "ac": ac, "offload": "none"}, "overrides": [],
-            "config": {"model": {"name": "qwen3_235b", "num_layers": 2}, "trainer": {"nproc_per_node": gpus}, "data": {"seq_len": seq}},
-            "metrics": {"tokens_per_s_per_gpu": tps, "mfu": tps and tps * 1e-5, "peak_gpu_mem_gib": gib} if status == "ok" else None,
-        }  # fmt: skip
+            "status": status,
+            "choices": {"dispatcher": dispatcher, "ac": ac, "offload": "none"},
+            "overrides": [],
+            "config": {
+                "model": {"name": "qwen3_235b", "num_layers": 2},
+                "trainer": {"nproc_per_node": gpus},
+                "data": {"seq_len": seq},
+            },
+            "metrics": {"tokens_per_s_per_gpu": tps, "mfu": tps and tps * 1e-5, "peak_gpu_mem_gib": gib}
+            if status == "ok"
+            else None,
+        }
         (directory / str(n) / "result.json").write_text(json.dumps(record))
     return str(directory)
 
 
 def _titan(path, points, gpus=2, seq=16384):
     """A torchtitan baseline file: (AC setting, status, tokens/s/GPU, reserved GiB) per point."""
-    rows = [{"gpus": gpus, "seq_len": seq, "ac": ac, "status": status, "command": "torchrun ...", "tokens_per_s_per_gpu": tps,
-             "mfu": tps and tps * 1e-5, "peak_gpu_mem_reserved_gib": gib} for ac, status, tps, gib in points]  # fmt: skip
+    rows = [
+        {
+            "gpus": gpus,
+            "seq_len": seq,
+            "ac": ac,
+            "status": status,
+            "command": "torchrun ...",
+            "tokens_per_s_per_gpu": tps,
+            "mfu": tps and tps * 1e-5,
+            "peak_gpu_mem_reserved_gib": gib,
+        }
+        for ac, status, tps, gib in points
+    ]
     path.write_text(json.dumps({"proxy": {"torchtitan_flavour": "235B-A22B-2L", "layers": 2}, "points": rows}))
     return str(path)
 
 
 def test_best_vs_best_divides_the_fastest_by_the_fastest_and_says_what_each_side_ran(tables, tmp_path):
-    ours = _ours(tmp_path / "ours", [("fused", "none", "oom", None, None), ("fused", "selective", "ok", 51_000, 70.2),
-                                     ("torch", "none", "ok", 45_000, 80.0), ("torch", "selective", "ok", 44_000, 66.0)])  # fmt: skip
-    titan = _titan(tmp_path / "titan.json", [("none", "ok", 40_800, 87.0), ("full", "ok", 35_800, 79.7),
-                                             ("layer-selective", "oom", None, None)])  # fmt: skip
+    ours = _ours(
+        tmp_path / "ours",
+        [
+            ("fused", "none", "oom", None, None),
+            ("fused", "selective", "ok", 51_000, 70.2),
+            ("torch", "none", "ok", 45_000, 80.0),
+            ("torch", "selective", "ok", 44_000, 66.0),
+        ],
+    )
+    titan = _titan(
+        tmp_path / "titan.json",
+        [("none", "ok", 40_800, 87.0), ("full", "ok", 35_800, 79.7), ("layer-selective", "oom", None, None)],
+    )
     row = tables.best_vs_best(ours, titan).splitlines()[2].split(" | ")
     assert row[:4] == ["| Qwen3-235B-A22B, 2 layers", "2", "16,384", "fused + selective AC"]
     assert row[4:7] == ["51,000", "51.0 %", "70.2"]  # our fastest, not the same-AC point
     assert row[7:11] == ["none", "40,800", "40.8 %", "87.0"]  # torchtitan's fastest that ran
     assert row[11] == f"{51_000 / 40_800:.2f}x"
-    assert row[12] == "dispatcher fused, torch; ac none, selective; offload none; fused + none, offload none: oom; not run: ac full"
+    assert (
+        row[12]
+        == "dispatcher fused, torch; ac none, selective; offload none; fused + none, offload none: oom; not run: ac full"
+    )
     assert row[13] == "none, full, layer-selective (oom); not run: op-selective |"
     failed = _titan(tmp_path / "failed.json", [("none", "oom", None, None)])
     row = tables.best_vs_best(ours, failed).splitlines()[2].split(" | ")

@@ -31,7 +31,9 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch):
         assert 0 < values[key] <= 1 and "Measured:" in out.read_text() and key in out.read_text().splitlines()[1]
     assert values["host_memory_gbps"] > 0 and values["host_memory_gib"] > 0
 
-    overrides = profile_path_overrides(["model=qwen3_30b", "model.num_layers=2", f"hardware={out}", "hardware.gpus_per_node=2", "parallel.ep=2"])
+    overrides = profile_path_overrides(
+        ["model=qwen3_30b", "model.num_layers=2", f"hardware={out}", "hardware.gpus_per_node=2", "parallel.ep=2"]
+    )
     assert overrides[2:4] == ["hardware=file", f"hardware.path={out}"]
     planned = plan(compose(overrides), search=False)
     assert planned["plan"]["hardware"]["name"] == "b300_measured" and planned["plan"]["mesh"]["world"] == 2

@@ -10,13 +10,28 @@ import dataclasses
 import pytest
 
 from moe_lab.config import ConfigError
+from moe_lab.moe.fused.ops import SAVES
 from moe_lab.plan.config import compose
 from moe_lab.plan.memory import GIB, fused_receive_rows, offloaded_bytes, plan_memory, saved_per_layer
-from moe_lab.plan.planner import build_hardware, fastest_by_depth, fits, plan, room_settings, step_of, validated, with_setting
+from moe_lab.plan.planner import (
+    build_hardware,
+    fastest_by_depth,
+    fits,
+    plan,
+    room_settings,
+    step_of,
+    validated,
+    with_setting,
+)
 from moe_lab.plan.step_time import GATE_UP_SHARE, grouped_shape_factor, offload_pace, plan_time
-from moe_lab.moe.fused.ops import SAVES
 
-FULL_DEPTH = ["+experiment=benchmark", "model=qwen3_30b", "model.num_layers=48", "model.num_experts=16", "dispatcher=fused"]
+FULL_DEPTH = [
+    "+experiment=benchmark",
+    "model=qwen3_30b",
+    "model.num_layers=48",
+    "model.num_experts=16",
+    "dispatcher=fused",
+]
 
 
 def step_and_hw(*overrides):
@@ -37,7 +52,10 @@ def test_save_modes_keep_what_the_op_returns():
     for save, names in SAVES.items():
         dropped = sum(b for name, b in row_bytes.items() if name not in names)
         assert (kept["rows"] - kept[save]) * GIB == pytest.approx(layers * rows * dropped, rel=1e-9), save
-    assert plans["inputs"].categories["fused dispatcher buffers"] < 0.1 * plans["rows"].categories["fused dispatcher buffers"]
+    assert (
+        plans["inputs"].categories["fused dispatcher buffers"]
+        < 0.1 * plans["rows"].categories["fused dispatcher buffers"]
+    )
 
 
 def test_save_modes_pay_the_gate_up_gemm_and_the_gather():
@@ -52,8 +70,10 @@ def test_save_modes_pay_the_gate_up_gemm_and_the_gather():
 
 
 def test_save_inputs_at_ep2_exchanges_the_rows_again():
-    rows, inputs = (plan_time(*step_and_hw("parallel.ep=2", "hardware.gpus_per_node=2", "ac=selective", f"dispatcher.save={s}"))
-                    for s in ("rows", "inputs"))  # fmt: skip
+    rows, inputs = (
+        plan_time(*step_and_hw("parallel.ep=2", "hardware.gpus_per_node=2", "ac=selective", f"dispatcher.save={s}"))
+        for s in ("rows", "inputs")
+    )
     assert inputs["communication_s"]["ep_all_to_all"] == pytest.approx(rows["communication_s"]["ep_all_to_all"] * 5 / 4)
 
 
@@ -65,7 +85,9 @@ def test_keep_sets_trade_memory_for_recompute():
     assert plan_memory(everything).peak == plan_memory(default).peak
     no_dispatcher, hw = step_and_hw("ac=selective", "ac.keep=[matmul,grouped_mm,attention,router]")
     no_attention, _ = step_and_hw("ac=selective", "ac.keep=[matmul,grouped_mm,router,dispatcher]")
-    assert saved_per_layer(no_dispatcher) < saved_per_layer(everything) and saved_per_layer(no_attention) < saved_per_layer(everything)
+    assert saved_per_layer(no_dispatcher) < saved_per_layer(everything) and saved_per_layer(
+        no_attention
+    ) < saved_per_layer(everything)
     base = plan_time(everything, hw)["seconds"]
     assert plan_time(no_attention, hw)["seconds"]["attention"] == pytest.approx(base["attention"] * 4.5 / 3.5)
     assert plan_time(no_dispatcher, hw)["seconds"]["expert_gemm"] == pytest.approx(base["expert_gemm"] * 4 / 3)
@@ -83,14 +105,21 @@ def test_activation_offload_moves_all_but_the_last_layer_and_pays_pcie_beyond_co
     fast = dataclasses.replace(hw, pcie_gbps=1e6)
     slow = dataclasses.replace(hw, pcie_gbps=1.0)
     assert plan_time(step, fast)["seconds"]["pcie"] == 0 and offload_pace(step, fast) == 1.0
-    compute = sum(plan_time(step, slow)["seconds"][k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
-    assert plan_time(step, slow)["seconds"]["pcie"] == pytest.approx(2 * offloaded_bytes(step) / slow.pcie_bytes_per_s - compute)
+    compute = sum(
+        plan_time(step, slow)["seconds"][k]
+        for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other")
+    )
+    assert plan_time(step, slow)["seconds"]["pcie"] == pytest.approx(
+        2 * offloaded_bytes(step) / slow.pcie_bytes_per_s - compute
+    )
     assert plan_memory(step, offload_pace(step, slow)).peak > memory.peak
 
 
 def test_offload_with_eager_selective_is_refused():
     with pytest.raises(ConfigError, match="ac.offload_activations"):
-        plan(compose(FULL_DEPTH + ["ac=selective", "ac.offload_activations=true", "trainer.compile=false"]), search=False)
+        plan(
+            compose(FULL_DEPTH + ["ac=selective", "ac.offload_activations=true", "trainer.compile=false"]), search=False
+        )
 
 
 def test_fastest_fitting_is_the_fastest_setting_that_fits():

@@ -13,8 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from moe_lab import config
-from tests.sweep import ROOT
 from tests.configs import TINY, compose_train
+from tests.sweep import ROOT
 
 EXPERIMENTS = ROOT / "experiments"
 # +experiment=<name>: experiments/<name>.yaml (shared), <study>/preset.yaml, <study>/<variant>.yaml
@@ -50,8 +50,19 @@ def compose_preset(tokens):
 
 
 def test_presets_found():
-    assert {"benchmark", "grid_30b", "grid_30b/two_gpu", "grid_30b/seq8192", "routing_skew", "reference_30b", "reference_235b",
-            "real_routing", "real_routing/two_gpu", "grid_235b", "grid_235b/one_gpu"} <= set(PRESETS)
+    assert {
+        "benchmark",
+        "grid_30b",
+        "grid_30b/two_gpu",
+        "grid_30b/seq8192",
+        "routing_skew",
+        "reference_30b",
+        "reference_235b",
+        "real_routing",
+        "real_routing/two_gpu",
+        "grid_235b",
+        "grid_235b/one_gpu",
+    } <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -90,8 +101,19 @@ def test_preset_runs_on_the_tiny_model(name, compose_preset, tmp_path):
     ranks = ranks_for(composed)
     data = [f"data.path={composed.data.path}"] if "path" in composed.data else []  # the fixture's tokens
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "moe_lab.train", f"+experiment={name}", *TINY, *ranks, *data, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180)
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_lab.train",
+        f"+experiment={name}",
+        *TINY,
+        *ranks,
+        *data,
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180
+    )
     result, output = tmp_path / "run" / "result.json", proc.stdout[-2000:] + proc.stderr[-3000:]
     assert result.exists(), output
     record = json.loads(result.read_text())

@@ -4,7 +4,6 @@ the sweep table, and the experiment presets."""
 from __future__ import annotations
 
 import itertools
-
 import json
 import shutil
 import subprocess
@@ -15,12 +14,12 @@ import pytest
 import torch
 
 from moe_lab import config as config_lib
-from moe_lab.runtime.device import world_size
-from moe_lab.results import load
 from moe_lab.job.lifecycle import RunDirInUse, earlier_record, point_config
+from moe_lab.results import load
 from moe_lab.results.record import RESULT, write_json_atomic
-from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
+from moe_lab.runtime.device import world_size
 from tests.configs import compose_train
+from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +67,9 @@ def test_every_point_has_one_record_with_its_status(sweep_dir):
 def test_table_columns_and_parquet(sweep_dir, tmp_path):
     df = load(str(sweep_dir / "*"))  # a glob of point directories works as well as the sweep directory
     assert len(df) == 12 and df["parallel.ep"].dtype.kind == "i"
-    assert {"dispatcher", "ac", "offload", "model", "status", "error_type", "s_per_step", "time.dense_gemm"} <= set(df.columns)
+    assert {"dispatcher", "ac", "offload", "model", "status", "error_type", "s_per_step", "time.dense_gemm"} <= set(
+        df.columns
+    )
     assert not any(df[c].map(lambda v: isinstance(v, (list, dict))).any() for c in df.columns)
     ok = df[df.status == "ok"]
     assert ok["s_per_step"].notna().all() and df[df.status != "ok"]["s_per_step"].isna().all()
@@ -137,7 +138,9 @@ PRESETS = {
     ),
     "reference_235b": dict(model="qwen3_235b", world=32, ep=8, seq=16384, sweep=None),
     "reference_30b": dict(model="qwen3_30b", world=8, ep=8, seq=16384, sweep=None),
-    "routing_skew": dict(model="qwen3_30b", world=2, ep=2, seq=16384, sweep={"model.routing_skew": "0.25,0.5,1.0,1.5,2.0"}),
+    "routing_skew": dict(
+        model="qwen3_30b", world=2, ep=2, seq=16384, sweep={"model.routing_skew": "0.25,0.5,1.0,1.5,2.0"}
+    ),
 }
 
 

@@ -35,8 +35,13 @@ pytestmark = pytest.mark.slow  # killed and resumed jobs, one and two ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 2  # per rank: GLOBAL_BATCH // ranks, so every mesh sees the same global batch
-BASE = ["trainer.steps=16", "trainer.warmup_steps=2", "data.seq_len=16", "data._target_=tests.pausing_data.PausingData",
-        "trainer.checkpoint.every=8"]  # fmt: skip
+BASE = [
+    "trainer.steps=16",
+    "trainer.warmup_steps=2",
+    "data.seq_len=16",
+    "data._target_=tests.pausing_data.PausingData",
+    "trainer.checkpoint.every=8",
+]
 # Several chunks and fewer transfer buffers than chunks for the offload modes.
 CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
 CASES = [("none", 1, 1), ("optimizer", 1, 1), ("full", 1, 1), ("none", 2, 2), ("optimizer", 2, 1), ("full", 2, 2)]
@@ -44,7 +49,13 @@ CASES = [("none", 1, 1), ("optimizer", 1, 1), ("full", 1, 1), ("none", 2, 2), ("
 
 def mesh(offload: str, ranks: int, ep: int) -> list[str]:
     chunks = CHUNKS if offload != "none" else []
-    return [f"offload={offload}", f"trainer.nproc_per_node={ranks}", f"parallel.ep={ep}", f"data.batch_size={GLOBAL_BATCH // ranks}", *chunks]
+    return [
+        f"offload={offload}",
+        f"trainer.nproc_per_node={ranks}",
+        f"parallel.ep={ep}",
+        f"data.batch_size={GLOBAL_BATCH // ranks}",
+        *chunks,
+    ]
 
 
 def case_id(case) -> str:
@@ -65,9 +76,14 @@ class Job:
         cpus = sorted(os.sched_getaffinity(0))[: 1 if "trainer.nproc_per_node=2" not in args else 2]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moe_lab.train", *args], cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, cpus),
-            )  # fmt: skip
+                [sys.executable, "-m", "moe_lab.train", *args],
+                cwd=directory,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+            )
 
     def output(self) -> str:
         return self.log.read_text()
@@ -214,7 +230,14 @@ def test_sigint_ends_a_single_run_with_an_interrupted_record(tmp_path):
 def test_a_signalled_sweep_stops_and_resumes_its_point(reference, tmp_path):
     expected = result(reference(("none", 1, 1)))["metrics"]["losses"]
     sweep, pause_dir = tmp_path / "sweep", tmp_path / "pause"
-    args = ["-m", "ac=none,full", *BASE, *mesh("none", 1, 1), "trainer.checkpoint.on_signal=true", f"hydra.sweep.dir={sweep}"]
+    args = [
+        "-m",
+        "ac=none,full",
+        *BASE,
+        *mesh("none", 1, 1),
+        "trainer.checkpoint.on_signal=true",
+        f"hydra.sweep.dir={sweep}",
+    ]
     job = Job(args, tmp_path, pause=f"5:{pause_dir}")
     job.wait_for(paused(pause_dir, 1))
     job.proc.send_signal(signal.SIGTERM)

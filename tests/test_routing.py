@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from moe_lab import config
+from moe_lab.job.trainer import train
 from moe_lab.metrics.routing import ExpertLoad, describe
 from moe_lab.models.qwen3_moe import Documents, Qwen3MoeConfig
 from moe_lab.moe.dispatcher import FusedDispatcher
 from moe_lab.moe.router import AuxLoss, ExpertBias, Router, routing_stats, split_stats
 from moe_lab.parallel.ac import FullCheckpoint, SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
-from moe_lab.job.trainer import train
 from tests.distributed import run_world
 from tests.test_offload import compose_train
 
@@ -54,8 +54,15 @@ def test_expert_load_rows_come_at_the_interval_and_the_last_step():
 
 
 def tiny_model(ac=None, compiled=False, balance="aux_loss"):
-    cfg = Qwen3MoeConfig.preset("tiny", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_intermediate_size=16,
-                                router_balance=balance)  # fmt: skip
+    cfg = Qwen3MoeConfig.preset(
+        "tiny",
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        moe_intermediate_size=16,
+        router_balance=balance,
+    )
     torch.manual_seed(0)
     model = cfg.build()
     model.init_weights()
@@ -75,7 +82,9 @@ def test_statistics_and_aux_loss_survive_compile_and_checkpointing(ac):
     """Blocks compiled with fullgraph=True (and wrapped by either AC mode) return the eager routing statistics, and
     the auxiliary loss's gradient reaches the routers as in eager, also with packed documents."""
     tokens = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
-    documents = Documents(torch.tensor([[0] * 5 + [1] * 7, [0] * 12]).int(), torch.tensor([[*range(5), *range(7)], [*range(12)]]))
+    documents = Documents(
+        torch.tensor([[0] * 5 + [1] * 7, [0] * 12]).int(), torch.tensor([[*range(5), *range(7)], [*range(12)]])
+    )
     runs = []
     for model in (tiny_model(), tiny_model(ac() if ac else None, compiled=True)):
         out = model(tokens, documents)
@@ -114,7 +123,9 @@ def test_aux_loss_counts_the_global_batch():
     model.config.balance().loss(model(batch).router_stats).backward()
     two = run_world(2, _aux_loss_gradient, batch)
     for layer, expected in enumerate(model.model.layers):
-        torch.testing.assert_close(torch.from_numpy(two[0]["grads"][layer]), expected.mlp.gate.weight.grad, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(
+            torch.from_numpy(two[0]["grads"][layer]), expected.mlp.gate.weight.grad, rtol=1e-5, atol=1e-9
+        )
 
 
 def test_expert_bias_evens_the_load_by_choice_alone():
@@ -145,9 +156,18 @@ def test_expert_bias_evens_the_load_by_choice_alone():
 def _expert_load_rows(run_dir, *overrides) -> list[dict]:
     """The expert_load row of every step of a 3-step bias-balanced run (the bias rate high enough that each update
     changes which experts the next step chooses)."""
-    cfg = compose_train(["trainer.steps=3", "trainer.warmup_steps=0", "data.seq_len=16", "trainer.precision=fp32",
-                         "model.router_balance=bias", "model.router_bias_update_rate=0.05", "trainer.expert_load_every=1",
-                         *overrides])  # fmt: skip
+    cfg = compose_train(
+        [
+            "trainer.steps=3",
+            "trainer.warmup_steps=0",
+            "data.seq_len=16",
+            "trainer.precision=fp32",
+            "model.router_balance=bias",
+            "model.router_bias_update_rate=0.05",
+            "trainer.expert_load_every=1",
+            *overrides,
+        ]
+    )
     train(cfg, config.validate(cfg), run_dir, torch.device("cpu"), 0, 1)
     return [json.loads(line)["expert_load"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -166,7 +186,9 @@ def test_accumulated_micro_batches_move_the_bias_and_log_the_load_of_the_whole_s
 
 def test_aux_loss_value():
     """coef * E * sum_e f_e * P_e: two experts, K = 1, four tokens split evenly with mean probability 1/4 each."""
-    stats = torch.cat([torch.tensor([[2.0, 2.0]]), torch.tensor([[1.0, 1.0]]).requires_grad_(), torch.zeros(1, 1)], dim=1)
+    stats = torch.cat(
+        [torch.tensor([[2.0, 2.0]]), torch.tensor([[1.0, 1.0]]).requires_grad_(), torch.zeros(1, 1)], dim=1
+    )
     loss = AuxLoss(coef=1.0, top_k=1).loss(stats)
     assert loss.item() == pytest.approx(2 * (0.5 * 0.25 + 0.5 * 0.25))  # E * sum f_e * P_e, 4 tokens
 

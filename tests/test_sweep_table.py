@@ -63,19 +63,34 @@ def test_by_axes_takes_the_median_of_repeats_of_one_point(sweep):
 
 
 def test_by_axes_of_a_single_point():
-    df = pd.DataFrame({"run_dir": ["a"], "status": ["ok"], "error_type": [None], "error_message": [None], "ac": ["full"],
-                       "overrides": ["ac=full"], "s_per_step": [0.25]})  # fmt: skip
+    df = pd.DataFrame(
+        {
+            "run_dir": ["a"],
+            "status": ["ok"],
+            "error_type": [None],
+            "error_message": [None],
+            "ac": ["full"],
+            "overrides": ["ac=full"],
+            "s_per_step": [0.25],
+        }
+    )
     assert by_axes(df, ["s_per_step"]).to_dict("records") == [{"s_per_step": 0.25}]
 
 
 def test_step_rows_and_layer_load_read_each_points_files(sweep):
     """Train/eval loss and imbalance by step from metrics.jsonl, the run's load per layer from result.json."""
     point = sweep / "1"
-    rows = [{"step": 0, "loss": 5.0, "expert_load": {"max_over_mean": [1.0, 3.0], "busiest_ep_rank_share": [0.5, 0.7]}},
-            {"step": 1, "loss": 4.0, "eval_loss": 4.5}]  # fmt: skip
+    rows = [
+        {"step": 0, "loss": 5.0, "expert_load": {"max_over_mean": [1.0, 3.0], "busiest_ep_rank_share": [0.5, 0.7]}},
+        {"step": 1, "loss": 4.0, "eval_loss": 4.5},
+    ]
     (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     record = json.loads((point / "result.json").read_text())
-    record["metrics"]["expert_load"] = {"max_over_mean": [1.5, 2.5], "busiest_ep_rank_share": [0.6, 0.8], "entropy": [1.0, 0.9]}
+    record["metrics"]["expert_load"] = {
+        "max_over_mean": [1.5, 2.5],
+        "busiest_ep_rank_share": [0.6, 0.8],
+        "entropy": [1.0, 0.9],
+    }
     (point / "result.json").write_text(json.dumps(record))
     df = load(sweep)
     steps = step_rows(df)

@@ -51,8 +51,22 @@ def prepared(tmp_path_factory):
         for i, text in enumerate(texts):
             f.write(json.dumps({"body": text, "id": i}) + "\n")
     tok = train_test_tokenizer(texts, base / "tokenizer")
-    prepare_main(["--dataset", str(base / "corpus.jsonl"), "--tokenizer", str(base / "tokenizer"), "--out", str(base / "out"),
-                  "--text-field", "body", "--eval-fraction", "0.1", "--shard-tokens", "400"])  # fmt: skip
+    prepare_main(
+        [
+            "--dataset",
+            str(base / "corpus.jsonl"),
+            "--tokenizer",
+            str(base / "tokenizer"),
+            "--out",
+            str(base / "out"),
+            "--text-field",
+            "body",
+            "--eval-fraction",
+            "0.1",
+            "--shard-tokens",
+            "400",
+        ]
+    )
     return texts, tok, base / "out"
 
 
@@ -72,7 +86,9 @@ def test_prepare_writes_every_document_tokenised_with_its_end(prepared):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == len(tok) and meta["eos_id"] == tok.eos_token_id
     train, held_out = read_documents(out, "train"), read_documents(out, "eval")
-    assert meta["splits"]["train"]["documents"] == len(train) and meta["splits"]["eval"]["documents"] == len(held_out) == 8
+    assert (
+        meta["splits"]["train"]["documents"] == len(train) and meta["splits"]["eval"]["documents"] == len(held_out) == 8
+    )
     assert meta["splits"]["train"]["shards"] > 1  # --shard-tokens 400: several shards, no document split across two
     expected = sorted(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts)
     assert sorted(train + held_out) == expected
@@ -83,18 +99,52 @@ def test_prepare_reads_saved_datasets_and_text_files_and_trains_a_tokenizer(tmp_
     datasets = pytest.importorskip("datasets")
     texts = corpus(40, seed=1)
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
-    prepare_main(["--dataset", str(tmp_path / "saved"), "--train-tokenizer", "300", "--out", str(tmp_path / "a"), "--eval-fraction", "0"])
+    prepare_main(
+        [
+            "--dataset",
+            str(tmp_path / "saved"),
+            "--train-tokenizer",
+            "300",
+            "--out",
+            str(tmp_path / "a"),
+            "--eval-fraction",
+            "0",
+        ]
+    )
     meta = json.loads((tmp_path / "a" / "meta.json").read_text())
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "a" / "tokenizer"))
     assert meta["tokenizer"] == str(tmp_path / "a" / "tokenizer") and meta["vocab_size"] == len(tok) <= 300
     assert meta["splits"]["train"]["documents"] == 40 and meta["splits"]["eval"]["documents"] == 0
-    assert sorted(read_documents(tmp_path / "a", "train")) == sorted(tok(t)["input_ids"] + [tok.eos_token_id] for t in texts)
+    assert sorted(read_documents(tmp_path / "a", "train")) == sorted(
+        tok(t)["input_ids"] + [tok.eos_token_id] for t in texts
+    )
     (tmp_path / "book.txt").write_text("\n\n".join(texts[:5]) + "\n")
-    prepare_main(["--dataset", str(tmp_path / "book.txt"), "--tokenizer", str(tmp_path / "a" / "tokenizer"),
-                  "--out", str(tmp_path / "b"), "--text-unit", "paragraph", "--eval-fraction", "0"])  # fmt: skip
+    prepare_main(
+        [
+            "--dataset",
+            str(tmp_path / "book.txt"),
+            "--tokenizer",
+            str(tmp_path / "a" / "tokenizer"),
+            "--out",
+            str(tmp_path / "b"),
+            "--text-unit",
+            "paragraph",
+            "--eval-fraction",
+            "0",
+        ]
+    )
     assert json.loads((tmp_path / "b" / "meta.json").read_text())["splits"]["train"]["documents"] == 5
     with pytest.raises(SystemExit, match="not empty"):
-        prepare_main(["--dataset", str(tmp_path / "book.txt"), "--tokenizer", str(tmp_path / "a" / "tokenizer"), "--out", str(tmp_path / "b")])
+        prepare_main(
+            [
+                "--dataset",
+                str(tmp_path / "book.txt"),
+                "--tokenizer",
+                str(tmp_path / "a" / "tokenizer"),
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
 
 
 def synthetic_dir(tmp_path, lengths, eval_lengths=(30, 30)) -> TokenData:
@@ -203,14 +253,31 @@ def test_document_mask_equals_each_document_alone(hf_tiny_model):
 def train_cli(*overrides: str, cwd) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-m", "moe_lab.train", *overrides], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_lab.train", *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_training_job_reads_prepared_tokens_and_records_eval_loss(prepared, tmp_path):
     _, _, out = prepared
-    proc = train_cli("data=tokens", f"data.path={out}", "data.seq_len=32", "data.batch_size=2", "data.document_mask=true",
-                     "trainer.steps=4", "trainer.eval_every=2", "trainer.eval_batches=2", "trainer.expert_load_every=3",
-                     f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
+    proc = train_cli(
+        "data=tokens",
+        f"data.path={out}",
+        "data.seq_len=32",
+        "data.batch_size=2",
+        "data.document_mask=true",
+        "trainer.steps=4",
+        "trainer.eval_every=2",
+        "trainer.eval_batches=2",
+        "trainer.expert_load_every=3",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "result.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -230,7 +297,10 @@ def test_training_job_reads_prepared_tokens_and_records_eval_loss(prepared, tmp_
         (["data.path=/nonexistent/tokens"], "data.path"),
         (["data.path=OUT", "model.vocab_size=8"], "data.path"),  # the tokenizer's vocabulary is larger
         (["data.path=OUT", "data.seq_len=2048"], "data.seq_len"),  # more than the train split holds
-        (["data.path=OUT", "data.seq_len=400", "trainer.eval_every=5"], "trainer.eval_every"),  # the eval split is smaller
+        (
+            ["data.path=OUT", "data.seq_len=400", "trainer.eval_every=5"],
+            "trainer.eval_every",
+        ),  # the eval split is smaller
     ],
 )
 def test_bad_token_configs_fail_naming_their_key(overrides, key, prepared, monkeypatch, compose_train):
@@ -263,7 +333,9 @@ def test_flex_document_mask_on_gpu_equals_documents_alone_and_compiles(ac, hf_ti
         packed = model(tokens, documents).logits[0]
         start = 0
         for n in layout:
-            torch.testing.assert_close(packed[start : start + n], model(tokens[:, start : start + n]).logits[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                packed[start : start + n], model(tokens[:, start : start + n]).logits[0], rtol=1e-4, atol=1e-4
+            )
             start += n
 
     def step(checkpointing: str | None, compiled: bool):
@@ -293,17 +365,14 @@ def test_flex_document_mask_on_gpu_equals_documents_alone_and_compiles(ac, hf_ti
 def test_damaged_token_files_fail_validation_naming_the_file(damage, tmp_path, monkeypatch):
     """Every shard is checked against the index and meta.json before a step: one deleted, cut short by a copy that
     stopped or holding more than its documents, or an index that disagrees with meta.json, is refused naming it."""
-    from hydra import compose, initialize_config_dir
-
     from moe_lab import config
+    from tests.configs import compose_train
 
     docs = [("train", np.arange(n, dtype=np.uint32) % 500) for n in (30, 40, 25, 35)]
     docs += [("eval", np.arange(n, dtype=np.uint32) % 500) for n in (30, 30)]
     write_token_dir(tmp_path, iter(docs), {"tokenizer": "test", "vocab_size": 512, "eos_id": 0}, shard_tokens=50)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["data=tokens", f"data.path={tmp_path}", "data.seq_len=16"])
+    cfg = compose_train("data=tokens", f"data.path={tmp_path}", "data.seq_len=16")
     config.validate(cfg)  # intact
 
     shard, index = tmp_path / "train" / "tokens-00001.bin", tmp_path / "train" / "index.npy"

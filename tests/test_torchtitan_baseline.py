@@ -37,7 +37,9 @@ def test_parse_steps_reads_torchtitan_step_lines():
     tps = [9_000.4, 40_111.0, 49_321.6, 49_100.2, 48_999.9, 49_500.0, 49_250.0]
     lines = ["[rank0]:[titan] 2026-11-30 06:00:00,000 - root - INFO - Peak FLOPS used for computing MFU: 9.890e+14"]
     for i, t in enumerate(tps, start=1):
-        lines.append(_titan_line(i, 12.5 - i / 10, 1.25, 50.0 + i, 35.1, t, t * 6.45e9 / 1e12, 100 * t * 6.45e9 / 989e12))
+        lines.append(
+            _titan_line(i, 12.5 - i / 10, 1.25, 50.0 + i, 35.1, t, t * 6.45e9 / 1e12, 100 * t * 6.45e9 / 989e12)
+        )
         lines.append("[rank0]:W1130 06:00:00.000 some warning between steps")
     steps = baseline.parse_steps("\n".join(lines))
 
@@ -60,35 +62,59 @@ def test_parse_steps_reads_torchtitan_step_lines():
     assert summary["peak_gpu_mem_reserved_gib"] == 57.0
     assert summary["losses"] == [s["loss"] for s in steps]
 
-    assert baseline.summarize(steps, tokens_per_gpu_step=16384, timing_from=9, flops=flops, peak=989e12)["status"] == "error"
+    assert (
+        baseline.summarize(steps, tokens_per_gpu_step=16384, timing_from=9, flops=flops, peak=989e12)["status"]
+        == "error"
+    )
     assert baseline.summarize(steps, tokens_per_gpu_step=16384, timing_from=3, flops=None, peak=None)["mfu"] is None
 
 
 def test_every_torchtitan_ac_setting_maps_to_its_flags():
     """none, full, op-level and layer-level (every 2nd block) selective: torchtitan 0.2.2's AC settings
     (ActivationCheckpoint.mode and selective_ac_option), each point's flags as torchrun gets them."""
+
     def flags(setting):
-        args = baseline.torchtitan_args(flavour="30B-A3B-4L", gpus=1, seq_len=16384, ac=setting, steps=12, compile=True,
-                                        assets=Path("a"), data=Path("d"), dump=Path("o"))  # fmt: skip
+        args = baseline.torchtitan_args(
+            flavour="30B-A3B-4L",
+            gpus=1,
+            seq_len=16384,
+            ac=setting,
+            steps=12,
+            compile=True,
+            assets=Path("a"),
+            data=Path("d"),
+            dump=Path("o"),
+        )
         return {k: v for k, v in zip(args, args[1:]) if k.startswith("--activation_checkpoint.")}
 
     assert flags("none") == {"--activation_checkpoint.mode": "none"}
     assert flags("full") == {"--activation_checkpoint.mode": "full"}
-    assert flags("op-selective") == {"--activation_checkpoint.mode": "selective", "--activation_checkpoint.selective_ac_option": "op"}
-    assert flags("layer-selective") == {"--activation_checkpoint.mode": "selective", "--activation_checkpoint.selective_ac_option": "2"}
+    assert flags("op-selective") == {
+        "--activation_checkpoint.mode": "selective",
+        "--activation_checkpoint.selective_ac_option": "op",
+    }
+    assert flags("layer-selective") == {
+        "--activation_checkpoint.mode": "selective",
+        "--activation_checkpoint.selective_ac_option": "2",
+    }
     with pytest.raises(KeyError):
         flags("selective")
 
 
 def test_failure_status_names_out_of_memory():
-    assert baseline.failure_status("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") == ("oom", "OutOfMemoryError")
+    assert baseline.failure_status("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") == (
+        "oom",
+        "OutOfMemoryError",
+    )
     assert baseline.failure_status("RuntimeError: NCCL error")[0] == "error"
 
 
 def test_tokenizer_and_dataset_round_trip(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     vocab_size = 1000
-    tokenizer = tokenizers.Tokenizer.from_file(str(baseline.build_tokenizer(tmp_path / "tok", vocab_size) / "tokenizer.json"))
+    tokenizer = tokenizers.Tokenizer.from_file(
+        str(baseline.build_tokenizer(tmp_path / "tok", vocab_size) / "tokenizer.json")
+    )
     assert tokenizer.get_vocab_size() == vocab_size
     assert tokenizer.encode("t1 t999 t42").ids == [1, 999, 42]
 
@@ -108,14 +134,44 @@ def test_proxy_flavour_args_and_flops_match_torchtitan(tmp_path, monkeypatch):
     from torchtitan.config import ConfigManager
     from torchtitan.protocols.train_spec import get_train_spec
 
-    args = baseline.torchtitan_args(flavour="30B-A3B-4L", gpus=2, seq_len=16384, ac="op-selective", steps=12, compile=True, assets=tmp_path, data=tmp_path, dump=tmp_path)  # fmt: skip
+    args = baseline.torchtitan_args(
+        flavour="30B-A3B-4L",
+        gpus=2,
+        seq_len=16384,
+        ac="op-selective",
+        steps=12,
+        compile=True,
+        assets=tmp_path,
+        data=tmp_path,
+        dump=tmp_path,
+    )
     config = ConfigManager().parse_args(args)
     assert (config.model.flavor, config.training.seq_len, config.training.local_batch_size) == ("30B-A3B-4L", 16384, 1)
     assert config.debug.moe_force_load_balance and config.compile.enable
     assert (config.parallelism.data_parallel_shard_degree, config.parallelism.expert_parallel_degree) == (2, 2)
     assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option) == ("selective", "op")
-    for setting, expected in {"none": ("none", "2"), "full": ("full", "2"), "layer-selective": ("selective", "2")}.items():
-        ac = ConfigManager().parse_args(baseline.torchtitan_args(flavour="30B-A3B-4L", gpus=1, seq_len=16384, ac=setting, steps=12, compile=True, assets=tmp_path, data=tmp_path, dump=tmp_path)).activation_checkpoint  # fmt: skip
+    for setting, expected in {
+        "none": ("none", "2"),
+        "full": ("full", "2"),
+        "layer-selective": ("selective", "2"),
+    }.items():
+        ac = (
+            ConfigManager()
+            .parse_args(
+                baseline.torchtitan_args(
+                    flavour="30B-A3B-4L",
+                    gpus=1,
+                    seq_len=16384,
+                    ac=setting,
+                    steps=12,
+                    compile=True,
+                    assets=tmp_path,
+                    data=tmp_path,
+                    dump=tmp_path,
+                )
+            )
+            .activation_checkpoint
+        )
         assert (ac.mode, ac.selective_ac_option) == expected, setting  # "2": torchtitan's default, every 2nd block
 
     spec = get_train_spec(config.model.name)

@@ -18,8 +18,18 @@ from tests.sweep import ROOT
 
 
 def profiled_run(run_dir: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "moe_lab.train", "trainer.steps=5", "profile.enabled=true", "profile.wait=1",
-           "profile.warmup=1", "profile.active=2", f"hydra.run.dir={run_dir}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_lab.train",
+        "trainer.steps=5",
+        "profile.enabled=true",
+        "profile.wait=1",
+        "profile.warmup=1",
+        "profile.active=2",
+        f"hydra.run.dir={run_dir}",
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((run_dir / "result.json").read_text())
@@ -34,8 +44,17 @@ def test_cpu_breakdown_sums_to_the_step_time(tmp_path):
     # A ProfilerStep span also holds the bookkeeping after the timed part of a step (metrics row, progress bar): a
     # few ms, several percent of these 30-70 ms CPU steps, more on a loaded machine.
     assert sum(b["seconds"].values()) == pytest.approx(b["measured_s"], rel=0.10)
-    ran = ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "ep_all_to_all", "fsdp_all_gather",
-           "fsdp_reduce_scatter", "optimizer", "idle")
+    ran = (
+        "dense_gemm",
+        "expert_gemm",
+        "attention",
+        "dispatch_glue",
+        "ep_all_to_all",
+        "fsdp_all_gather",
+        "fsdp_reduce_scatter",
+        "optimizer",
+        "idle",
+    )
     assert all(b["seconds"][c] > 0 for c in ran), b["seconds"]
     assert b["other_names"] and all(v > 0 for v in b["other_names"].values())
     for rank in (0, 1):  # one Chrome trace per rank, readable by Perfetto / TensorBoard
@@ -71,8 +90,15 @@ def test_cuda_timeline_by_kernel_scope_and_exposed_collective():
     ]
     b = breakdown(events)
     assert b["source"] == "cuda_compute_stream" and b["step_s"] == pytest.approx(100e-6)
-    want = {"dense_gemm": 10, "expert_gemm": 20, "dispatch_glue": 10, "ep_all_to_all": 15, "fsdp_all_gather": 10,
-            "other": 5, "idle": 30}
+    want = {
+        "dense_gemm": 10,
+        "expert_gemm": 20,
+        "dispatch_glue": 10,
+        "ep_all_to_all": 15,
+        "fsdp_all_gather": 10,
+        "other": 5,
+        "idle": 30,
+    }
     assert b["seconds"] == pytest.approx({c: want.get(c, 0) * 1e-6 for c in CATEGORIES})
     assert b["other_names"] == pytest.approx({"mystery_kernel": 5e-6})
 
@@ -81,12 +107,30 @@ def test_fused_op_kernels_split_into_expert_gemm_glue_and_exchange():
     events = [
         _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
         _x("moe_lab::fused_moe", 10, 60),
-        launch(11, 1), launch(12, 2), launch(13, 3), launch(14, 4),
+        launch(11, 1),
+        launch(12, 2),
+        launch(13, 3),
+        launch(14, 4),
         _x("gather_rows_kernel", 20, 10, cat="kernel", tid=7, stream=7, correlation=1),
         _x("void deep_gemm::sm90_bf16_gemm_impl<0u, 2048u>", 30, 20, cat="kernel", tid=7, stream=7, correlation=2),
-        _x("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS5_17GroupProblemShapeIN4cute", 50, 10,
-           cat="kernel", tid=7, stream=7, correlation=3),
-        _x("c10d::symmetric_memory::barrier_kernel(unsigned int**, int)", 60, 5, cat="kernel", tid=7, stream=7, correlation=4),
+        _x(
+            "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS5_17GroupProblemShapeIN4cute",
+            50,
+            10,
+            cat="kernel",
+            tid=7,
+            stream=7,
+            correlation=3,
+        ),
+        _x(
+            "c10d::symmetric_memory::barrier_kernel(unsigned int**, int)",
+            60,
+            5,
+            cat="kernel",
+            tid=7,
+            stream=7,
+            correlation=4,
+        ),
     ]
     b = breakdown(events)
     want = {"dispatch_glue": 10, "expert_gemm": 30, "ep_all_to_all": 5, "idle": 55}
@@ -99,9 +143,11 @@ def test_compute_stream_waiting_on_offloaded_optimizer():
     exposed host-step time."""
     events = [
         _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
-        _x("aten::mm", 1, 2), launch(2, 1),
+        _x("aten::mm", 1, 2),
+        launch(2, 1),
         _x("Optimizer.step#StreamedStateOptimizer.step", 40, 30, cat="user_annotation"),
-        _x("aten::copy_", 41, 1), launch(41, 2),
+        _x("aten::copy_", 41, 1),
+        launch(41, 2),
         _x("nvjet_tst_128x256", 5, 20, cat="kernel", tid=7, stream=7, correlation=1),
         _x("Memcpy HtoD (Pinned -> Device)", 30, 40, cat="gpu_memcpy", tid=9, stream=9, correlation=2),
         # a CPU thread's host optimizer step while the compute stream idles
@@ -122,13 +168,16 @@ def test_exposed_host_step_and_pcie_traffic_apart_from_the_optimizer_wait():
     compute stream is PCIe time too."""
     events = [
         _x("ProfilerStep#2", 0, 100, cat="user_annotation"),
-        _x("aten::mm", 1, 2), launch(2, 1),
-        _x("aten::copy_", 3, 2), _x("cudaMemcpyAsync", 4, 1, cat="cuda_runtime", correlation=2),
+        _x("aten::mm", 1, 2),
+        launch(2, 1),
+        _x("aten::copy_", 3, 2),
+        _x("cudaMemcpyAsync", 4, 1, cat="cuda_runtime", correlation=2),
         _x("Optimizer.step#InBackwardOptimizer.step", 20, 70, cat="user_annotation"),
         _x("optimizer.host_step", 30, 30, cat="user_annotation", tid=2),
         _x("Optimizer.step#HostAdamW.step", 30, 25, cat="user_annotation", tid=2),
         _x("aten::_fused_adamw_", 31, 5, tid=2),
-        _x("aten::copy_", 56, 2, tid=2), _x("cudaMemcpyAsync", 57, 1, cat="cuda_runtime", tid=2, correlation=3),
+        _x("aten::copy_", 56, 2, tid=2),
+        _x("cudaMemcpyAsync", 57, 1, cat="cuda_runtime", tid=2, correlation=3),
         _x("nvjet_tst_128x256", 0, 18, cat="kernel", tid=7, stream=7, correlation=1),
         _x("Memcpy DtoH (Device -> Pinned)", 18, 2, cat="gpu_memcpy", tid=7, stream=7, correlation=2),
         _x("Memcpy HtoD (Pinned -> Device)", 55, 20, cat="gpu_memcpy", tid=9, stream=9, correlation=3),
@@ -155,8 +204,14 @@ def test_backward_op_takes_the_scope_of_its_forward_op():
 
 @pytest.mark.gpu
 def test_h200_proxy_breakdown_sums_to_the_step_time(tmp_path):
-    b = profiled_run(tmp_path, "model=qwen3_30b", "model.num_layers=2", "model.routing=balanced", "data.seq_len=4096",
-                     "data.batch_size=1")
+    b = profiled_run(
+        tmp_path,
+        "model=qwen3_30b",
+        "model.num_layers=2",
+        "model.routing=balanced",
+        "data.seq_len=4096",
+        "data.batch_size=1",
+    )
     assert b["source"] == "cuda_compute_stream" and torch.cuda.is_available()
     assert sum(b["seconds"].values()) == pytest.approx(b["measured_s"], rel=0.05)
     assert all(b["seconds"][c] > 0 for c in ("dense_gemm", "expert_gemm", "attention", "optimizer")), b["seconds"]

@@ -44,8 +44,17 @@ def run_train(tmp_path: Path, args: list[str], inject=()) -> subprocess.Complete
     for d in dirs.values():
         d.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "XDG_"))}
-    env.update(HOME=str(dirs["home"]), TMPDIR=str(dirs["tmp"]), PYTHONPATH=str(ROOT), MOE_LAB_INJECT=json.dumps(list(inject)))
-    cmd = [sys.executable, str(ROOT / "tests" / "sweep.py"), *args, "logger=wandb", "trainer.steps=3", "data.seq_len=32"]
+    env.update(
+        HOME=str(dirs["home"]), TMPDIR=str(dirs["tmp"]), PYTHONPATH=str(ROOT), MOE_LAB_INJECT=json.dumps(list(inject))
+    )
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "sweep.py"),
+        *args,
+        "logger=wandb",
+        "trainer.steps=3",
+        "data.seq_len=32",
+    ]
     return subprocess.run(cmd, cwd=dirs["cwd"], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -85,6 +94,8 @@ def test_failed_run_finishes_its_wandb_run_and_exits_nonzero(tmp_path):
     records = offline_run(run_dir)
     (exit_record,) = [r.exit for r in records if r.HasField("exit")]
     assert exit_record.exit_code == 1
-    summary = {u.key: json.loads(u.value_json) for r in records if r.HasField("summary") for u in r.summary.update if u.key}
+    summary = {
+        u.key: json.loads(u.value_json) for r in records if r.HasField("summary") for u in r.summary.update if u.key
+    }
     assert summary["status"] == "error" and "injected" in summary["error"]
     assert_no_wandb_files_outside(tmp_path)

@@ -137,7 +137,11 @@ def main() -> None:
 
     cpus = len(os.sched_getaffinity(0))
     # all - 1: offload=full's default (one CPU left to the training thread)
-    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, max(1, cpus // 2), max(1, cpus - 1), cpus})
+    threads = (
+        [int(t) for t in args.threads.split(",")]
+        if args.threads
+        else sorted({1, max(1, cpus // 2), max(1, cpus - 1), cpus})
+    )
     n = args.numel
     rows = []
     for t in threads:
@@ -153,8 +157,18 @@ def main() -> None:
         chunk = lambda: full_chunk(n, ADAMW)  # noqa: E731
         beside = {  # name: (make, bytes per parameter, the other thread, switch interval while it runs)
             "full_chunk_adamw_beside_busy_thread": (chunk, 32, BusyThread, prompt_gil_handover),
-            "full_chunk_adamw_beside_python_thread": (chunk, 32, functools.partial(BusyThread, python_only=True), prompt_gil_handover),
-            "full_chunk_adamw_beside_python_thread_default_switch": (chunk, 32, functools.partial(BusyThread, python_only=True), contextlib.nullcontext),
+            "full_chunk_adamw_beside_python_thread": (
+                chunk,
+                32,
+                functools.partial(BusyThread, python_only=True),
+                prompt_gil_handover,
+            ),
+            "full_chunk_adamw_beside_python_thread_default_switch": (
+                chunk,
+                32,
+                functools.partial(BusyThread, python_only=True),
+                contextlib.nullcontext,
+            ),
         }
         a, b, c = torch.randn(n), torch.randn(n), torch.zeros(n)
         bandwidth = {
@@ -184,7 +198,9 @@ def main() -> None:
             )
         for r in rows[-len(cases) - len(beside) - len(bandwidth) :]:
             params = f"{r['params_per_s'] / 1e9:6.2f} Gparam/s" if "params_per_s" in r else " " * 15
-            print(f"threads {t:3d}  {r['case']:36s} {params}  {r['bytes_per_s'] / 1e9:7.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of ceiling")
+            print(
+                f"threads {t:3d}  {r['case']:36s} {params}  {r['bytes_per_s'] / 1e9:7.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of ceiling"
+            )
 
     host = platform.node()
     record = {
@@ -201,7 +217,9 @@ def main() -> None:
         "rows": rows,
     }
     records = Path(__file__).resolve().parents[1] / "experiments" / "host_optimizer" / "records"
-    out = args.out or records / re.sub(r"[^A-Za-z0-9_.-]", "_", host) / time.strftime("%Y-%m-%d_%H-%M.json", time.gmtime())
+    out = args.out or records / re.sub(r"[^A-Za-z0-9_.-]", "_", host) / time.strftime(
+        "%Y-%m-%d_%H-%M.json", time.gmtime()
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

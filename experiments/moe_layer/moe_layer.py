@@ -22,7 +22,7 @@ import json
 import os
 import platform
 import statistics
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,9 @@ def inputs(tokens, hidden, routing, rank):
     ids = router.forced_ids(tokens, torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    weights = torch.softmax(torch.randn(tokens, TOP_K, device="cuda", generator=gen), -1).to(torch.bfloat16).requires_grad_()
+    weights = (
+        torch.softmax(torch.randn(tokens, TOP_K, device="cuda", generator=gen), -1).to(torch.bfloat16).requires_grad_()
+    )
     grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     return x, ids, weights, grad
 
@@ -127,7 +129,10 @@ def main():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         group, rank = dist.group.WORLD, dist.get_rank()
-    dispatchers = {"torch": TorchDispatcher().set_ep_group(group), "fused": FusedDispatcher(backend="gpu", gemm=args.gemm).set_ep_group(group)}
+    dispatchers = {
+        "torch": TorchDispatcher().set_ep_group(group),
+        "fused": FusedDispatcher(backend="gpu", gemm=args.gemm).set_ep_group(group),
+    }
     if args.expert_precision == "fp8":
         dispatchers["fused_fp8"] = FusedDispatcher(backend="gpu", expert_precision="fp8").set_ep_group(group)
     if args.dispatchers:
@@ -140,7 +145,14 @@ def main():
         for routing in args.routing.split(","):
             for tokens in map(int, args.tokens.split(",")):
                 x, ids, weights, grad = inputs(tokens, hidden, routing, rank)
-                point = {"model": model, "hidden": hidden, "intermediate": inter, "tokens_per_gpu": tokens, "routing": routing, "ep": ep}
+                point = {
+                    "model": model,
+                    "hidden": hidden,
+                    "intermediate": inter,
+                    "tokens_per_gpu": tokens,
+                    "routing": routing,
+                    "ep": ep,
+                }
                 for name, (experts, dispatcher) in layers.items():
                     fn = lambda: step(experts, dispatcher, x, ids, weights, grad)  # noqa: E731
                     try:
@@ -155,12 +167,26 @@ def main():
                         ms = t.item()
                     point[f"{name}_ms"] = ms
                     point[f"{name}_tflops"] = layer_flops(tokens, hidden, inter) / (ms * 1e-3) / 1e12
-                    if args.profile and ms == ms and routing == "balanced" and tokens == max(map(int, args.tokens.split(","))):
-                        trace = args.trace_dir and os.path.join(args.trace_dir, f"{model}_{tokens}_{name}_rank{rank}.json")
+                    if (
+                        args.profile
+                        and ms == ms
+                        and routing == "balanced"
+                        and tokens == max(map(int, args.tokens.split(",")))
+                    ):
+                        trace = args.trace_dir and os.path.join(
+                            args.trace_dir, f"{model}_{tokens}_{name}_rank{rank}.json"
+                        )
                         if trace:
                             os.makedirs(args.trace_dir, exist_ok=True)
-                        breakdowns.append({"model": model, "tokens_per_gpu": tokens, "routing": routing, "dispatcher": name,
-                                           "kernels": kernel_breakdown(fn, trace=trace)})
+                        breakdowns.append(
+                            {
+                                "model": model,
+                                "tokens_per_gpu": tokens,
+                                "routing": routing,
+                                "dispatcher": name,
+                                "kernels": kernel_breakdown(fn, trace=trace),
+                            }
+                        )
                 if "torch_ms" in point and "fused_ms" in point:
                     point["speedup"] = point["torch_ms"] / point["fused_ms"]
                 if "fused_ms" in point and "fused_fp8_ms" in point:
@@ -174,7 +200,7 @@ def main():
     if rank == 0:
         record = {
             "command": "experiments/moe_layer/moe_layer.py " + " ".join(f"--{k}={v}" for k, v in vars(args).items()),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             **git_state(),
             "gpu": torch.cuda.get_device_name(),
             "num_gpus": ep,

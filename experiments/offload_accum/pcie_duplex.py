@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -76,14 +76,19 @@ def main() -> None:
     readers = {"copy_engine": lambda t: t.item(), "to_host": lambda t: to_host(t).item()}
     for read in readers.values():
         read(torch.ones(1, device="cuda"))  # to_host's kernel compiles at its first call
-    read_ms = {name: 1e3 * sorted(read_behind_copy_home(read) for _ in range(args.repeats))[args.repeats // 2] for name, read in readers.items()}
+    read_ms = {
+        name: 1e3 * sorted(read_behind_copy_home(read) for _ in range(args.repeats))[args.repeats // 2]
+        for name, read in readers.items()
+    }
     record = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "bytes_per_direction": nbytes,
         "gbps": {k: round(v, 1) for k, v in gbps.items()},
-        "duplex_over_one_direction": round(gbps["each_direction_duplex"] / min(gbps["h2d_alone"], gbps["d2h_alone"]), 3),
+        "duplex_over_one_direction": round(
+            gbps["each_direction_duplex"] / min(gbps["h2d_alone"], gbps["d2h_alone"]), 3
+        ),
         "read_ms_behind_a_copy_home": {name: round(ms, 3) for name, ms in read_ms.items()},  # median
     }
     text = json.dumps(record, indent=1)

@@ -28,7 +28,9 @@ from moe_lab.optim.offload.optimizer import chunked_pieces
 STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
 
 
-def exposed(chunk_params: list[int], ring_bytes: float, pcie: float, hbm: float, backward_s: float, before_s: float) -> tuple[float, float]:
+def exposed(
+    chunk_params: list[int], ring_bytes: float, pcie: float, hbm: float, backward_s: float, before_s: float
+) -> tuple[float, float]:
     total = sum(chunk_params)
     grads_final, done = [], 0
     for n in chunk_params:
@@ -61,21 +63,33 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=float, default=256.0)
     parser.add_argument("--pcie-gbps", type=float, default=53.0, help="each way (grid_30b: 24.9 GB in about 0.47 s)")
     parser.add_argument("--hbm-gbps", type=float, default=4000.0)
-    parser.add_argument("--micro-batch-s", type=float, default=0.182, help="none's s/step per micro-batch (1.455 s / 8)")
-    parser.add_argument("--backward-s", type=float, default=0.12, help="a micro-batch's backward (the rest of it is its forward)")
+    parser.add_argument(
+        "--micro-batch-s", type=float, default=0.182, help="none's s/step per micro-batch (1.455 s / 8)"
+    )
+    parser.add_argument(
+        "--backward-s", type=float, default=0.12, help="a micro-batch's backward (the rest of it is its forward)"
+    )
     parser.add_argument("--max-inflight", default="2,4,8,12,16,20,24")
-    parser.add_argument("--whole", action="store_true", help="chunks of whole parameters (an optimizer that is not element-wise)")
+    parser.add_argument(
+        "--whole", action="store_true", help="chunks of whole parameters (an optimizer that is not element-wise)"
+    )
     args = parser.parse_args()
     with torch.device("meta"):
         model = Qwen3MoeConfig.preset("qwen3_30b", num_layers=args.layers).build()
-    pieces = chunked_pieces(list(reversed(list(model.parameters()))), int(args.chunk_mib * 2**20) // 4, split=not args.whole)
+    pieces = chunked_pieces(
+        list(reversed(list(model.parameters()))), int(args.chunk_mib * 2**20) // 4, split=not args.whole
+    )
     chunks = [sum(piece.end - piece.start for piece in c) for c in pieces]
     largest = max(chunks) * STATE_BYTES
     pcie, hbm = args.pcie_gbps * 1e9, args.hbm_gbps * 1e9
     state = sum(chunks) * STATE_BYTES
-    print(f"{len(chunks)} chunks, {sum(chunks) / 1e9:.3f} G parameters, {state / 1e9:.1f} GB of state each way "
-          f"({state / pcie:.3f} s at {args.pcie_gbps:.0f} GB/s), largest chunk's state {largest / 1e9:.2f} GB")  # fmt: skip
-    print("| max_inflight | ring GB | exposed s, 8 micro-batches | exposed s, 1 micro-batch | last state home, s after backward |")
+    print(
+        f"{len(chunks)} chunks, {sum(chunks) / 1e9:.3f} G parameters, {state / 1e9:.1f} GB of state each way "
+        f"({state / pcie:.3f} s at {args.pcie_gbps:.0f} GB/s), largest chunk's state {largest / 1e9:.2f} GB"
+    )
+    print(
+        "| max_inflight | ring GB | exposed s, 8 micro-batches | exposed s, 1 micro-batch | last state home, s after backward |"
+    )
     print("|---|---|---|---|---|")
     for k in (int(x) for x in args.max_inflight.split(",")):
         ring = k * largest

@@ -64,8 +64,21 @@ def s_per_step(found: dict, accum: int, mode: str):
 
 def main() -> None:
     found = points(Path(sys.argv[1]))
-    header = ["grad_accum", "offload", "status", "s/step", "vs none", "tokens/s/GPU", "MFU", "exposed host step ms",
-              "exposed PCIe ms", "host step G params/s", "host wait ms", "peak GPU GiB", "peak host GiB"]  # fmt: skip
+    header = [
+        "grad_accum",
+        "offload",
+        "status",
+        "s/step",
+        "vs none",
+        "tokens/s/GPU",
+        "MFU",
+        "exposed host step ms",
+        "exposed PCIe ms",
+        "host step G params/s",
+        "host wait ms",
+        "peak GPU GiB",
+        "peak host GiB",
+    ]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     ratios = {}
     for (accum, mode), r in sorted(found.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1]))):
@@ -75,12 +88,21 @@ def main() -> None:
         ratio = m["s_per_step"] / base if r["status"] == "ok" and base else None
         ratios[(accum, mode)] = ratio
         rate = median_of(r["rows"], "host_step_gparams_per_s")
-        row = [accum, mode, r["status"], f"{m['s_per_step']:.3f}" if "s_per_step" in m else "",
-               f"{ratio:.2f}x" if ratio else "", f"{m['tokens_per_s_per_gpu']:,.0f}" if "tokens_per_s_per_gpu" in m else "",
-               f"{100 * m['mfu']:.1f} %" if m.get("mfu") else "", ms(seconds.get("host_step")), ms(seconds.get("pcie")),
-               f"{rate:.2f}" if rate else "", ms(median_of(r["rows"], "host_wait_s")),
-               f"{m['peak_gpu_mem_gib']:.1f}" if m.get("peak_gpu_mem_gib") else "",
-               f"{m['peak_host_rss_gib']:.1f}" if m.get("peak_host_rss_gib") else ""]  # fmt: skip
+        row = [
+            accum,
+            mode,
+            r["status"],
+            f"{m['s_per_step']:.3f}" if "s_per_step" in m else "",
+            f"{ratio:.2f}x" if ratio else "",
+            f"{m['tokens_per_s_per_gpu']:,.0f}" if "tokens_per_s_per_gpu" in m else "",
+            f"{100 * m['mfu']:.1f} %" if m.get("mfu") else "",
+            ms(seconds.get("host_step")),
+            ms(seconds.get("pcie")),
+            f"{rate:.2f}" if rate else "",
+            ms(median_of(r["rows"], "host_wait_s")),
+            f"{m['peak_gpu_mem_gib']:.1f}" if m.get("peak_gpu_mem_gib") else "",
+            f"{m['peak_host_rss_gib']:.1f}" if m.get("peak_host_rss_gib") else "",
+        ]
         print("| " + " | ".join(str(c) for c in row) + " |")
     print()
     for mode, target in TARGETS.items():
@@ -105,8 +127,12 @@ def loss_agreement(found: dict, mode: str) -> str:
         none = (found.get((accum, "none"), {}).get("metrics") or {}).get("losses")
         if mine and none:
             steps = min(len(mine), len(none))
-            parts.append(f"{max(abs(a - b) for a, b in zip(mine[:steps], none[:steps])):.4f} at {accum} ({steps} steps)")
-    return "largest |loss - none's| " + ", ".join(parts) if parts else "losses not comparable (none's or its own missing)"
+            parts.append(
+                f"{max(abs(a - b) for a, b in zip(mine[:steps], none[:steps])):.4f} at {accum} ({steps} steps)"
+            )
+    return (
+        "largest |loss - none's| " + ", ".join(parts) if parts else "losses not comparable (none's or its own missing)"
+    )
 
 
 def crossover(found: dict, ratios: dict, mode: str, target: float) -> str:
@@ -118,7 +144,11 @@ def crossover(found: dict, ratios: dict, mode: str, target: float) -> str:
     extra = {a: s_per_step(found, a, mode) - s_per_step(found, a, "none") for a in accums}
     text = "extra s/step over none " + ", ".join(f"{extra[a]:.3f} at {a}" for a in accums)
     met = [a for a in accums if ratios[(a, mode)] <= target]
-    text += f"; meets <= {target}x from {met[0]} micro-batches on (measured)" if met else f"; no measured point meets <= {target}x"
+    text += (
+        f"; meets <= {target}x from {met[0]} micro-batches on (measured)"
+        if met
+        else f"; no measured point meets <= {target}x"
+    )
     most = accums[-1]
     per_micro_batch = s_per_step(found, most, "none") / most
     needed = extra[most] / ((target - 1) * per_micro_batch)

@@ -64,9 +64,15 @@ def params_per_layer() -> tuple[int, int]:
 def run_point(mode: str, layers: int, steps: int, workdir: Path, timeout_s: float) -> dict:
     run_dir = workdir / f"{mode}_L{layers}_s{steps}"
     cmd = [
-        sys.executable, "-m", "moe_lab.train", *BASE,
-        f"offload={mode}", f"model.num_layers={layers}", f"trainer.steps={steps}",
-        f"trainer.timing_skip={min(2, steps - 1)}", f"hydra.run.dir={run_dir}",
+        sys.executable,
+        "-m",
+        "moe_lab.train",
+        *BASE,
+        f"offload={mode}",
+        f"model.num_layers={layers}",
+        f"trainer.steps={steps}",
+        f"trainer.timing_skip={min(2, steps - 1)}",
+        f"hydra.run.dir={run_dir}",
     ]
     start = time.time()
     try:
@@ -97,7 +103,23 @@ def run_point(mode: str, layers: int, steps: int, workdir: Path, timeout_s: floa
         "error": None if status == "ok" else ((result.get("error") or {}).get("message") or tail)[:600],
         "command": "python -m moe_lab.train " + " ".join(cmd[3:-1]),
     }
-    print(json.dumps({k: point[k] for k in ("mode", "num_layers", "status", "s_per_step", "peak_gpu_mem_gib", "peak_host_rss_gib", "wall_s")}), flush=True)
+    print(
+        json.dumps(
+            {
+                k: point[k]
+                for k in (
+                    "mode",
+                    "num_layers",
+                    "status",
+                    "s_per_step",
+                    "peak_gpu_mem_gib",
+                    "peak_host_rss_gib",
+                    "wall_s",
+                )
+            }
+        ),
+        flush=True,
+    )
     return point
 
 
@@ -107,7 +129,10 @@ def predict(mode: str, points: list[dict], per_layer: int, gpu_gib: float, host_
     ok = sorted((p for p in points if p["mode"] == mode and p["status"] == "ok"), key=lambda p: p["num_layers"])
     last = ok[-1]
     limits = []
-    for key, capacity, guess in (("peak_gpu_mem_gib", gpu_gib, GPU_BYTES_PER_PARAM[mode]), ("peak_host_rss_gib", host_gib, HOST_BYTES_PER_PARAM[mode])):
+    for key, capacity, guess in (
+        ("peak_gpu_mem_gib", gpu_gib, GPU_BYTES_PER_PARAM[mode]),
+        ("peak_host_rss_gib", host_gib, HOST_BYTES_PER_PARAM[mode]),
+    ):
         if len(ok) >= 2 and ok[-1]["num_layers"] > ok[-2]["num_layers"]:
             slope = (ok[-1][key] - ok[-2][key]) / (ok[-1]["num_layers"] - ok[-2]["num_layers"])
         else:
@@ -165,12 +190,18 @@ def search(mode: str, points: list[dict], per_layer: int, args, workdir: Path, d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", choices=["compare", "search", "both", "summarize"], default="both",
-                        help="summarize: recompute each mode's search summary from the points already in --out")
+    parser.add_argument(
+        "--phase",
+        choices=["compare", "search", "both", "summarize"],
+        default="both",
+        help="summarize: recompute each mode's search summary from the points already in --out",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=4, help="depth of the side-by-side comparison")
     parser.add_argument("--compare-steps", type=int, default=4)
-    parser.add_argument("--search-steps", type=int, default=2, help="two steps: the optimizer state exists from step 1 on")
+    parser.add_argument(
+        "--search-steps", type=int, default=2, help="two steps: the optimizer state exists from step 1 on"
+    )
     parser.add_argument("--max-points", type=int, default=4, help="runs per mode in the search")
     parser.add_argument("--budget-s", type=float, default=240.0, help="no new search point starts after this")
     parser.add_argument("--point-timeout-s", type=float, default=240.0)

@@ -14,7 +14,6 @@ write takes from the steps it overlaps). Writes JSON: environment, checkpoint by
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -44,8 +43,16 @@ def main() -> None:
     config.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         # Not compiled: the state saved is the same, and one step need not wait for Inductor.
-        cfg = compose("train", overrides=["+experiment=parity", "data.batch_size=1", "trainer.checkpoint.every=0",
-                                          "trainer.compile=false", *args.overrides])  # fmt: skip
+        cfg = compose(
+            "train",
+            overrides=[
+                "+experiment=parity",
+                "data.batch_size=1",
+                "trainer.checkpoint.every=0",
+                "trainer.compile=false",
+                *args.overrides,
+            ],
+        )
     options = config.validate(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -61,12 +68,17 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
-    results = {"environment": environment(device, 1), "overrides": args.overrides,
-               "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    results = {
+        "environment": environment(device, 1),
+        "overrides": args.overrides,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     for async_save in (False, True):
         directory = Path(args.dir) / ("async" if async_save else "sync")
         shutil.rmtree(directory, ignore_errors=True)
-        cfg.trainer.checkpoint = OmegaConf.merge(cfg.trainer.checkpoint, {"dir": str(directory), "keep": None, "async_save": async_save})
+        cfg.trainer.checkpoint = OmegaConf.merge(
+            cfg.trainer.checkpoint, {"dir": str(directory), "keep": None, "async_save": async_save}
+        )
         checkpointer = build_checkpointer(cfg, options, directory, model, optimizer, scheduler, device)
         results["checkpoint_bytes"] = state_bytes(checkpointer._state_dict(Progress(0)))
         saves = []
@@ -79,14 +91,17 @@ def main() -> None:
             shutil.rmtree(path)
             print(f"async_save={async_save} save {step}: {saves[-1]}", flush=True)
         results["async" if async_save else "sync"] = {
-            "saves": saves, **{k: statistics.median(s[k] for s in saves) for k in ("blocking_s", "written_s")}
+            "saves": saves,
+            **{k: statistics.median(s[k] for s in saves) for k in ("blocking_s", "written_s")},
         }
         write_json_atomic(args.out, results)
     gb = results["checkpoint_bytes"] / 1e9
     for mode in ("sync", "async"):
         r = results[mode]
-        print(f"{mode}: {gb:.1f} GB, save blocks {r['blocking_s']:.2f} s, written after {r['written_s']:.2f} s "
-              f"({gb / r['written_s']:.2f} GB/s)")  # fmt: skip
+        print(
+            f"{mode}: {gb:.1f} GB, save blocks {r['blocking_s']:.2f} s, written after {r['written_s']:.2f} s "
+            f"({gb / r['written_s']:.2f} GB/s)"
+        )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -101,24 +101,50 @@ def build_dataset(directory: Path, vocab_size: int, num_tokens: int, words_per_r
     return directory
 
 
-def torchtitan_args(*, flavour: str, gpus: int, seq_len: int, ac: str, steps: int, compile: bool, assets: Path, data: Path, dump: Path) -> list[str]:
+def torchtitan_args(
+    *, flavour: str, gpus: int, seq_len: int, ac: str, steps: int, compile: bool, assets: Path, data: Path, dump: Path
+) -> list[str]:
     args = [
-        "--model.name", "qwen3", "--model.flavor", flavour, "--model.hf_assets_path", str(assets),
-        "--experimental.custom_import", "torchtitan_proxy",
-        "--training.dataset", "c4_test", "--training.dataset_path", str(data),
-        "--training.local_batch_size", "1", "--training.seq_len", str(seq_len), "--training.steps", str(steps),
-        "--lr_scheduler.warmup_steps", "2",
-        "--parallelism.data_parallel_shard_degree", str(gpus), "--parallelism.expert_parallel_degree", str(gpus),
-        *ac_args(ac), "--debug.moe_force_load_balance",
-        "--metrics.log_freq", "1", "--metrics.disable_color_printing",
-        "--job.dump_folder", str(dump),
-    ]  # fmt: skip
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        flavour,
+        "--model.hf_assets_path",
+        str(assets),
+        "--experimental.custom_import",
+        "torchtitan_proxy",
+        "--training.dataset",
+        "c4_test",
+        "--training.dataset_path",
+        str(data),
+        "--training.local_batch_size",
+        "1",
+        "--training.seq_len",
+        str(seq_len),
+        "--training.steps",
+        str(steps),
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        str(gpus),
+        "--parallelism.expert_parallel_degree",
+        str(gpus),
+        *ac_args(ac),
+        "--debug.moe_force_load_balance",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.disable_color_printing",
+        "--job.dump_folder",
+        str(dump),
+    ]
     return args + (["--compile.enable"] if compile else [])
 
 
 def ac_args(setting: str) -> list[str]:
     mode, option = AC_SETTINGS[setting]
-    return ["--activation_checkpoint.mode", mode] + (["--activation_checkpoint.selective_ac_option", option] if option else [])
+    return ["--activation_checkpoint.mode", mode] + (
+        ["--activation_checkpoint.selective_ac_option", option] if option else []
+    )
 
 
 def launch_command(gpus: int, args: list[str]) -> list[str]:
@@ -143,7 +169,9 @@ def parse_steps(log: str) -> list[dict]:
     return [steps[k] for k in sorted(steps)]
 
 
-def summarize(steps: list[dict], *, tokens_per_gpu_step: int, timing_from: int, flops: dict[str, float] | None, peak: float | None) -> dict:
+def summarize(
+    steps: list[dict], *, tokens_per_gpu_step: int, timing_from: int, flops: dict[str, float] | None, peak: float | None
+) -> dict:
     """Median of the steady-state steps (``step >= timing_from``); MFU by moe_lab's FLOP count where it is known."""
     timed = [s for s in steps if s["step"] >= timing_from]
     if not timed:
@@ -203,8 +231,11 @@ def main() -> None:
     parser.add_argument("--flavour", default="30B-A3B", help="torchtitan qwen3 MoE flavour the proxy is cut from")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-lens", default="16384,8192")
-    parser.add_argument("--points", default=",".join(f"{g}:{ac}" for g in (1, 2) for ac in AC_SETTINGS),
-                        help=f"GPUS:AC pairs, AC one of {', '.join(AC_SETTINGS)}")
+    parser.add_argument(
+        "--points",
+        default=",".join(f"{g}:{ac}" for g in (1, 2) for ac in AC_SETTINGS),
+        help=f"GPUS:AC pairs, AC one of {', '.join(AC_SETTINGS)}",
+    )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--timing-from", type=int, default=5, help="first step in the median (compile, warm-up before)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
@@ -228,45 +259,85 @@ def main() -> None:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-        "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(args.work_dir / "hf"),
-        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONUNBUFFERED": "1",
-    }  # fmt: skip
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(args.work_dir / "hf"),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     flavour = f"{args.flavour}-{args.layers}L"
     out = {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **git_state(),
         "hardware": hardware(),
-        "proxy": {"torchtitan_flavour": flavour, "layers": args.layers, "local_batch_size": 1, "routing": "balanced (debug.moe_force_load_balance)", "compile": args.compile},
+        "proxy": {
+            "torchtitan_flavour": flavour,
+            "layers": args.layers,
+            "local_batch_size": 1,
+            "routing": "balanced (debug.moe_force_load_balance)",
+            "compile": args.compile,
+        },
         "timing": f"median of steps {args.timing_from}..{args.steps}",
         "points": [],
-    }  # fmt: skip
+    }
     peak = out["hardware"]["peak_flops"]
     for seq_len in seq_lens:
         flops = moe_lab_flops(args.flavour, args.layers, seq_len)
         for gpus, ac in points:
             name = f"seq{seq_len}_gpus{gpus}_{ac}"
-            titan = torchtitan_args(flavour=flavour, gpus=gpus, seq_len=seq_len, ac=ac, steps=args.steps, compile=args.compile, assets=assets, data=data, dump=args.work_dir / "runs" / name)  # fmt: skip
+            titan = torchtitan_args(
+                flavour=flavour,
+                gpus=gpus,
+                seq_len=seq_len,
+                ac=ac,
+                steps=args.steps,
+                compile=args.compile,
+                assets=assets,
+                data=data,
+                dump=args.work_dir / "runs" / name,
+            )
             command = launch_command(gpus, titan)
             mode, option = AC_SETTINGS[ac]
-            point = {"gpus": gpus, "ep": gpus, "dp_shard": gpus, "seq_len": seq_len, "ac": ac, "ac_mode": mode,
-                     "selective_ac_option": option, "command": shlex.join(command)}  # fmt: skip
+            point = {
+                "gpus": gpus,
+                "ep": gpus,
+                "dp_shard": gpus,
+                "seq_len": seq_len,
+                "ac": ac,
+                "ac_mode": mode,
+                "selective_ac_option": option,
+                "command": shlex.join(command),
+            }
             print(point["command"], flush=True)
             if args.dry_run:
                 continue
             try:
-                proc = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=args.timeout)
+                proc = subprocess.run(
+                    command, check=False, env=env, capture_output=True, text=True, timeout=args.timeout
+                )
                 log, rc = proc.stdout + proc.stderr, proc.returncode
             except subprocess.TimeoutExpired as e:
                 log, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode(), None
             (args.work_dir / f"{name}.log").write_text(log)
             steps = parse_steps(log)
             if rc == 0:
-                point |= summarize(steps, tokens_per_gpu_step=seq_len, timing_from=args.timing_from, flops=flops, peak=peak)
+                point |= summarize(
+                    steps, tokens_per_gpu_step=seq_len, timing_from=args.timing_from, flops=flops, peak=peak
+                )
             else:
                 status, error_type = ("timeout", "TimeoutExpired") if rc is None else failure_status(log)
-                point |= {"status": status, "error_type": error_type, "error_message": log[-3000:], "losses": [s["loss"] for s in steps]}
-            print(json.dumps({k: v for k, v in point.items() if k not in ("command", "losses", "error_message")}), flush=True)
+                point |= {
+                    "status": status,
+                    "error_type": error_type,
+                    "error_message": log[-3000:],
+                    "losses": [s["loss"] for s in steps],
+                }
+            print(
+                json.dumps({k: v for k, v in point.items() if k not in ("command", "losses", "error_message")}),
+                flush=True,
+            )
             out["points"].append(point)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             write_json(args.out, out)  # after every point: a job killed later leaves the earlier ones

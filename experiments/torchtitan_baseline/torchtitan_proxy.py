@@ -22,4 +22,6 @@ for _base in MOE_FLAVOURS:
     _args = qwen3_args[_base]
     for _n in range(1, _args.n_layers + 1):
         # each proxy owns its MoEArgs: the trainer writes the forced-balance switch into them
-        qwen3_args[proxy_flavour(_base, _n)] = dataclasses.replace(_args, n_layers=_n, moe_args=copy.deepcopy(_args.moe_args))
+        qwen3_args[proxy_flavour(_base, _n)] = dataclasses.replace(
+            _args, n_layers=_n, moe_args=copy.deepcopy(_args.moe_args)
+        )

@@ -16,10 +16,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from hydra.core.object_type import ObjectType
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
+from omegaconf import OmegaConf
 
 GROUP = "experiment"
 PRESET = "preset.yaml"

@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from moe_lab.checkpoint import directory as ckpt_dir
-from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
 from moe_lab.parallel.emulate import is_emulated
+from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
 
 log = logging.getLogger("moe_lab")
 # Marks background saves complete once written, one at a time (a save waits for the one before).
@@ -155,11 +155,18 @@ class Checkpointer:
                 if not (fallback and earlier):
                     raise CheckpointDamaged(path, damaged.file, damaged.problem, self._advice(earlier)) from damaged
                 aside = _from_rank0(ckpt_dir.set_aside(path) if self.rank == 0 else None)
-                self.set_aside.append({"checkpoint": str(path), "file": damaged.file, "problem": damaged.problem,
-                                       "set_aside_as": str(aside)})  # fmt: skip
+                self.set_aside.append(
+                    {
+                        "checkpoint": str(path),
+                        "file": damaged.file,
+                        "problem": damaged.problem,
+                        "set_aside_as": str(aside),
+                    }
+                )
                 if self.rank == 0:
-                    log.warning("%s; set aside as %s, falling back to %s (trainer.resume_fallback)", damaged, aside,
-                                earlier[0])  # fmt: skip
+                    log.warning(
+                        "%s; set aside as %s, falling back to %s (trainer.resume_fallback)", damaged, aside, earlier[0]
+                    )
                 continue
             self.resumed_from = path
             log.info("resumed from %s at step %d", path, progress.step)
@@ -222,7 +229,9 @@ class Checkpointer:
             if key not in saved:
                 raise CheckpointMismatch(f"checkpoint {path}: no {key} (written with another model.router_balance?)")
             if tuple(saved[key].size) != tuple(buffer.shape):
-                raise CheckpointMismatch(f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this model's is {tuple(buffer.shape)}")
+                raise CheckpointMismatch(
+                    f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this model's is {tuple(buffer.shape)}"
+                )
             target[key] = buffer  # loaded in place
         for key, meta in saved.items():
             kind, name, state_key = _split(key)
@@ -231,7 +240,9 @@ class Checkpointer:
                     target[key] = torch.empty(meta.size, dtype=torch.uint8)
                 continue
             if kind == "buffer" and name not in self.buffers:
-                raise CheckpointMismatch(f"checkpoint {path}: {key} is a buffer this model lacks (another model.router_balance?)")
+                raise CheckpointMismatch(
+                    f"checkpoint {path}: {key} is a buffer this model lacks (another model.router_balance?)"
+                )
             if kind != "optimizer":
                 continue
             if len(meta.size) == 0:  # a scalar (AdamW's step count)
@@ -242,7 +253,9 @@ class Checkpointer:
             if torch.is_tensor(existing) and existing.dtype == meta.properties.dtype:
                 local = local_shard(existing).detach()  # loaded in place (offload=full's masters)
             else:
-                local = torch.empty(self.layout.local_shape(name), dtype=meta.properties.dtype, device=self.state_device)
+                local = torch.empty(
+                    self.layout.local_shape(name), dtype=meta.properties.dtype, device=self.state_device
+                )
             target[key] = self.layout.view(name, local)
         with torch.no_grad():
             dcp.load(target, checkpoint_id=str(path), planner=_load_planner(), no_dist=not dist.is_initialized())
@@ -269,8 +282,11 @@ class Checkpointer:
         else:
             log.info(
                 "checkpoint %s was written by %d ranks, this run has %d: random generator states and data positions "
-                "start afresh", path, marker["world_size"], self.world,
-            )  # fmt: skip
+                "start afresh",
+                path,
+                marker["world_size"],
+                self.world,
+            )
         progress = _unpickled(target["progress"])
         return Progress(progress["step"], list(progress["losses"]))
 
@@ -300,14 +316,17 @@ class Checkpointer:
         self._check_disk_space(state, final)
         if background:
             written = dcp.async_save(
-                state, checkpoint_id=str(partial), planner=_save_planner(),
-                process_group=self._group, no_dist=not dist.is_initialized(), async_stager=_AlreadyCopied(),
-            )  # fmt: skip
+                state,
+                checkpoint_id=str(partial),
+                planner=_save_planner(),
+                process_group=self._group,
+                no_dist=not dist.is_initialized(),
+                async_stager=_AlreadyCopied(),
+            )
             self._pending = _MARKER_THREAD.submit(self._finish_when_written, written, progress.step)
         else:
             try:
-                dcp.save(state, checkpoint_id=str(partial), planner=_save_planner(),
-                         no_dist=not dist.is_initialized())  # fmt: skip
+                dcp.save(state, checkpoint_id=str(partial), planner=_save_planner(), no_dist=not dist.is_initialized())
             except CheckpointException as e:
                 raise CheckpointWriteFailed(f"checkpoint {final}: writing it failed: {_rank_errors(e)}") from e
             self._finish(progress.step)
@@ -358,7 +377,9 @@ class Checkpointer:
                 else:
                     local = piece(value)
                     if local.shape != self.layout.local_shape(name):
-                        raise ValueError(f"optimizer state {key!r} of {name} is not shaped like the parameter: {tuple(local.shape)}")
+                        raise ValueError(
+                            f"optimizer state {key!r} of {name} is not shaped like the parameter: {tuple(local.shape)}"
+                        )
                     state[f"optimizer/{name}/{key}"] = self.layout.view(name, local)
         for group in optimizer["param_groups"]:
             hyperparameters = _pickled({k: v for k, v in group.items() if k != "params"})
@@ -379,7 +400,7 @@ class Checkpointer:
         marker = {
             "step": step,
             "world_size": self.world,
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__,
             "model": self.model_config,
             "config": self.config,
@@ -538,7 +559,9 @@ def _regrouped(state, groups: int, path: Path):
     for key, value in state.items():
         if key in PER_GROUP and len(value) != groups:
             if len(set(value)) != 1:
-                raise CheckpointMismatch(f"checkpoint {path}: the LR schedule's {key} differs between param groups, {value}")
+                raise CheckpointMismatch(
+                    f"checkpoint {path}: the LR schedule's {key} differs between param groups, {value}"
+                )
             value = value[:1] * groups
         out[key] = _regrouped(value, groups, path)
     return out

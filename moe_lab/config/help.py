@@ -12,8 +12,8 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_object
 
-from moe_lab.runtime.paths import CONF_DIR, EXPERIMENTS_DIR
 from moe_lab.config.schema import GROUPS, ParallelConfig, ProfileConfig, TrainerConfig
+from moe_lab.runtime.paths import CONF_DIR, EXPERIMENTS_DIR
 
 SECTIONS = {"trainer": TrainerConfig, "parallel": ParallelConfig, "profile": ProfileConfig}
 
@@ -47,7 +47,11 @@ def help_text() -> str:
         "",
         "== Config groups (group=option; the default first) ==",
     ]
-    defaults = {next(iter(d)): d[next(iter(d))] for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"] if isinstance(d, dict)}
+    defaults = {
+        next(iter(d)): d[next(iter(d))]
+        for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"]
+        if isinstance(d, dict)
+    }
     for group, what in GROUPS.items():
         options = sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))
         lines.append(f"{group}: {what}")
@@ -56,12 +60,21 @@ def help_text() -> str:
     presets = sorted(EXPERIMENTS_DIR.glob("*/preset.yaml")) + sorted(EXPERIMENTS_DIR.glob("*.yaml"))
     presets += sorted(p for p in EXPERIMENTS_DIR.glob("*/*.yaml") if p.name != "preset.yaml")
     for path in presets:
-        name = path.parent.name if path.name == "preset.yaml" else path.relative_to(EXPERIMENTS_DIR).with_suffix("").as_posix()
+        name = (
+            path.parent.name
+            if path.name == "preset.yaml"
+            else path.relative_to(EXPERIMENTS_DIR).with_suffix("").as_posix()
+        )
         lines.append(f"    {name:<24} {option_line(path)}")
     lines += ["", "== Keys (key=value; the default shown) =="]
     for section, schema in SECTIONS.items():
         lines += key_lines(section, schema)
-    lines += ["", "Group options' own keys (model.num_layers, dispatcher.backend, ...): see --cfg job.", "", "$FLAGS_HELP"]
+    lines += [
+        "",
+        "Group options' own keys (model.num_layers, dispatcher.backend, ...): see --cfg job.",
+        "",
+        "$FLAGS_HELP",
+    ]
     return "\n".join(lines).replace("${", "$${") + "\n"
 
 
@@ -74,7 +87,9 @@ def key_rows(prefix: str, schema) -> list[tuple[str, str | None, str]]:
             rows.append((f"{prefix}.{f.name}", None, f.metadata["help"]))
             rows += key_rows(f"{prefix}.{f.name}", f.default_factory)
             continue
-        default = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+        default = (
+            "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+        )
         rows.append((f"{prefix}.{f.name}", default, f.metadata["help"]))
     return rows
 
@@ -83,7 +98,9 @@ def key_lines(prefix: str, schema) -> list[str]:
     """One line per key of a schema section, a nested section's keys under its own prefix."""
     lines = []
     for key, default, what in key_rows(prefix, schema):
-        lines.append(f"  {key}.*".ljust(40) + f" {what}:" if default is None else f"  {key}={default}".ljust(40) + f" {what}")
+        lines.append(
+            f"  {key}.*".ljust(40) + f" {what}:" if default is None else f"  {key}={default}".ljust(40) + f" {what}"
+        )
     return lines
 
 

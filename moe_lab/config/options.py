@@ -40,10 +40,24 @@ def build_options(cfg: DictConfig) -> Options:
     return Options(**{field: _build(cfg, group, CONTRACTS[field]) for field, group in _GROUP_OF.items()})
 
 
-_GROUP_OF = {"model": "model", "dispatcher": "dispatcher", "ac": "ac", "offload": "offload",
-             "make_optimizer": "optimizer", "data": "data", "logger": "logger"}  # fmt: skip
-CONTRACTS = {"model": Qwen3MoeConfig, "dispatcher": TokenDispatcher, "ac": Checkpointing, "offload": Offload,
-             "make_optimizer": OptimizerFactory, "data": DataSource, "logger": ExperimentLogger}  # fmt: skip
+_GROUP_OF = {
+    "model": "model",
+    "dispatcher": "dispatcher",
+    "ac": "ac",
+    "offload": "offload",
+    "make_optimizer": "optimizer",
+    "data": "data",
+    "logger": "logger",
+}
+CONTRACTS = {
+    "model": Qwen3MoeConfig,
+    "dispatcher": TokenDispatcher,
+    "ac": Checkpointing,
+    "offload": Offload,
+    "make_optimizer": OptimizerFactory,
+    "data": DataSource,
+    "logger": ExperimentLogger,
+}
 
 
 def _build(cfg: DictConfig, group: str, contract: type):

@@ -7,7 +7,7 @@ Each field's ``help`` is what ``python -m moe_lab.train --help`` prints for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -18,9 +18,9 @@ def _key(default, help: str):
 
 @dataclass
 class CheckpointConfig:
-    every: Optional[int] = _key(0, "save a training checkpoint every N steps; 0 or null: never (but see on_signal)")
-    dir: Optional[str] = _key(None, "where checkpoints go; null: <run dir>/checkpoints (one directory per run)")
-    keep: Optional[int] = _key(2, "complete checkpoints kept, the newest; older ones are deleted; null keeps all")
+    every: int | None = _key(0, "save a training checkpoint every N steps; 0 or null: never (but see on_signal)")
+    dir: str | None = _key(None, "where checkpoints go; null: <run dir>/checkpoints (one directory per run)")
+    keep: int | None = _key(2, "complete checkpoints kept, the newest; older ones are deleted; null keeps all")
     on_signal: bool = _key(False, "on SIGTERM / SIGINT, save a checkpoint at the step every rank stops at")
     async_save: bool = _key(False, "write checkpoints in the background (a host copy of the state is taken first)")
 
@@ -35,11 +35,12 @@ class TrainerConfig:
     )
     warmup_steps: int = _key(10, "linear LR warmup steps, then cosine decay to the last step")
     min_lr_ratio: float = _key(0.1, "cosine decays to optimizer.lr * min_lr_ratio")
-    grad_clip: Optional[float] = _key(None, "max global gradient norm; null disables clipping")
+    grad_clip: float | None = _key(None, "max global gradient norm; null disables clipping")
     timing_skip: int = _key(2, "first steps left out of s/step (compile, allocator warm-up)")
     nproc_per_node: int = _key(
-        1, "ranks this job starts itself; ignored under an outer torchrun / srun; with parallel.emulate: the emulated "
-        "layout's ranks per node (one process runs)"
+        1,
+        "ranks this job starts itself; ignored under an outer torchrun / srun; with parallel.emulate: the emulated "
+        "layout's ranks per node (one process runs)",
     )
     device: str = _key("auto", "auto | cpu | cuda")
     precision: str = _key("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32")
@@ -51,27 +52,35 @@ class TrainerConfig:
         "mode and seeded global generators (docs/determinism.md says what it costs)",
     )
     dry_run: bool = _key(False, "build on the meta device, print parameter counts, stop")
-    init_checkpoint: Optional[str] = _key(None, "Hugging Face safetensors directory to start from")
+    init_checkpoint: str | None = _key(None, "Hugging Face safetensors directory to start from")
     checkpoint: CheckpointConfig = field(
         default_factory=CheckpointConfig, metadata={"help": "training checkpoints (torch.distributed.checkpoint)"}
     )
-    resume: str = _key("auto", "auto (newest complete checkpoint of trainer.checkpoint.dir, if any) | never | a checkpoint")
+    resume: str = _key(
+        "auto", "auto (newest complete checkpoint of trainer.checkpoint.dir, if any) | never | a checkpoint"
+    )
     resume_fallback: bool = _key(
         True,
         "with trainer.resume=auto, a damaged newest checkpoint (a data file missing or cut short, its metadata "
         "unreadable) is set aside as step_<N>.damaged and the complete one before it loaded, with a warning; false: "
         "the run fails, its record naming the checkpoint and the file (true | false)",
     )
-    peak_flops: Optional[float] = _key(None, "per-GPU peak FLOP/s for MFU; null looks the GPU up")
+    peak_flops: float | None = _key(None, "per-GPU peak FLOP/s for MFU; null looks the GPU up")
     skip_done: bool = _key(True, "in a sweep, skip points whose directory holds an ok result of the same config")
-    eval_every: int = _key(0, "validation loss on the held-out split every N steps and after the last (eval_loss); 0 disables")
+    eval_every: int = _key(
+        0, "validation loss on the held-out split every N steps and after the last (eval_loss); 0 disables"
+    )
     eval_batches: int = _key(4, "held-out batches per validation, each of the training global batch size")
-    expert_load_every: int = _key(10, "steps between expert_load rows in metrics.jsonl (tokens per expert per layer); 0: none")
+    expert_load_every: int = _key(
+        10, "steps between expert_load rows in metrics.jsonl (tokens per expert per layer); 0: none"
+    )
 
 
 @dataclass
 class ParallelConfig:
-    ep: int = _key(1, "expert-parallel degree: EP groups are consecutive ranks; FSDP2 shards dense weights over all ranks")
+    ep: int = _key(
+        1, "expert-parallel degree: EP groups are consecutive ranks; FSDP2 shards dense weights over all ranks"
+    )
     grad_sync: str = _key(
         "step",
         "with trainer.grad_accum > 1, when FSDP2 reduce-scatters gradients: step (once, after the last micro-batch; "
@@ -140,4 +149,6 @@ def register() -> None:
 
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     # model=hf reads each key from the checkpoint's config.json: ${hf_config:<dir>,<key>}
-    OmegaConf.register_new_resolver("hf_config", lambda directory, key: read_hf_config(directory, "model.path")[key], replace=True)
+    OmegaConf.register_new_resolver(
+        "hf_config", lambda directory, key: read_hf_config(directory, "model.path")[key], replace=True
+    )

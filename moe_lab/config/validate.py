@@ -25,11 +25,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moe_lab.checkpoint import directory as checkpoint_directory
+from moe_lab.config.options import Options, build_options
+from moe_lab.config.schema import GROUPS, TrainConfig
+from moe_lab.runtime.device import world_size
 from moe_lab.runtime.errors import ConfigError
 from moe_lab.runtime.paths import CONF_DIR
-from moe_lab.config.options import Options, build_options
-from moe_lab.runtime.device import world_size
-from moe_lab.config.schema import GROUPS, TrainConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -197,8 +197,14 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.timing_skip >= 0, "trainer.timing_skip", f"must be >= 0, got {t.timing_skip}")
     _require(t.nproc_per_node >= 1, "trainer.nproc_per_node", f"must be >= 1, got {t.nproc_per_node}")
     _require(t.device in DEVICES, "trainer.device", f"must be one of {', '.join(DEVICES)}, got {t.device!r}")
-    _require(t.device != "cuda" or torch.cuda.is_available(), "trainer.device", "is cuda but this machine has no CUDA device; use auto or cpu")
-    _require(t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    _require(
+        t.device != "cuda" or torch.cuda.is_available(),
+        "trainer.device",
+        "is cuda but this machine has no CUDA device; use auto or cpu",
+    )
+    _require(
+        t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}"
+    )
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be null or > 0, got {t.peak_flops}")
     _require(t.eval_every >= 0, "trainer.eval_every", f"must be >= 0, got {t.eval_every}")
     _require(t.eval_batches >= 1, "trainer.eval_batches", f"must be >= 1, got {t.eval_batches}")
@@ -225,7 +231,9 @@ def check_rules(cfg: DictConfig) -> None:
         "parallel.ep",
         f"must be >= 1 and divide the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
     )
-    _require(p.grad_sync in GRAD_SYNCS, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {p.grad_sync!r}")
+    _require(
+        p.grad_sync in GRAD_SYNCS, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {p.grad_sync!r}"
+    )
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
 
 
@@ -268,7 +276,11 @@ def check_optimizer(o) -> None:
     """Ranges of the hyperparameters torch's optimizers share (a key the option lacks is not checked)."""
     _require(math.isfinite(o.lr) and o.lr > 0, "optimizer.lr", f"must be finite and > 0, got {o.lr}")
     if "weight_decay" in o:
-        _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay", f"must be finite and >= 0, got {o.weight_decay}")
+        _require(
+            math.isfinite(o.weight_decay) and o.weight_decay >= 0,
+            "optimizer.weight_decay",
+            f"must be finite and >= 0, got {o.weight_decay}",
+        )
     if "eps" in o:
         _require(math.isfinite(o.eps) and o.eps > 0, "optimizer.eps", f"must be finite and > 0, got {o.eps}")
     if "betas" in o:
@@ -291,8 +303,8 @@ def check_init_checkpoint(path, model: DictConfig) -> None:
     contradict it (shape-preserving differences such as rope_theta would otherwise load into another model)."""
     if path is None:
         return
-    from moe_lab.models.hf_weights import INDEX, SINGLE  # (moe_lab.models imports this package's errors)
     from moe_lab.models.hf_config import CONFIG, check_agrees
+    from moe_lab.models.hf_weights import INDEX, SINGLE  # (moe_lab.models imports this package's errors)
 
     _require(
         path != "" and any((Path(path) / name).is_file() for name in (SINGLE, INDEX)),
@@ -308,7 +320,11 @@ def check_checkpointing(t) -> None:
     c = t.checkpoint
     _require(c.every is None or c.every >= 0, "trainer.checkpoint.every", f"must be null or >= 0, got {c.every}")
     _require(c.keep is None or c.keep >= 1, "trainer.checkpoint.keep", f"must be null (keep all) or >= 1, got {c.keep}")
-    _require(c.dir is None or c.dir != "", "trainer.checkpoint.dir", "must be null (the run directory's checkpoints/) or a path, got ''")
+    _require(
+        c.dir is None or c.dir != "",
+        "trainer.checkpoint.dir",
+        "must be null (the run directory's checkpoints/) or a path, got ''",
+    )
     if t.resume not in ("auto", "never"):
         problem = checkpoint_directory.why_incomplete(t.resume)
         _require(

@@ -63,7 +63,9 @@ class SplitWriter:
         return {"documents": len(index), "tokens": int(index[:, 2].sum()), "shards": self.shard + 1}
 
 
-def write_token_dir(out: Path, documents: Iterator[tuple[str, np.ndarray]], meta: dict, shard_tokens: int = 2**28) -> dict:
+def write_token_dir(
+    out: Path, documents: Iterator[tuple[str, np.ndarray]], meta: dict, shard_tokens: int = 2**28
+) -> dict:
     """Write ``(split, tokens)`` documents (each already ending with its end-of-document id) and ``meta.json`` (the
     caller's ``meta`` plus format and per-split counts) into the new directory ``out``; returns the metadata."""
     writers = {split: SplitWriter(out / split, shard_tokens) for split in SPLITS}
@@ -84,12 +86,16 @@ def load_texts(sources: list[str], text_field: str, text_unit: str, cache_dir: s
         dataset = datasets.load_from_disk(str(first))
         if isinstance(dataset, datasets.DatasetDict):
             if "train" not in dataset and len(dataset) != 1:
-                raise SystemExit(f"--dataset {first}: a DatasetDict with splits {sorted(dataset)}; it needs a train split or just one")
+                raise SystemExit(
+                    f"--dataset {first}: a DatasetDict with splits {sorted(dataset)}; it needs a train split or just one"
+                )
             dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
     else:
         kinds = {EXTENSIONS.get(Path(s).suffix) for s in sources}
         if None in kinds or len(kinds) != 1:
-            raise SystemExit(f"--dataset: files of one kind ({', '.join(EXTENSIONS)}) or one saved dataset directory, got {sources}")
+            raise SystemExit(
+                f"--dataset: files of one kind ({', '.join(EXTENSIONS)}) or one saved dataset directory, got {sources}"
+            )
         missing = [s for s in sources if not Path(s).is_file()]
         if missing:
             raise SystemExit(f"--dataset: no such file: {', '.join(missing)}")
@@ -113,7 +119,9 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, directory: Path):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[TRAINED_EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[TRAINED_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
@@ -157,7 +165,11 @@ def prepare(
                 held_out[np.random.default_rng(seed).choice(count, n_eval, replace=False)] = True
             if train_tokenizer_vocab is not None:
                 tokenizer = str(out / "tokenizer")  # where it ends up
-                train_tokenizer((t for t, e in zip(_texts(texts, batch_size), held_out) if not e), train_tokenizer_vocab, work / "tokenizer")
+                train_tokenizer(
+                    (t for t, e in zip(_texts(texts, batch_size), held_out) if not e),
+                    train_tokenizer_vocab,
+                    work / "tokenizer",
+                )
                 tok = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
             else:
                 tok = AutoTokenizer.from_pretrained(tokenizer)
@@ -168,13 +180,21 @@ def prepare(
             def documents():
                 for i, ids in enumerate(_token_ids(texts, tok, batch_size)):
                     if ids:  # an empty text is no document
-                        yield ("eval" if held_out[i] else "train"), np.concatenate([np.asarray(ids, dtype=np.uint32), eos])
+                        yield (
+                            ("eval" if held_out[i] else "train"),
+                            np.concatenate([np.asarray(ids, dtype=np.uint32), eos]),
+                        )
 
             meta = {
-                "tokenizer": str(tokenizer), "vocab_size": len(tok), "eos_id": int(tok.eos_token_id),
-                "sources": [str(Path(s).resolve()) for s in sources], "text_field": text_field, "text_unit": text_unit,
-                "eval_fraction": eval_fraction, "seed": seed,
-            }  # fmt: skip
+                "tokenizer": str(tokenizer),
+                "vocab_size": len(tok),
+                "eos_id": int(tok.eos_token_id),
+                "sources": [str(Path(s).resolve()) for s in sources],
+                "text_field": text_field,
+                "text_unit": text_unit,
+                "eval_fraction": eval_fraction,
+                "seed": seed,
+            }
             meta = write_token_dir(work, documents(), meta, shard_tokens)
         if out.exists():
             out.rmdir()
@@ -197,24 +217,53 @@ def _token_ids(texts, tok, batch_size: int) -> Iterator[list[int]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moe_lab.data.prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", nargs="+", required=True, help="a saved dataset directory, or json/jsonl/parquet/txt files")
+    parser.add_argument(
+        "--dataset", nargs="+", required=True, help="a saved dataset directory, or json/jsonl/parquet/txt files"
+    )
     parser.add_argument("--out", required=True, help="the token directory to write (new or empty); data.path reads it")
     tokenizers = parser.add_mutually_exclusive_group(required=True)
     tokenizers.add_argument("--tokenizer", help="a Hugging Face tokenizer directory (AutoTokenizer)")
-    tokenizers.add_argument("--train-tokenizer", type=int, metavar="VOCAB", help="train a byte-level BPE tokenizer of this vocabulary size on the training documents, saved in OUT/tokenizer")
-    parser.add_argument("--text-field", default="text", help="the column holding the text (json/parquet/saved datasets)")
-    parser.add_argument("--text-unit", choices=("document", "paragraph", "line"), default="document", help="what one document of a txt file is")
-    parser.add_argument("--eval-fraction", type=float, default=0.01, help="share of the documents held out for trainer.eval_every")
+    tokenizers.add_argument(
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB",
+        help="train a byte-level BPE tokenizer of this vocabulary size on the training documents, saved in OUT/tokenizer",
+    )
+    parser.add_argument(
+        "--text-field", default="text", help="the column holding the text (json/parquet/saved datasets)"
+    )
+    parser.add_argument(
+        "--text-unit",
+        choices=("document", "paragraph", "line"),
+        default="document",
+        help="what one document of a txt file is",
+    )
+    parser.add_argument(
+        "--eval-fraction", type=float, default=0.01, help="share of the documents held out for trainer.eval_every"
+    )
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out documents")
     parser.add_argument("--shard-tokens", type=int, default=2**28, help="tokens per shard file at most (uint32: 1 GiB)")
     args = parser.parse_args(argv)
     # Local files only: never wait for a hub on a machine without network.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    meta = prepare(args.dataset, Path(args.out), args.tokenizer, args.train_tokenizer, args.text_field, args.text_unit,
-                   args.eval_fraction, args.seed, args.shard_tokens)  # fmt: skip
-    counts = ", ".join(f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens" for split, s in meta["splits"].items())
-    print(f"{args.out}: vocabulary {meta['vocab_size']:,} ({meta['tokenizer']}), end-of-document id {meta['eos_id']}; {counts}")
+    meta = prepare(
+        args.dataset,
+        Path(args.out),
+        args.tokenizer,
+        args.train_tokenizer,
+        args.text_field,
+        args.text_unit,
+        args.eval_fraction,
+        args.seed,
+        args.shard_tokens,
+    )
+    counts = ", ".join(
+        f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens" for split, s in meta["splits"].items()
+    )
+    print(
+        f"{args.out}: vocabulary {meta['vocab_size']:,} ({meta['tokenizer']}), end-of-document id {meta['eos_id']}; {counts}"
+    )
 
 
 if __name__ == "__main__":

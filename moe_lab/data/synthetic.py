@@ -6,8 +6,8 @@ import functools
 
 import torch
 
-from moe_lab.runtime.errors import ConfigError
 from moe_lab.data.batch import Batch, DataSource
+from moe_lab.runtime.errors import ConfigError
 
 
 class SyntheticData(DataSource):
@@ -35,7 +35,9 @@ class SyntheticData(DataSource):
 
     def validate(self, cfg) -> None:
         if not 1 <= self.vocab_size <= cfg.model.vocab_size:
-            raise ConfigError("data.vocab_size", f"must be in [1, model.vocab_size={cfg.model.vocab_size}], got {self.vocab_size}")
+            raise ConfigError(
+                "data.vocab_size", f"must be in [1, model.vocab_size={cfg.model.vocab_size}], got {self.vocab_size}"
+            )
 
     def batch(self, step: int, dp_rank: int, dp_size: int, micro_batch: int = 0, micro_batches: int = 1) -> Batch:
         """Micro-batch ``micro_batch`` (of ``micro_batches``) of rank ``dp_rank``'s (of ``dp_size``) share of step

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_lab.runtime.errors import ConfigError
 from moe_lab.data.batch import Batch, DataSource
 from moe_lab.models.qwen3_moe import Documents
+from moe_lab.runtime.errors import ConfigError
 
 FORMAT = "moe_lab.tokens/1"
 META = "meta.json"
@@ -105,9 +105,13 @@ class TokenData(DataSource):
         try:
             self.meta = json.loads((self.path / META).read_text())
         except (OSError, ValueError) as e:
-            raise ConfigError("data.path", f"must be a directory written by python -m moe_lab.data.prepare (no readable {META}: {e})") from None
+            raise ConfigError(
+                "data.path", f"must be a directory written by python -m moe_lab.data.prepare (no readable {META}: {e})"
+            ) from None
         if self.meta.get("format") != FORMAT:
-            raise ConfigError("data.path", f"{self.path / META} is format {self.meta.get('format')!r}, this moe_lab reads {FORMAT!r}")
+            raise ConfigError(
+                "data.path", f"{self.path / META} is format {self.meta.get('format')!r}, this moe_lab reads {FORMAT!r}"
+            )
         self._splits: dict[str, TokenSplit] = {}
         self._epoch: tuple[int, Packing] | None = None  # the training epoch last read from (one at a time)
         self._eval: Packing | None = None
@@ -119,14 +123,23 @@ class TokenData(DataSource):
             self.check_split_files(name)
         vocab = self.meta["vocab_size"]
         if vocab > cfg.model.vocab_size:
-            raise ConfigError("data.path", f"its tokenizer's vocabulary ({vocab} ids, {self.meta['tokenizer']}) is larger than model.vocab_size={cfg.model.vocab_size}")
+            raise ConfigError(
+                "data.path",
+                f"its tokenizer's vocabulary ({vocab} ids, {self.meta['tokenizer']}) is larger than model.vocab_size={cfg.model.vocab_size}",
+            )
         need = self.seq_len + 1
         train = self.meta["splits"]["train"]["tokens"]
         if train < need:
-            raise ConfigError("data.seq_len", f"a sample takes seq_len + 1 = {need} tokens; the train split of {self.path} holds {train}")
+            raise ConfigError(
+                "data.seq_len",
+                f"a sample takes seq_len + 1 = {need} tokens; the train split of {self.path} holds {train}",
+            )
         held_out = self.meta["splits"]["eval"]["tokens"]
         if cfg.trainer.eval_every > 0 and held_out < need:
-            raise ConfigError("trainer.eval_every", f"the eval split of {self.path} holds {held_out} tokens, fewer than one sample of seq_len + 1 = {need} (prepare it with a larger --eval-fraction, or set trainer.eval_every=0)")
+            raise ConfigError(
+                "trainer.eval_every",
+                f"the eval split of {self.path} holds {held_out} tokens, fewer than one sample of seq_len + 1 = {need} (prepare it with a larger --eval-fraction, or set trainer.eval_every=0)",
+            )
 
     def check_split_files(self, name: str) -> None:
         """A split's index and token shards against each other and meta.json, before a step reads them: the index
@@ -186,7 +199,9 @@ class TokenData(DataSource):
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "seq_len"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"the saved data position was made with data.{key}={state[key]}, this run has {getattr(self, key)}")
+                raise ValueError(
+                    f"the saved data position was made with data.{key}={state[key]}, this run has {getattr(self, key)}"
+                )
         self.resume_step, self.resume_sample = state["step"], state["sample"]
         self.next_step, self.next_sample = state["step"], state["sample"]
 
@@ -201,7 +216,9 @@ class TokenData(DataSource):
 
     def _batch(self, samples: list[list[Piece]], split_name: str = "train") -> Batch:
         split = self.split(split_name)
-        tokens = torch.from_numpy(np.stack([np.concatenate([split.read(p) for p in pieces]) for pieces in samples]).astype(np.int64))
+        tokens = torch.from_numpy(
+            np.stack([np.concatenate([split.read(p) for p in pieces]) for pieces in samples]).astype(np.int64)
+        )
         documents = None
         if self.document_mask:
             ids = np.stack([np.repeat(np.arange(len(pieces)), [p.length for p in pieces]) for pieces in samples])

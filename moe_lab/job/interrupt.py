@@ -60,8 +60,11 @@ class StopRequest:
             signal.raise_signal(signum)
             return
         self.signum = self.signum or signum
-        log.warning("%s received: stopping at the end of this step%s", signal.Signals(signum).name,
-                    " (again to stop at once)" if self.escalate else "")  # fmt: skip
+        log.warning(
+            "%s received: stopping at the end of this step%s",
+            signal.Signals(signum).name,
+            " (again to stop at once)" if self.escalate else "",
+        )
 
     def agreed(self, device: torch.device) -> str | None:
         """The name of the signal any rank received, or None; every rank must call this at the same step, and all

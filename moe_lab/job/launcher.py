@@ -8,8 +8,8 @@ import os
 import socket
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -120,9 +120,12 @@ class RanksFailed(RuntimeError):
         super().__init__("; ".join(parts))
         first = ranks[0]
         self.details = {
-            "rank": first["rank"], "signal": first["signal"], "exit_code": first["exit_code"], "ranks": ranks,
+            "rank": first["rank"],
+            "signal": first["signal"],
+            "exit_code": first["exit_code"],
+            "ranks": ranks,
             "rank0_error": symptom,
-        }  # fmt: skip
+        }
         self.traceback = _callstack(failed[0][1]) or (rank0_error or {}).get("traceback")
 
 
@@ -135,9 +138,13 @@ def _rank_failure(rank: int, failure: ProcessFailure) -> dict:
     exception = _exception(failure)
     message = f"rank {rank} (pid {failure.pid}) {how}" + (f": {exception}" if exception else "")
     return {
-        "rank": rank, "pid": failure.pid, "signal": signal_name, "exit_code": exit_code, "exception": exception,
+        "rank": rank,
+        "pid": failure.pid,
+        "signal": signal_name,
+        "exit_code": exit_code,
+        "exception": exception,
         "message": message,
-    }  # fmt: skip
+    }
 
 
 def _exception(failure: ProcessFailure) -> str | None:

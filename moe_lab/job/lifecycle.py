@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -36,8 +36,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from moe_lab import config
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config import Options
-from moe_lab.runtime.determinism import set_determinism
-from moe_lab.runtime.device import runs_on_cuda
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.job.launcher import (
     RanksFailed,
@@ -47,12 +45,14 @@ from moe_lab.job.launcher import (
     spawns_ranks,
     started_by_outer_launcher,
 )
+from moe_lab.job.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.parallel.emulate import emulated_layout, enter_world
 from moe_lab.plan.emulated import emulated_metrics
 from moe_lab.results.record import RESULT, Record, environment, point_config, read_result, write_json_atomic
-from moe_lab.job.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
+from moe_lab.runtime.determinism import set_determinism
+from moe_lab.runtime.device import runs_on_cuda
 
 log = logging.getLogger("moe_lab")
 
@@ -150,7 +150,7 @@ def same_point(record: dict, cfg: DictConfig) -> bool:
 
 def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) -> dict | None:
     adopt_slurm_environment()
-    meta = {**meta, "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    meta = {**meta, "started_utc": datetime.now(UTC).isoformat(timespec="seconds")}
     outer = started_by_outer_launcher()
     # SIGTERM / SIGINT from here on stop the point at a step boundary (ranks this job starts note them themselves:
     # the launcher forwards them). A single process escalates on a second one.
@@ -158,12 +158,16 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
         result = _run_point(cfg, run_dir, meta, multirun, outer, stop)
     if result is not None and result.get("status") == "interrupted":
         # A single run exits non-zero; a sweep stops here, its later points not run (re-running it resumes).
-        log.warning("%s; recorded in %s. Run the same command again to resume.", result["error"]["message"], run_dir / RESULT)
+        log.warning(
+            "%s; recorded in %s. Run the same command again to resume.", result["error"]["message"], run_dir / RESULT
+        )
         raise SystemExit(result["error"]["exit_code"])
     return result
 
 
-def _run_point(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer: bool, stop: StopRequest) -> dict | None:
+def _run_point(
+    cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool, outer: bool, stop: StopRequest
+) -> dict | None:
     rank0 = os.environ.get("RANK", "0") == "0"
     if not outer:  # under an outer launcher only rank 0 knows the run directory: the ranks decide in worker()
         try:
@@ -282,7 +286,9 @@ def dry_run(cfg: DictConfig, options: Options) -> dict:
     return {"total_params": total, "active_params": active, "flops_per_token": fpt["shared"]}
 
 
-def worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | None = None, stop: StopRequest | None = None) -> dict:
+def worker(
+    resolved_yaml: str, run_dir: str, meta: dict, options: Options | None = None, stop: StopRequest | None = None
+) -> dict:
     """One rank of a job. Rank 0 writes metrics.jsonl and result.json; every failure is recorded before it is
     re-raised. A rank the job started itself notes signals on its own (``stop``: the job's)."""
     started_here = stop is None
@@ -311,7 +317,9 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
         _log_to_run_files(meta.get("log_file"))
     if world > 1 and not dist.is_initialized():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
         # One process group per process: the points of a sweep under torchrun share it, because initialising the
         # default group again on the launcher's store races (a rank can pick up the previous group's keys and hang).
         atexit.register(dist.destroy_process_group)

@@ -15,9 +15,10 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,6 @@ from tqdm import tqdm
 
 from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
 from moe_lab.config import Options
-from moe_lab.runtime.device import computes_in_bf16
-from moe_lab.runtime.host_read import to_host
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import ExperimentLogger, NoLogger
@@ -41,9 +40,13 @@ from moe_lab.parallel import compile_loss, parallelize, set_micro_batch
 from moe_lab.parallel.emulate import is_emulated
 from moe_lab.parallel.sharding import local_rows, local_shard
 from moe_lab.results.record import MetricsLog, point_config
+from moe_lab.runtime.device import computes_in_bf16
+from moe_lab.runtime.host_read import to_host
 
 log = logging.getLogger("moe_lab")
 NO_STOP = StopRequest()  # never entered: notes no signal (ranks still agree on that each step)
+NO_LOGGER = NoLogger()  # logs nothing, holds nothing: one serves every call
+NO_PROFILER = StepProfiler.off()  # never enabled: holds no profiler
 
 
 def train(
@@ -53,8 +56,8 @@ def train(
     device: torch.device,
     rank: int,
     world: int,
-    logger: ExperimentLogger = NoLogger(),
-    profiler: StepProfiler = StepProfiler.off(),
+    logger: ExperimentLogger = NO_LOGGER,
+    profiler: StepProfiler = NO_PROFILER,
     stop: StopRequest | None = None,
 ) -> dict:
     """Train for ``trainer.steps`` steps (from the checkpoint ``trainer.resume`` names, if any); rank 0 writes
@@ -93,14 +96,25 @@ def train(
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
         options.offload.before_micro_batch(optimizer, final)
 
-    bar = tqdm(range(progress.step, t.steps), desc="train", disable=not writer, dynamic_ncols=True, file=sys.stdout,
-               initial=progress.step, total=t.steps)  # fmt: skip
+    bar = tqdm(
+        range(progress.step, t.steps),
+        desc="train",
+        disable=not writer,
+        dynamic_ncols=True,
+        file=sys.stdout,
+        initial=progress.step,
+        total=t.steps,
+    )
     for step in bar:
         stop_if_signalled(stop or NO_STOP, device, checkpointer, progress, t.checkpoint.on_signal)
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         loss, balance_loss, router_stats = accumulate_gradients(
-            functools.partial(load_micro_batch, step), micro_batch_forward, balance.loss, t.grad_accum, before_micro_batch
+            functools.partial(load_micro_batch, step),
+            micro_batch_forward,
+            balance.loss,
+            t.grad_accum,
+            before_micro_batch,
         )
         grad_norm = clip_grad_norm(model, t.grad_clip) if t.grad_clip else None
         optimizer.step()
@@ -108,7 +122,9 @@ def train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         balance.update(model, router_stats)
-        loss = to_host(mean_over_ranks(loss, world)).item()  # also waits for the step to finish, so the wall clock below is the step's time
+        loss = to_host(
+            mean_over_ranks(loss, world)
+        ).item()  # also waits for the step to finish, so the wall clock below is the step's time
         elapsed = time.perf_counter() - start
         step_times.append(elapsed)
         progress.advance(loss)
@@ -117,9 +133,17 @@ def train(
             raise FloatingPointError(f"loss is {loss} at step {step}")
         routing_row = expert_load.add(step, router_stats, balance_loss)
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
-            eval_losses.append({"step": step, "loss": evaluate(model, data, t.eval_batches, device, dp_rank, world, autocast, loss_fn)})
+            eval_losses.append(
+                {"step": step, "loss": evaluate(model, data, t.eval_batches, device, dp_rank, world, autocast, loss_fn)}
+            )
         if metrics_log:
-            row = {"step": step, "loss": loss, "lr": lr, "s_per_step": elapsed, "tokens_per_s_per_gpu": tokens_per_step / elapsed}
+            row = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "s_per_step": elapsed,
+                "tokens_per_s_per_gpu": tokens_per_step / elapsed,
+            }
             if grad_norm is not None:
                 row["grad_norm"] = grad_norm
             row |= offload_metrics
@@ -193,16 +217,29 @@ def accumulate_gradients(
     return total, balance_total, step_stats
 
 
-def build_checkpointer(cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, scheduler, device) -> Checkpointer:
+def build_checkpointer(
+    cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, scheduler, device
+) -> Checkpointer:
     t = cfg.trainer
     return Checkpointer(
-        t.checkpoint, t.resume, run_dir, fallback=t.resume_fallback, model=model, optimizer=optimizer,
-        scheduler=scheduler, data=options.data, device=device, state_device=options.offload.state_device(device),
-        config=point_config(cfg), model_config=options.model.to_dict(),
-    )  # fmt: skip
+        t.checkpoint,
+        t.resume,
+        run_dir,
+        fallback=t.resume_fallback,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=options.data,
+        device=device,
+        state_device=options.offload.state_device(device),
+        config=point_config(cfg),
+        model_config=options.model.to_dict(),
+    )
 
 
-def stop_if_signalled(stop: StopRequest, device: torch.device, checkpointer: Checkpointer, progress: Progress, save: bool) -> None:
+def stop_if_signalled(
+    stop: StopRequest, device: torch.device, checkpointer: Checkpointer, progress: Progress, save: bool
+) -> None:
     """At a step boundary, on every rank: when any rank got SIGTERM / SIGINT, save a checkpoint here (``save``) and
     raise ``Interrupted`` with the metrics of the steps done."""
     if signal_name := stop.agreed(device):
@@ -223,8 +260,14 @@ def build_model(cfg: DictConfig, options: Options, device: torch.device, compute
     with torch.device("meta"):
         model = options.model.build()
     parallelize(
-        model, options.dispatcher, options.ac, ep=cfg.parallel.ep, compile=cfg.trainer.compile, device=device,
-        compute_dtype=compute_dtype, keep_unsharded=cfg.parallel.keep_unsharded,
+        model,
+        options.dispatcher,
+        options.ac,
+        ep=cfg.parallel.ep,
+        compile=cfg.trainer.compile,
+        device=device,
+        compute_dtype=compute_dtype,
+        keep_unsharded=cfg.parallel.keep_unsharded,
     )
     if device.type == "cpu":
         check_cpu_memory(model)

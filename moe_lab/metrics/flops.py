@@ -8,13 +8,12 @@ causal attention as dense; the executed-FLOPs variant counts it as half, which i
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import yaml
 
-from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
+from moe_lab.runtime.paths import CONF_DIR
 
 # The hardware group's option of a GPU, by a fragment of its name: its yaml holds the GPU's dense bf16 peak
 # (vendor datasheet, no sparsity), which MFU divides by here and the planner (moe_lab.plan) plans with.

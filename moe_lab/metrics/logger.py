@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -62,17 +62,22 @@ class WandbLogger(ExperimentLogger):
     def __init__(
         self,
         project: str = "moe_lab",
-        entity: Optional[str] = None,
+        entity: str | None = None,
         mode: Literal["offline", "online", "disabled"] = "offline",
-        group: Optional[str] = None,
-        name: Optional[str] = None,
+        group: str | None = None,
+        name: str | None = None,
     ):
         self.project, self.entity, self.mode, self.group, self.name = project, entity, mode, group, name
         self.run = None
         self.saved_env: dict[str, str | None] = {}
         self.location: list[str] = []
 
-    DIRS = {"WANDB_CACHE_DIR": "cache", "WANDB_DATA_DIR": "data", "WANDB_CONFIG_DIR": "config", "WANDB_ARTIFACT_DIR": "artifacts"}
+    DIRS = {
+        "WANDB_CACHE_DIR": "cache",
+        "WANDB_DATA_DIR": "data",
+        "WANDB_CONFIG_DIR": "config",
+        "WANDB_ARTIFACT_DIR": "artifacts",
+    }
 
     def start(self, run_dir: Path, record: dict) -> None:
         import wandb  # lazily: the GPU machines do not have it
@@ -105,8 +110,11 @@ class WandbLogger(ExperimentLogger):
         metrics = result.get("metrics") or {}
         times = (metrics.get("trace_breakdown") or {}).get("seconds", {})
         self.run.summary.update(
-            {"status": result["status"], **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-             **{f"time.{k}": v for k, v in times.items()}}
+            {
+                "status": result["status"],
+                **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+                **{f"time.{k}": v for k, v in times.items()},
+            }
         )
         if result.get("error"):
             self.run.summary["error"] = f"{result['error']['type']}: {result['error']['message']}"[:1000]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_lab.runtime.host_read import to_host
 from moe_lab.moe.router import split_stats
+from moe_lab.runtime.host_read import to_host
 
 
 def describe(stats: torch.Tensor, top_k: int, ep: int) -> dict:

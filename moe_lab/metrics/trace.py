@@ -122,7 +122,7 @@ class StepProfiler:
 
 def load_trace(path: str | Path) -> list[dict]:
     path = Path(path)
-    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
         return json.load(f)["traceEvents"]
 
 
@@ -170,7 +170,9 @@ class _OpForest:
             stack.append(i)
         # A kernel names its launch (runtime call) by correlation id; the launch nests in the op that made it.
         self.launch_by_correlation = {
-            e["args"]["correlation"]: i for i, e in enumerate(self.events) if e["cat"] in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+            e["args"]["correlation"]: i
+            for i, e in enumerate(self.events)
+            if e["cat"] in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
         }
         self.forward_by_seq = defaultdict(list)
         for i, e in enumerate(self.events):
@@ -189,7 +191,9 @@ class _OpForest:
             i = self.parent[i]
 
     def _is_backward(self, i: int) -> bool:
-        return any("Backward" in self.events[j]["name"] or "autograd::engine" in self.events[j]["name"] for j in self.chain(i))
+        return any(
+            "Backward" in self.events[j]["name"] or "autograd::engine" in self.events[j]["name"] for j in self.chain(i)
+        )
 
     def category(self, i: int) -> str | None:
         if i not in self._category:
@@ -211,7 +215,9 @@ def _cpu_step(ops: _OpForest, step: int) -> dict[tuple[str, str], float]:
         i = todo.pop()
         e = ops.events[i]
         end = e["ts"] + e["dur"]
-        covered = sum(min(ops.events[c]["ts"] + ops.events[c]["dur"], end) - ops.events[c]["ts"] for c in ops.children[i])
+        covered = sum(
+            min(ops.events[c]["ts"] + ops.events[c]["dur"], end) - ops.events[c]["ts"] for c in ops.children[i]
+        )
         category = "idle" if i == step else ops.category(i) or "other"
         parts[(category, e["name"])] += max(0.0, e["dur"] - covered)
         todo.extend(ops.children[i])
@@ -246,7 +252,11 @@ def _gpu_step(ops: _OpForest, step: int, device_work: list[dict]) -> dict[tuple[
         elif category in WAITED_ON:
             elsewhere.append(span)
     for i, e in enumerate(ops.events):  # an optimizer on a CPU thread (offload=full's host step) the GPU may wait for
-        category = ops.category(i) if e["cat"] in ("cpu_op", "user_annotation") and e["ts"] < end and e["ts"] + e["dur"] > start else None
+        category = (
+            ops.category(i)
+            if e["cat"] in ("cpu_op", "user_annotation") and e["ts"] < end and e["ts"] + e["dur"] > start
+            else None
+        )
         if category in ("host_step", "optimizer"):
             elsewhere.append((max(e["ts"], start), min(e["ts"] + e["dur"], end), category, e["name"]))
     compute.sort()

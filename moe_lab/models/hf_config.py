@@ -17,14 +17,28 @@ CONFIG = "config.json"
 # The keys that define what the model computes: a config that differs in one of them is another model, even where
 # the weights' shapes agree. (num_layers may be smaller: a proxy of the first layers.)
 ARCHITECTURE = (
-    "vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "num_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "norm_topk_prob", "max_position_embeddings", "rope_theta", "rms_norm_eps",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+)
 # What moe_lab's Qwen3-MoE does not build, as config.json spells it, with the value it assumes.
 UNSUPPORTED = {
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False, "attention_bias": False,
-    "use_sliding_window": False, "rope_scaling": None,
-}  # fmt: skip
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "rope_scaling": None,
+}
 
 
 def read_hf_config(directory: str | Path, key: str) -> dict:
@@ -39,10 +53,14 @@ def read_hf_config(directory: str | Path, key: str) -> dict:
         raise ConfigError(key, f"{path} is model_type {hf.get('model_type')!r}; moe_lab builds qwen3_moe")
     rope = hf.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
-        raise ConfigError(key, f"{path} has rope_parameters.rope_type={rope['rope_type']!r}; moe_lab's RoPE is the default one")
+        raise ConfigError(
+            key, f"{path} has rope_parameters.rope_type={rope['rope_type']!r}; moe_lab's RoPE is the default one"
+        )
     for name, assumed in UNSUPPORTED.items():
         if hf.get(name, assumed) not in (assumed, None):
-            raise ConfigError(key, f"{path} has {name}={hf[name]!r}; moe_lab's Qwen3-MoE builds only {name}={assumed!r}")
+            raise ConfigError(
+                key, f"{path} has {name}={hf[name]!r}; moe_lab's Qwen3-MoE builds only {name}={assumed!r}"
+            )
     try:
         return {
             "name": Path(directory).resolve().name,
@@ -77,4 +95,7 @@ def check_agrees(model: dict, directory: str | Path, key: str) -> None:
         if not same:
             raise ConfigError(f"model.{name}", f"is {ours!r}, but {Path(directory) / CONFIG} ({key}) says {theirs!r}")
     if model["num_layers"] > hf["num_layers"]:
-        raise ConfigError("model.num_layers", f"is {model['num_layers']}, but {Path(directory) / CONFIG} ({key}) has {hf['num_layers']} layers (a proxy takes at most that many)")
+        raise ConfigError(
+            "model.num_layers",
+            f"is {model['num_layers']}, but {Path(directory) / CONFIG} ({key}) has {hf['num_layers']} layers (a proxy takes at most that many)",
+        )

@@ -40,7 +40,9 @@ class CheckpointReader:
             try:
                 self.weight_map = json.loads((self.directory / INDEX).read_text())["weight_map"]
             except (ValueError, KeyError) as e:
-                raise CheckpointError(f"checkpoint {self.directory}: {INDEX} has no readable weight_map ({e!r})") from None
+                raise CheckpointError(
+                    f"checkpoint {self.directory}: {INDEX} has no readable weight_map ({e!r})"
+                ) from None
         elif (self.directory / SINGLE).exists():
             self.weight_map = {key: SINGLE for key in self._file(SINGLE).keys()}
         else:
@@ -90,7 +92,9 @@ def _expert_stack(reader: CheckpointReader, prefix: str, kind: str, experts: Gro
     if kind == "gate_up_proj":
         half = (matrix[0] // 2, matrix[1])  # gate and up, each [I, H]
         matrices = [
-            torch.cat([reader.get(f"{prefix}.{e}.{proj}.weight", half, param.dtype) for proj in ("gate_proj", "up_proj")])
+            torch.cat(
+                [reader.get(f"{prefix}.{e}.{proj}.weight", half, param.dtype) for proj in ("gate_proj", "up_proj")]
+            )
             for e in local
         ]
     else:
@@ -132,7 +136,9 @@ def model_tensor_names(model: torch.nn.Module) -> set[str]:
             names.add(f"{module_name}.{kind}" if module_name else kind)
             if isinstance(module, GroupedExperts):
                 projections = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
-                names.update(f"{module_name}.{e}.{proj}.weight" for e in range(module.num_experts) for proj in projections)
+                names.update(
+                    f"{module_name}.{e}.{proj}.weight" for e in range(module.num_experts) for proj in projections
+                )
     return names
 
 
@@ -144,7 +150,10 @@ def published_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.
         out = []
         for e, stacked in enumerate(tensor):
             gate, up = stacked.chunk(2)
-            out += [(f"{prefix}.{e}.gate_proj.weight", gate.contiguous()), (f"{prefix}.{e}.up_proj.weight", up.contiguous())]
+            out += [
+                (f"{prefix}.{e}.gate_proj.weight", gate.contiguous()),
+                (f"{prefix}.{e}.up_proj.weight", up.contiguous()),
+            ]
         return out
     if kind == "down_proj" and prefix.endswith("mlp.experts"):
         return [(f"{prefix}.{e}.down_proj.weight", matrix.contiguous()) for e, matrix in enumerate(tensor)]
@@ -195,7 +204,9 @@ class SafetensorsWriter:
         self.shard, self.shard_bytes = {}, 0
 
 
-def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], directory: str | Path, max_shard_bytes: int | None = None) -> None:
+def save_hf_checkpoint(
+    state_dict: dict[str, torch.Tensor], directory: str | Path, max_shard_bytes: int | None = None
+) -> None:
     """Write an unsharded model's state dict in the published per-expert layout: one file, or shards of at most
     ``max_shard_bytes`` with an index."""
     writer = SafetensorsWriter(directory, max_shard_bytes)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
@@ -72,13 +71,13 @@ class Qwen3MoeConfig:
     router_bias_update_rate: float
 
     @classmethod
-    def preset(cls, option: str, /, **overrides) -> "Qwen3MoeConfig":
+    def preset(cls, option: str, /, **overrides) -> Qwen3MoeConfig:
         """The ``model=<option>`` config (tiny, qwen3_30b, qwen3_235b) with ``overrides``, e.g. ``num_layers=4``."""
         values = yaml.safe_load((MODEL_CONFIGS / f"{option}.yaml").read_text())
         values.pop("_target_")
         return cls(**(values | overrides))
 
-    def build(self) -> "Qwen3MoeForCausalLM":
+    def build(self) -> Qwen3MoeForCausalLM:
         return Qwen3MoeForCausalLM(self)
 
     def balance(self) -> RouterBalance:
@@ -125,7 +124,7 @@ class Documents(NamedTuple):
     ids: torch.Tensor
     positions: torch.Tensor
 
-    def to(self, device: torch.device) -> "Documents":
+    def to(self, device: torch.device) -> Documents:
         return Documents(self.ids.to(device, non_blocking=True), self.positions.to(device, non_blocking=True))
 
     def attention_mask(self) -> torch.Tensor | BlockMask:
@@ -159,7 +158,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
+) -> torch.Tensor:
     """Causal attention over the whole sample (``mask`` None) or inside each document (``Documents.attention_mask``:
     a dense mask for SDPA, or a block mask for FlexAttention). FlexAttention is fast only compiled (eager, it
     materialises every score): it runs compiled by the compiled block it is part of, or else on its own (as
@@ -199,7 +200,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
         # x [B, S, hidden] -> per-head q [B, heads, S, D], k and v [B, kv_heads, S, D]; q/k norms act on D.
         q = self.q_norm(rearrange(self.q_proj(x), "b s (h d) -> b h s d", d=self.head_dim))
         k = self.k_norm(rearrange(self.k_proj(x), "b s (h d) -> b h s d", d=self.head_dim))

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from moe_lab.runtime.errors import ConfigError
-from moe_lab.runtime.device import computes_in_bf16, ranks_per_node, runs_on_cuda
-from moe_lab.runtime.host_read import to_host
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
-from moe_lab.moe.fused import fp8_ops  # registers torch.ops.moe_lab.fused_moe_fp8
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 from moe_lab.moe.experts import compute_dtype, grouped_swiglu
+from moe_lab.moe.fused import fp8_ops  # registers torch.ops.moe_lab.fused_moe_fp8
+from moe_lab.runtime.device import computes_in_bf16, ranks_per_node, runs_on_cuda
+from moe_lab.runtime.errors import ConfigError
+from moe_lab.runtime.host_read import to_host
 
 
 class TokenDispatcher(abc.ABC):
@@ -59,7 +59,7 @@ class TokenDispatcher(abc.ABC):
         """y [T, H] for the rank's tokens x [T, H], their routing [T, K] and the local experts' stacked weights (the
         module docstring's contract)."""
 
-    def validate(self, cfg) -> None:
+    def validate(self, cfg) -> None:  # noqa: B027 (not abstract: a dispatcher without rules inherits acceptance)
         """Refuse, with a ``ConfigError`` naming the key, a composed config this dispatcher cannot run (shapes its
         GEMMs cannot take, a mesh its exchange cannot span); the default accepts every config."""
 
@@ -126,10 +126,15 @@ class TorchDispatcher(TokenDispatcher):
         # torch._grouped_mm needs 16-byte aligned rows: a multiple of 8 elements covers bf16 and fp32.
         for key in ("hidden_size", "moe_intermediate_size"):
             if cfg.model[key] % 8:
-                raise ConfigError(f"model.{key}", f"the torch dispatcher's grouped GEMM needs a multiple of 8, got {cfg.model[key]}")
+                raise ConfigError(
+                    f"model.{key}", f"the torch dispatcher's grouped GEMM needs a multiple of 8, got {cfg.model[key]}"
+                )
         # The compiler's shape rules for torch._grouped_mm (its meta kernel) accept bf16 only.
         if cfg.trainer.compile and not computes_in_bf16(cfg.trainer):
-            raise ConfigError("trainer.precision", "trainer.compile=true with the torch dispatcher needs bf16 (torch._grouped_mm compiles in bf16 only); set trainer.precision=bf16")
+            raise ConfigError(
+                "trainer.precision",
+                "trainer.compile=true with the torch dispatcher needs bf16 (torch._grouped_mm compiles in bf16 only); set trainer.precision=bf16",
+            )
 
     def __call__(self, x, topk_ids, topk_weights, gate_up_proj, down_proj):
         rows, tokens_per_expert, meta = self.dispatch(x, topk_ids, topk_weights, gate_up_proj.shape[0])
@@ -247,15 +252,24 @@ class FusedDispatcher(TokenDispatcher):
                 )
             fp8_ops.validate(cfg, self.backend, self.gemm, cuda, fused.deep_gemm_import_error())
         if self.backend == "gpu" and not cuda:
-            raise ConfigError("dispatcher.backend", "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto")
+            raise ConfigError(
+                "dispatcher.backend",
+                "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto",
+            )
         if self.gemm == "deep_gemm" and not fused.deep_gemm_available():
-            raise ConfigError("dispatcher.gemm", f"deep_gemm cannot be imported here ({fused.deep_gemm_import_error()}); use torch or auto")
+            raise ConfigError(
+                "dispatcher.gemm",
+                f"deep_gemm cannot be imported here ({fused.deep_gemm_import_error()}); use torch or auto",
+            )
         if self.backend == "reference" or not cuda:
             return
         multiple = 128 if fused.gpu_backend_name(self.gemm, cfg.parallel.ep) == "gpu_deep_gemm" else 8
         for key in ("hidden_size", "moe_intermediate_size"):
             if cfg.model[key] % multiple:
-                raise ConfigError(f"model.{key}", f"the fused gpu backend's grouped GEMMs need a multiple of {multiple}, got {cfg.model[key]}")
+                raise ConfigError(
+                    f"model.{key}",
+                    f"the fused gpu backend's grouped GEMMs need a multiple of {multiple}, got {cfg.model[key]}",
+                )
 
     def __call__(self, x, topk_ids, topk_weights, gate_up_proj, down_proj):
         dtype = compute_dtype(x)
@@ -267,7 +281,13 @@ class FusedDispatcher(TokenDispatcher):
             raise RuntimeError(f"dispatcher.backend=gpu needs CUDA tensors, got {x.device}")
         if self.expert_precision == "fp8":
             return fp8_ops.fused_moe_fp8_layer(
-                x.to(dtype), topk_ids, topk_weights.to(dtype), gate_up_proj, down_proj, self.ep_size, self.group_name,
+                x.to(dtype),
+                topk_ids,
+                topk_weights.to(dtype),
+                gate_up_proj,
+                down_proj,
+                self.ep_size,
+                self.group_name,
                 backend,
             )
         y, *_ = torch.ops.moe_lab.fused_moe(

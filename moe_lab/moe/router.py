@@ -73,7 +73,9 @@ class Router(nn.Module):
             return ids.view(num_tokens, self.top_k)
         # Gumbel-top-k: K distinct experts per token drawn with probability proportional to (e + 1) ** -skew, the
         # uniforms coming from an integer hash of (token, expert, seed) instead of a random generator.
-        log_law = -self.routing_skew * torch.log(torch.arange(1, self.num_experts + 1, device=device, dtype=torch.float32))
+        log_law = -self.routing_skew * torch.log(
+            torch.arange(1, self.num_experts + 1, device=device, dtype=torch.float32)
+        )
         gumbel = -torch.log(-torch.log(self.hashed_uniforms(num_tokens, device)))
         return torch.topk(log_law + gumbel, self.top_k, dim=-1).indices
 
@@ -181,4 +183,3 @@ class ExpertBias(RouterBalance):
         routers = [m for m in model.modules() if isinstance(m, Router)]
         for router, load in zip(routers, counts, strict=True):
             router.expert_bias.add_(self.rate * torch.sign(load.mean() - load))
-

@@ -208,8 +208,13 @@ def emulated_layout(cfg) -> dict | None:
     if not p.emulate:
         return None
     world = nproc * p.emulate_nodes
-    mesh = {"nodes": p.emulate_nodes, "gpus_per_node": nproc, "dp_shard": world, "ep": p.ep,
-            "expert_shard": world // p.ep}  # fmt: skip
+    mesh = {
+        "nodes": p.emulate_nodes,
+        "gpus_per_node": nproc,
+        "dp_shard": world,
+        "ep": p.ep,
+        "expert_shard": world // p.ep,
+    }
     return {"world": world, "rank": p.emulate_rank, "mesh": mesh, "hardware": p.emulate_hardware, "note": NOTE}
 
 

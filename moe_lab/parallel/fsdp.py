@@ -50,7 +50,9 @@ def _prefetch_explicitly(model) -> None:
     the fused op, grid_30b's 2026-12-01_01-15 record). torchtitan sets the same order under EP for the same reason."""
     # Each entry: the modules of one step of the order, the first one's FSDP state being the step's own. norm and
     # lm_head share one state (one fully_shard call), so the head step names lm_head alone.
-    steps = [[model.model.embed_tokens]] + [[layer, layer.mlp.experts] for layer in model.model.layers] + [[model.lm_head]]
+    steps = (
+        [[model.model.embed_tokens]] + [[layer, layer.mlp.experts] for layer in model.model.layers] + [[model.lm_head]]
+    )
     for current, following in zip(steps, steps[1:]):
         current[0].set_modules_to_forward_prefetch(following)
     for current, preceding in zip(steps[1:], steps[:-1]):
@@ -75,5 +77,7 @@ def _hook_at(module: torch.nn.Module, state) -> None:
     for this; the hook handles are the ones ``fully_shard`` registered (torch 2.11 to 2.13 alike)."""
     state._pre_forward_hook_handle.remove()
     state._post_forward_hook_handle.remove()
-    state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True)
+    state._pre_forward_hook_handle = module.register_forward_pre_hook(
+        state._pre_forward, prepend=True, with_kwargs=True
+    )
     state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)

@@ -46,7 +46,9 @@ def _mesh_like(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
 
 
 @functools.cache
-def _rank_mesh(device_type: str, ranks: tuple[int, ...], shape: tuple[int, ...], names: tuple[str, ...] | None) -> DeviceMesh:
+def _rank_mesh(
+    device_type: str, ranks: tuple[int, ...], shape: tuple[int, ...], names: tuple[str, ...] | None
+) -> DeviceMesh:
     return DeviceMesh(device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=names, _init_backend=False)
 
 
@@ -94,7 +96,9 @@ class GlobalLayout:
             view = self.view(name, local_shard(self.params[name]).detach())
             _, offset = compute_local_shape_and_global_offset(view.shape, view.device_mesh, view.placements)
             if view.to_local().numel() and offset[0] != rows[name][1]:
-                raise AssertionError(f"{name}: the checkpoint layout puts this rank's rows at {offset[0]}, the model at {rows[name][1]}")
+                raise AssertionError(
+                    f"{name}: the checkpoint layout puts this rank's rows at {offset[0]}, the model at {rows[name][1]}"
+                )
 
     def shape(self, name: str) -> torch.Size:
         """The whole parameter's shape."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import hydra
@@ -35,11 +35,17 @@ plan_config.register()
 
 def run(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool) -> dict:
     """One point: its record, ok or invalid (a config train would refuse, with the key it names)."""
-    record = Record.plan(meta, cfg, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    record = Record.plan(meta, cfg, datetime.now(UTC).isoformat(timespec="seconds"))
     try:
         hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
         record["world_size"] = hw.gpus
-        record["environment"] = {"device": "plan", "gpu": hw.name, "world_size": hw.gpus, "nodes": hw.nodes, **git_state()}
+        record["environment"] = {
+            "device": "plan",
+            "gpu": hw.name,
+            "world_size": hw.gpus,
+            "nodes": hw.nodes,
+            **git_state(),
+        }
         result = plan(cfg, hw)
     except ConfigError as e:
         record = record.invalid(e).write(run_dir)
@@ -63,18 +69,24 @@ def summary(record: dict) -> str:
         f"(executed {100 * m['mfu_executed']:.1f} %); communication exposed {100 * p['exposed_communication_fraction']:.0f} %",
         "  " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in m["trace_breakdown"]["seconds"].items() if v),
         f"memory: peak {memory['peak_gib']:.1f} GiB allocated at {memory['peak_phase']} ({'fits' if p['fits'] else 'does not fit: ' + p['fits_why']})",
-        "  " + ", ".join(f"{k} {v:.1f}" for k, v in memory["by_category_gib"].items())
+        "  "
+        + ", ".join(f"{k} {v:.1f}" for k, v in memory["by_category_gib"].items())
         + "".join(f", {k} {v:.1f} (outside the allocator)" for k, v in memory["outside_allocator_gib"].items() if v)
         + f", allocator slack {memory['allocator_slack_gib']:.1f} GiB",
-        f"host: {m['peak_host_rss_gib']:.1f} GiB per rank" + "".join(f", {k} {v:.1f}" for k, v in memory["host_gib"].items()),
-        "largest that fits: " + "; ".join(
-            f"offload={mode}: num_layers {fit['num_layers']}, seq_len {fit['seq_len']}" for mode, fit in p["largest_fitting"].items()
+        f"host: {m['peak_host_rss_gib']:.1f} GiB per rank"
+        + "".join(f", {k} {v:.1f}" for k, v in memory["host_gib"].items()),
+        "largest that fits: "
+        + "; ".join(
+            f"offload={mode}: num_layers {fit['num_layers']}, seq_len {fit['seq_len']}"
+            for mode, fit in p["largest_fitting"].items()
         ),
     ]
     fastest = p.get("fastest_fitting")
     if fastest:
-        lines.append(f"fastest that fits here: {fastest['overrides']} ({fastest['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-                     f"{fastest['peak_gpu_mem_gib']:.1f} GiB)")  # fmt: skip
+        lines.append(
+            f"fastest that fits here: {fastest['overrides']} ({fastest['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+            f"{fastest['peak_gpu_mem_gib']:.1f} GiB)"
+        )
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import argparse
 import functools
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -35,8 +35,32 @@ from moe_lab.plan.hardware import GIB, Hardware
 # Sizes per --size: (GEMM side, expert rows per expert, experts, hidden, intermediate, seq, heads, head_dim,
 # copy MiB, AdamW parameters, all-to-all MiB)
 SIZES = {
-    "full": dict(gemm=8192, rows=1024, experts=128, hidden=2048, inter=768, seq=16384, heads=32, head_dim=128, copy_mib=2048, adamw=2**27, a2a_mib=256),
-    "tiny": dict(gemm=256, rows=32, experts=8, hidden=64, inter=32, seq=256, heads=4, head_dim=16, copy_mib=16, adamw=2**18, a2a_mib=1),
+    "full": dict(
+        gemm=8192,
+        rows=1024,
+        experts=128,
+        hidden=2048,
+        inter=768,
+        seq=16384,
+        heads=32,
+        head_dim=128,
+        copy_mib=2048,
+        adamw=2**27,
+        a2a_mib=256,
+    ),
+    "tiny": dict(
+        gemm=256,
+        rows=32,
+        experts=8,
+        hidden=64,
+        inter=32,
+        seq=256,
+        heads=4,
+        head_dim=16,
+        copy_mib=16,
+        adamw=2**18,
+        a2a_mib=1,
+    ),
 }
 
 
@@ -91,7 +115,15 @@ def fp8_grouped_gemm_flops(device, s) -> float:
     m_indices = torch.arange(e, device=device, dtype=torch.int32).repeat_interleave(rows)
     out = torch.empty(e * rows, 2 * i, device=device, dtype=torch.bfloat16)
     a = (x_q, x_scale.t().contiguous().t())  # MN-major row scales, as the op hands them over
-    return 2 * e * rows * 2 * i * h / timed(lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices), device)
+    return (
+        2
+        * e
+        * rows
+        * 2
+        * i
+        * h
+        / timed(lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices), device)
+    )
 
 
 def attention_flops(device, dtype, s) -> float:
@@ -129,14 +161,19 @@ def host_memory_bytes_per_s(s) -> float:
     numel = s["adamw"]
     a, b = torch.randn(numel), torch.randn(numel)
     cpu = torch.device("cpu")
-    return max(8 * numel / timed(lambda: a.mul_(1.0000001), cpu), 12 * numel / timed(lambda: a.add_(b, alpha=1e-7), cpu))
+    return max(
+        8 * numel / timed(lambda: a.mul_(1.0000001), cpu), 12 * numel / timed(lambda: a.add_(b, alpha=1e-7), cpu)
+    )
 
 
 def all_to_all_bytes_per_s(device, s) -> float:
     """Bytes each rank sends to its peers per second in ``all_to_all_single`` (the torch dispatcher's exchange)."""
     world = dist.get_world_size()
     numel = s["a2a_mib"] * 2**20 // 2
-    x, out = torch.randn(numel, device=device, dtype=torch.bfloat16), torch.empty(numel, device=device, dtype=torch.bfloat16)
+    x, out = (
+        torch.randn(numel, device=device, dtype=torch.bfloat16),
+        torch.empty(numel, device=device, dtype=torch.bfloat16),
+    )
     seconds = timed(lambda: dist.all_to_all_single(out, x), device)
     return numel * 2 * (world - 1) / world / seconds
 
@@ -152,7 +189,9 @@ def base_profile(name: str | None, device: torch.device) -> dict:
 def calibrate(size: str, base: str | None) -> tuple[dict, list[str]]:
     """-> (the profile's values, the keys measured)."""
     s = SIZES[size]
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -200,8 +239,12 @@ def calibrate(size: str, base: str | None) -> tuple[dict, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="where to write the profile (yaml)")
-    parser.add_argument("--base", default=None, help="hardware option whose peaks to use (default: the GPU's, else h200)")
-    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="full (default on a GPU) or tiny (default on CPU)")
+    parser.add_argument(
+        "--base", default=None, help="hardware option whose peaks to use (default: the GPU's, else h200)"
+    )
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default=None, help="full (default on a GPU) or tiny (default on CPU)"
+    )
     args = parser.parse_args()
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -210,7 +253,7 @@ def main() -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         header = [
-            f"# Written by python -m moe_lab.plan.calibrate --size {size} on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC,",
+            f"# Written by python -m moe_lab.plan.calibrate --size {size} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC,",
             f"# {device}, torch {torch.__version__}, {int(os.environ.get('WORLD_SIZE', 1))} rank(s). Measured: {', '.join(measured)};",
             "# the peaks and every other key come from the base profile.",
         ]

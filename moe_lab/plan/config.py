@@ -5,7 +5,6 @@ config ``plan`` from train.yaml's own defaults list, so the two never drift apar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import yaml

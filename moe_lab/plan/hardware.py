@@ -14,7 +14,6 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -37,12 +36,12 @@ class Hardware:
     pcie_gbps: float  # host <-> device, per direction
     # Host memory per node, as the OS reports it; null: ``host_memory_gib_per_gpu`` times the node's GPUs (a
     # profile that leaves the node's size to the plan says how much host memory comes with each GPU).
-    host_memory_gib: Optional[float]
+    host_memory_gib: float | None
     host_memory_gbps: float  # per node
-    peak_fp8_tflops: Optional[float] = None  # dense e4m3 tensor-core FLOP/s; None: the planner refuses FP8 experts
+    peak_fp8_tflops: float | None = None  # dense e4m3 tensor-core FLOP/s; None: the planner refuses FP8 experts
     nodes: int = 1
-    gpus_per_node: Optional[int] = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
-    host_memory_gib_per_gpu: Optional[float] = None  # what host_memory_gib null scales with the node's GPUs
+    gpus_per_node: int | None = None  # None: the job's own ranks (trainer.nproc_per_node), set by the planner
+    host_memory_gib_per_gpu: float | None = None  # what host_memory_gib null scales with the node's GPUs
     # Achieved shares of those peaks (the H200 fit, experiments/plan/README.md).
     dense_gemm_efficiency: float = 0.77  # bf16 matmuls of the model's shapes, forward and backward
     grouped_gemm_efficiency: float = 0.64  # expert grouped GEMMs (DeepGEMM / torch._grouped_mm), forward and backward
@@ -54,7 +53,9 @@ class Hardware:
     nvlink_efficiency: float = 0.70  # all-to-all and FSDP collectives inside a node
     internode_efficiency: float = 0.80  # FSDP collectives across nodes
     pcie_efficiency: float = 0.83  # pinned host <-> device copies
-    host_adamw_efficiency: float = 0.75  # offload=full's host step kernel in a run (32 bytes per parameter) of host bandwidth
+    host_adamw_efficiency: float = (
+        0.75  # offload=full's host step kernel in a run (32 bytes per parameter) of host bandwidth
+    )
     # What torch's allocator cannot use.
     context_gib: float = 1.0  # CUDA context, cuBLAS / NCCL workspaces, other processes
     host_memory_in_use_gib: float = 4.0  # the OS and other processes on each node
@@ -128,7 +129,7 @@ class HardwareFile(Hardware):
     (keys of ``Hardware``: one GPU and its host); the mesh (``hardware.nodes``, ``hardware.gpus_per_node``) is the
     command's."""
 
-    def __init__(self, path: str, nodes: int = 1, gpus_per_node: Optional[int] = None):
+    def __init__(self, path: str, nodes: int = 1, gpus_per_node: int | None = None):
         file = Path(path)
         if not file.is_file():
             raise ConfigError("hardware.path", f"no hardware profile at {path!r}")
@@ -137,7 +138,9 @@ class HardwareFile(Hardware):
         known = {f.name for f in dataclasses.fields(Hardware)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError("hardware.path", f"{path}: unknown key {unknown[0]!r}; a profile holds {', '.join(sorted(known))}")
+            raise ConfigError(
+                "hardware.path", f"{path}: unknown key {unknown[0]!r}; a profile holds {', '.join(sorted(known))}"
+            )
         self.path = path
         super().__init__(**(values | {"nodes": nodes, "gpus_per_node": gpus_per_node}))
 

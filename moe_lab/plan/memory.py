@@ -101,7 +101,11 @@ def routed_rows(step: Step) -> float:
     EP group waits for it (its memory is the group's peak too). Learned routing is planned as balanced."""
     c = step.cfg
     skewed = c.routing == "skewed" and step.mesh.ep > 1
-    share = busiest_rank_share(c.num_experts, c.num_experts_per_tok, c.routing_skew, step.mesh.ep) if skewed else 1 / step.mesh.ep
+    share = (
+        busiest_rank_share(c.num_experts, c.num_experts_per_tok, c.routing_skew, step.mesh.ep)
+        if skewed
+        else 1 / step.mesh.ep
+    )
     return routed_slots(step) * share * step.mesh.ep
 
 
@@ -249,8 +253,19 @@ def parameter_sizes(step: Step) -> list[float]:
     s = step.shapes
     c = s.cfg
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = [c.hidden_size, c.hidden_size * q, c.hidden_size * kv, c.hidden_size * kv, q * c.hidden_size, c.head_dim, c.head_dim,
-             c.hidden_size, c.num_experts * c.hidden_size, s.expert_layer_params * 2 / 3, s.expert_layer_params / 3]  # fmt: skip
+    layer = [
+        c.hidden_size,
+        c.hidden_size * q,
+        c.hidden_size * kv,
+        c.hidden_size * kv,
+        q * c.hidden_size,
+        c.head_dim,
+        c.head_dim,
+        c.hidden_size,
+        c.num_experts * c.hidden_size,
+        s.expert_layer_params * 2 / 3,
+        s.expert_layer_params / 3,
+    ]
     params = [s.embedding_params] + layer * c.num_layers + [c.hidden_size, s.embedding_params]
     return [p / step.mesh.world for p in params]
 
@@ -317,7 +332,11 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     # ones have left theirs: .grad itself on one rank (offload=full: in bf16, until the final backward's hooks take
     # them), FSDP2's fp32 unsharded accumulators of the whole EP-local model with grad_sync=step.
     layer_grads = lambda l: grad_of(head_local + (layers - l) * layer_local)  # noqa: E731
-    grads = {"loss": in_flight, "step": grad_of(n) + in_flight, **{l: layer_grads(l) + in_flight for l in {0, layers - 1}}}
+    grads = {
+        "loss": in_flight,
+        "step": grad_of(n) + in_flight,
+        **{l: layer_grads(l) + in_flight for l in {0, layers - 1}},
+    }
     if step.grad_accum > 1:
         if fsdp and step.grad_sync == "step":
             held = 4 * (s.outside_params + layers * s.layer_params_unsharded(mesh))
@@ -349,18 +368,25 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     phases = {}
     # The loss of the last micro-batch: every layer's activations, the logits and their gradient.
     phases["loss"] = {
-        **base, "grads": grads["loss"], "activations": resident(None) * saved,
+        **base,
+        "grads": grads["loss"],
+        "activations": resident(None) * saved,
         "fused dispatcher buffers": resident(None) * fused,
-        "loss": loss_workspace(step), "bf16 params": base.get("bf16 params", 0.0) + casts, "comm buffers (FSDP2)": gathered_fwd,
-    }  # fmt: skip
+        "loss": loss_workspace(step),
+        "bf16 params": base.get("bf16 params", 0.0) + casts,
+        "comm buffers (FSDP2)": gathered_fwd,
+    }
     # Gradients grow and saved activations shrink by a layer's worth each layer: the peak of the backward is at its
     # first layer or its last.
     for layer in sorted({layers - 1, 0}, reverse=True):
         phases[f"backward layer {layer}"] = {
-            **base, "grads": grads[layer], "activations": resident(layer) * saved + workspace,
-            "fused dispatcher buffers": resident(layer) * fused, "bf16 params": base.get("bf16 params", 0.0) + casts,
+            **base,
+            "grads": grads[layer],
+            "activations": resident(layer) * saved + workspace,
+            "fused dispatcher buffers": resident(layer) * fused,
+            "bf16 params": base.get("bf16 params", 0.0) + casts,
             "comm buffers (FSDP2)": gathered_bwd,
-        }  # fmt: skip
+        }
     after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}
     if temporaries := step.offload.step_temporaries(step, n):  # an optimizer step's own allocations on the device
         after["optimizer step temporaries"] = temporaries

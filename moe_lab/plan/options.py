@@ -21,8 +21,18 @@ from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
 from moe_lab.plan.hardware import Hardware
-from moe_lab.plan.memory import (Step, chunks, full_offload_chunks, fused_receive_rows, op_outputs, pinned,
-                                 ring_params, routed_rows, saved_per_layer, state_bytes)
+from moe_lab.plan.memory import (
+    Step,
+    chunks,
+    full_offload_chunks,
+    fused_receive_rows,
+    op_outputs,
+    pinned,
+    ring_params,
+    routed_rows,
+    saved_per_layer,
+    state_bytes,
+)
 from moe_lab.runtime.errors import ConfigError
 
 # group -> option class -> its model, in registration order
@@ -178,8 +188,11 @@ class FusedDispatcherPlan:
 
     def step_fields(self, option: FusedDispatcher, train) -> dict:
         # The GPU machine's backend by the dispatcher's own rule, DeepGEMM taken as importable there.
-        return {"fused_align": ALIGN[option.gpu_backend_where_deep_gemm_imports(train.parallel.ep)],
-                "fused_save": option.save, "expert_precision": option.expert_precision}  # fmt: skip
+        return {
+            "fused_align": ALIGN[option.gpu_backend_where_deep_gemm_imports(train.parallel.ep)],
+            "fused_save": option.save,
+            "expert_precision": option.expert_precision,
+        }
 
     def kernel_rows(self, step: Step) -> float:
         # the padded received rows (a worst-case buffer's unused rows are skipped)

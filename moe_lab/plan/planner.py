@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from moe_lab import config
 from moe_lab.config import ConfigError, Options
 from moe_lab.config.validate import check_target_node
-from moe_lab.moe.fused.fp8_ops import PLANNED_HARDWARE
 from moe_lab.metrics.flops import flops_per_token
+from moe_lab.moe.fused.fp8_ops import PLANNED_HARDWARE
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload import Offload
 from moe_lab.optim.offload.host import HOST_RESERVE
@@ -105,8 +105,12 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
     return dataclasses.replace(step, **changes)
 
 
-HOST_PROCESS = 1.5 * GIB  # a training process's own resident memory (torch, CUDA runtime), the records' offload=none RSS
-ALLOCATOR_SLACK = 0.025  # reserved but unallocated: the caching allocator's fragmentation at the edge (H200 depth search)
+HOST_PROCESS = (
+    1.5 * GIB
+)  # a training process's own resident memory (torch, CUDA runtime), the records' offload=none RSS
+ALLOCATOR_SLACK = (
+    0.025  # reserved but unallocated: the caching allocator's fragmentation at the edge (H200 depth search)
+)
 
 
 def usable_device_bytes(hw: Hardware) -> float:
@@ -124,7 +128,10 @@ def fits(step: Step, hw: Hardware) -> tuple[bool, str]:
     ranks_on_node = min(step.mesh.world, step.mesh.gpus_per_node)
     device = memory.device_total + ALLOCATOR_SLACK * memory.peak
     if device > usable_device_bytes(hw):
-        return False, f"device: {device / GIB:.1f} GiB with allocator slack > {usable_device_bytes(hw) / GIB:.1f} GiB usable"
+        return (
+            False,
+            f"device: {device / GIB:.1f} GiB with allocator slack > {usable_device_bytes(hw) / GIB:.1f} GiB usable",
+        )
     host = (memory.host_total + HOST_PROCESS) * ranks_on_node
     if host > usable_host_bytes(hw):
         return False, f"host: {host / GIB:.1f} GiB per node > {usable_host_bytes(hw) / GIB:.1f} GiB usable"
@@ -134,6 +141,7 @@ def fits(step: Step, hw: Hardware) -> tuple[bool, str]:
 def largest(step: Step, hw: Hardware, field: str, low: int, high: int, multiple: int = 1) -> int | None:
     """The largest value of ``num_layers`` or ``seq_len`` in [low, high] (a multiple of ``multiple``) that fits;
     None when even ``low`` does not. Memory grows with either, so a bisection finds it."""
+
     def ok(value: int) -> bool:
         return fits(_with(step, field, value * multiple), hw)[0]
 
@@ -189,7 +197,10 @@ def with_setting(step: Step, setting: dict) -> Step:
     keep = tuple(setting.get("ac.keep", KEEP_SETS))
     saved_ops = kept_ops(keep, declared_ops(step.dispatcher))
     return dataclasses.replace(
-        step, ac=named("ac", setting["ac"]), keep=keep, saved_ops=saved_ops,
+        step,
+        ac=named("ac", setting["ac"]),
+        keep=keep,
+        saved_ops=saved_ops,
         fused_save=setting.get("dispatcher.save", "rows"),
         offload_activations=setting.get("ac.offload_activations", False),
     )
@@ -212,8 +223,12 @@ def fastest_fitting(step: Step, hw: Hardware) -> dict | None:
         seconds = plan_time(candidate, hw)["step_s"]
         if best is None or seconds < best["s_per_step"]:
             peak = plan_memory(candidate, offload_pace(candidate, hw)).peak / GIB
-            best = {"overrides": overrides_of(setting), "s_per_step": seconds, "peak_gpu_mem_gib": peak,
-                    "tokens_per_s_per_gpu": candidate.tokens * candidate.grad_accum / seconds}  # fmt: skip
+            best = {
+                "overrides": overrides_of(setting),
+                "s_per_step": seconds,
+                "peak_gpu_mem_gib": peak,
+                "tokens_per_s_per_gpu": candidate.tokens * candidate.grad_accum / seconds,
+            }
     return best
 
 
@@ -272,13 +287,25 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
         "flops_per_token": fpt["shared"],
         "peak_gpu_mem_gib": memory.peak / GIB,
         "peak_host_rss_gib": (memory.host_total + HOST_PROCESS) / GIB,
-        "trace_breakdown": {"source": "plan", "steps": 1, "step_s": time["step_s"], "seconds": time["seconds"], "other_names": {}},
+        "trace_breakdown": {
+            "source": "plan",
+            "steps": 1,
+            "step_s": time["step_s"],
+            "seconds": time["seconds"],
+            "other_names": {},
+        },
     }
     detail = {
         "hardware": hw.to_dict(),
-        "mesh": {"world": step.mesh.world, "nodes": step.mesh.nodes, "gpus_per_node": step.mesh.gpus_per_node,
-                 "dp_shard": step.mesh.world, "ep": step.mesh.ep, "expert_shard": step.mesh.expert_shard,
-                 "ep_across_nodes": step.mesh.ep_across_nodes},  # fmt: skip
+        "mesh": {
+            "world": step.mesh.world,
+            "nodes": step.mesh.nodes,
+            "gpus_per_node": step.mesh.gpus_per_node,
+            "dp_shard": step.mesh.world,
+            "ep": step.mesh.ep,
+            "expert_shard": step.mesh.expert_shard,
+            "ep_across_nodes": step.mesh.ep_across_nodes,
+        },
         "fits": ok,
         "fits_why": why,
         "memory": memory_detail,

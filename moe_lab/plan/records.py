@@ -15,6 +15,8 @@ from moe_lab.optim.offload.host import HOST_RESERVE
 from moe_lab.plan.config import compose
 from moe_lab.plan.planner import plan
 
+REPO = Path(__file__).resolve().parents[2]  # the checkout whose records and git history these read
+
 
 def _hardware(gpu: str | None, world: int) -> list[str]:
     name = hardware_option(gpu) or "h200"
@@ -27,8 +29,11 @@ def record_overrides(record: dict) -> list[str]:
     env = record.get("environment") or {}
     if emulated := record.get("emulated"):  # one rank of a layout (parallel.emulate): the layout's mesh
         mesh = emulated["mesh"]
-        hardware = [f"hardware={emulated['hardware']}", f"hardware.nodes={mesh['nodes']}",
-                    f"hardware.gpus_per_node={mesh['gpus_per_node']}"]  # fmt: skip
+        hardware = [
+            f"hardware={emulated['hardware']}",
+            f"hardware.nodes={mesh['nodes']}",
+            f"hardware.gpus_per_node={mesh['gpus_per_node']}",
+        ]
         return [o for o in record.get("overrides") or []] + hardware
     return [o for o in record.get("overrides") or []] + _hardware(env.get("gpu"), int(record.get("world_size") or 1))
 
@@ -37,7 +42,7 @@ def record_overrides(record: dict) -> list[str]:
 FUSED_RECEIVED_ROWS = "0c0883f"
 
 
-def made_before(record: dict, commit: str, repo: Path = Path(__file__).resolve().parents[2]) -> bool:
+def made_before(record: dict, commit: str, repo: Path = REPO) -> bool:
     """Whether the code a record names (``environment.git_commit``) lacks ``commit``; a record naming no commit
     git knows here is taken to be older."""
     made = (record.get("environment") or {}).get("git_commit")
@@ -52,7 +57,11 @@ def plan_record(record: dict, extra: list[str] = (), search: bool = False) -> di
     measured = OmegaConf.create(record["config"])
     for section in ("model", "data", "trainer", "parallel", "dispatcher", "ac", "offload", "optimizer"):
         if section in measured:
-            keep = {k: v for k, v in OmegaConf.to_container(measured[section]).items() if k in cfg[section] and k != "_target_"}
+            keep = {
+                k: v
+                for k, v in OmegaConf.to_container(measured[section]).items()
+                if k in cfg[section] and k != "_target_"
+            }
             cfg[section] = OmegaConf.merge(cfg[section], keep)
     return plan(cfg, fused_worst_case=made_before(record, FUSED_RECEIVED_ROWS), search=search)
 
@@ -73,8 +82,10 @@ PUBLISHED_235B = {"torchtitan": 5.04, "torch dispatch": 4.39, "fused full AC": 4
 REFERENCE_235B = ["+experiment=reference_235b", "hardware=b300", "hardware.nodes=4", "hardware.gpus_per_node=8"]
 # torchtitan is no moe_lab option: its plan is moe_lab's torch dispatcher's, times torchtitan's step over moe_lab's
 # measured at the same AC (selective) on the same two H200s in the same sitting.
-TORCHTITAN_RATIO_RECORDS = ("experiments/torchtitan_baseline/records/h200_2gpu/2026-11-30_09-43.json",
-                            "experiments/grid_30b/records/h200_2gpu/2026-11-30_09-27/1/result.json")  # fmt: skip
+TORCHTITAN_RATIO_RECORDS = (
+    "experiments/torchtitan_baseline/records/h200_2gpu/2026-11-30_09-43.json",
+    "experiments/grid_30b/records/h200_2gpu/2026-11-30_09-27/1/result.json",
+)
 
 
 # The commit from which adamw.yaml sets fused=true (before it: torch's foreach AdamW, a larger transient on the GPU).
@@ -98,11 +109,13 @@ def depth_search_plans(record: dict) -> dict[str, int]:
     out = {}
     for mode in record["search"]:
         point = next(p for p in record["points"] if p["mode"] == mode and p["num_layers"] == 4)
-        out[mode] = plan_command(point["command"], env["gpu"], extra=extra)["plan"]["largest_fitting"][mode]["num_layers"]
+        out[mode] = plan_command(point["command"], env["gpu"], extra=extra)["plan"]["largest_fitting"][mode][
+            "num_layers"
+        ]
     return out
 
 
-def torchtitan_ratio(repo: Path = Path(__file__).resolve().parents[2]) -> float:
+def torchtitan_ratio(repo: Path = REPO) -> float:
     titan_file, ours_file = (repo / p for p in TORCHTITAN_RATIO_RECORDS)
     titan = next(p for p in read(titan_file)["points"] if p["ac"] == "selective" and p["status"] == "ok")
     return titan["s_per_step"] / read(ours_file)["metrics"]["s_per_step"]
@@ -124,13 +137,29 @@ def reference_235b() -> list[dict]:
         ("torch dispatch", "torch", "full", False),
     ):
         p = planned(dispatcher, ac)
-        rows.append({"reference": reference, "dispatcher": dispatcher, "ac": ac, "compared": compared,
-                     "published_s": PUBLISHED_235B[reference], "planned_s": p["metrics"]["s_per_step"],
-                     "planned_mfu": p["metrics"]["mfu"], "fits": p["plan"]["fits"],
-                     "peak_gpu_mem_gib": p["metrics"]["peak_gpu_mem_gib"]})  # fmt: skip
+        rows.append(
+            {
+                "reference": reference,
+                "dispatcher": dispatcher,
+                "ac": ac,
+                "compared": compared,
+                "published_s": PUBLISHED_235B[reference],
+                "planned_s": p["metrics"]["s_per_step"],
+                "planned_mfu": p["metrics"]["mfu"],
+                "fits": p["plan"]["fits"],
+                "peak_gpu_mem_gib": p["metrics"]["peak_gpu_mem_gib"],
+            }
+        )
     torch_selective = next(r for r in rows if r["dispatcher"] == "torch" and r["ac"] == "selective")
     ratio = torchtitan_ratio()
-    rows.append({**torch_selective, "reference": "torchtitan", "dispatcher": f"torch x {ratio:.3f} (torchtitan / moe_lab, H200)",
-                 "published_s": PUBLISHED_235B["torchtitan"], "planned_s": torch_selective["planned_s"] * ratio,
-                 "planned_mfu": torch_selective["planned_mfu"] / ratio})  # fmt: skip
+    rows.append(
+        {
+            **torch_selective,
+            "reference": "torchtitan",
+            "dispatcher": f"torch x {ratio:.3f} (torchtitan / moe_lab, H200)",
+            "published_s": PUBLISHED_235B["torchtitan"],
+            "planned_s": torch_selective["planned_s"] * ratio,
+            "planned_mfu": torch_selective["planned_mfu"] / ratio,
+        }
+    )
     return rows

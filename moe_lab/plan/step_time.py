@@ -139,7 +139,11 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
         "expert_gemm": expert_gemm,
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if dispatcher.exchange_in_kernels else 0.0),
         "ep_all_to_all": 0.0 if dispatcher.exchange_in_kernels else exchange,
-        "other": c.num_layers * dispatcher.index_adds(step) * rows * c.hidden_size * INDEX_ADD_BYTES_PER_ELEMENT
+        "other": c.num_layers
+        * dispatcher.index_adds(step)
+        * rows
+        * c.hidden_size
+        * INDEX_ADD_BYTES_PER_ELEMENT
         / hw.hbm_bytes_per_s,
     }
 
@@ -176,7 +180,9 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     else:
         gathers = 1 if step.keep_unsharded else 2 * micro
         casts["fsdp_all_gather"] = gathers * 6 * n / hw.hbm_bytes_per_s
-        casts["fsdp_reduce_scatter"] = (1 if step.grad_sync == "step" else micro) * GRAD_CAST_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
+        casts["fsdp_reduce_scatter"] = (
+            (1 if step.grad_sync == "step" else micro) * GRAD_CAST_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
+        )
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
     seconds["pcie"] += step.offload.exposed_pcie(step, hw, n, compute)
@@ -206,7 +212,10 @@ def fsdp_exposed(step: Step, hw: Hardware, compute: float) -> tuple[dict, dict]:
     reduce-scatter (the embedding's, nothing after it)."""
     parts = fsdp_bytes(step)
     if not parts:
-        return {"fsdp_all_gather": 0.0, "fsdp_reduce_scatter": 0.0}, {"fsdp_all_gather": 0.0, "fsdp_reduce_scatter": 0.0}
+        return {"fsdp_all_gather": 0.0, "fsdp_reduce_scatter": 0.0}, {
+            "fsdp_all_gather": 0.0,
+            "fsdp_reduce_scatter": 0.0,
+        }
     gather = sum(b / hw.link_bytes_per_s(x) for k, (b, x) in parts.items() if "all_gather" in k)
     reduce = sum(b / hw.link_bytes_per_s(x) for k, (b, x) in parts.items() if "reduce_scatter" in k)
     layers = step.cfg.num_layers + 2  # blocks, embedding, head

@@ -183,14 +183,21 @@ class MetricsLog:
 
 # How running out of memory reads when it arrives as another exception: an OOM in a child rank comes wrapped in
 # elastic's ChildFailedError; PyTorch's CPU allocator raises a plain RuntimeError.
-OOM_MESSAGES = ("OutOfMemoryError", "DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+OOM_MESSAGES = (
+    "OutOfMemoryError",
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
 
 
 def failure(e: BaseException) -> dict:
     """Status and error fields of a failed run: ``oom`` when it ran out of GPU or host memory, else ``error``."""
     oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or any(m in str(e) for m in OOM_MESSAGES)
     tb = "".join(traceback.format_exception(e)[-8:])
-    return {"status": "oom" if oom else "error", "error": {"type": type(e).__name__, "message": str(e), "traceback": tb}}
+    return {
+        "status": "oom" if oom else "error",
+        "error": {"type": type(e).__name__, "message": str(e), "traceback": tb},
+    }
 
 
 def environment(device: torch.device, world: int) -> dict:

@@ -50,7 +50,12 @@ def _lookup(config: dict, dotted: str):
 
 def flatten(record: dict, run_dir: Path) -> dict:
     error = record.get("error") or {}
-    row = {"run_dir": str(run_dir), "status": record.get("status"), "error_type": error.get("type"), "error_message": error.get("message")}
+    row = {
+        "run_dir": str(run_dir),
+        "status": record.get("status"),
+        "error_type": error.get("type"),
+        "error_message": error.get("message"),
+    }
     choices = record.get("choices") or {}
     row.update(choices)
     for override in record.get("overrides") or []:
@@ -91,7 +96,11 @@ def _row(path: Path) -> dict:
             raise ValueError(f"a JSON {type(record).__name__}, not an object")
     except (OSError, ValueError) as e:
         warnings.warn(f"unreadable record {path}: {e}", stacklevel=3)
-        record = {"status": "unreadable", "error": {"type": type(e).__name__, "message": f"{path}: {e}"}, "overrides": []}
+        record = {
+            "status": "unreadable",
+            "error": {"type": type(e).__name__, "message": f"{path}: {e}"},
+            "overrides": [],
+        }
     return flatten(record, path.parent)
 
 
@@ -165,10 +174,19 @@ def step_rows(df: pd.DataFrame) -> pd.DataFrame:
         for line in path.read_text().splitlines():
             step = json.loads(line)
             load = step.get("expert_load") or {}
-            rows.append({
-                "point": label, "step": step["step"], "loss": step.get("loss"), "eval_loss": step.get("eval_loss"),
-                **{key: sum(load[key]) / len(load[key]) for key in ("max_over_mean", "busiest_ep_rank_share") if key in load},
-            })  # fmt: skip
+            rows.append(
+                {
+                    "point": label,
+                    "step": step["step"],
+                    "loss": step.get("loss"),
+                    "eval_loss": step.get("eval_loss"),
+                    **{
+                        key: sum(load[key]) / len(load[key])
+                        for key in ("max_over_mean", "busiest_ep_rank_share")
+                        if key in load
+                    },
+                }
+            )
     return pd.DataFrame(rows, columns=["point", "step", "loss", "eval_loss", "max_over_mean", "busiest_ep_rank_share"])
 
 
@@ -181,6 +199,14 @@ def layer_load(df: pd.DataFrame) -> pd.DataFrame:
             load = (json.loads((Path(point["run_dir"]) / RESULT).read_text()).get("metrics") or {}).get("expert_load")
         except (OSError, ValueError):
             load = None
-        for layer, values in enumerate(zip(*(load[k] for k in ("max_over_mean", "busiest_ep_rank_share", "entropy")))) if load else ():
-            rows.append({"point": label, "layer": layer, **dict(zip(("max_over_mean", "busiest_ep_rank_share", "entropy"), values))})
+        for layer, values in (
+            enumerate(zip(*(load[k] for k in ("max_over_mean", "busiest_ep_rank_share", "entropy")))) if load else ()
+        ):
+            rows.append(
+                {
+                    "point": label,
+                    "layer": layer,
+                    **dict(zip(("max_over_mean", "busiest_ep_rank_share", "entropy"), values)),
+                }
+            )
     return pd.DataFrame(rows, columns=["point", "layer", "max_over_mean", "busiest_ep_rank_share", "entropy"])

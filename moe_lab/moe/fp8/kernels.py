@@ -65,8 +65,15 @@ def dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, TILES: tl.constexpr, TILES
 
 @triton.jit
 def swiglu_forward_fp8_kernel(
-    act_ptr, act_scale_ptr, gate_up_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts,
-    TILES: tl.constexpr, TILES_P2: tl.constexpr,
+    act_ptr,
+    act_scale_ptr,
+    gate_up_ptr,
+    row_weight_ptr,
+    row_src_ptr,
+    offs_ptr,
+    num_local_experts,
+    TILES: tl.constexpr,
+    TILES_P2: tl.constexpr,
 ):
     """act = silu(gate) * up * routing weight [R, TILES * 128], quantized per 1x128 tile for the down GEMM (zeros,
     scale 1, for padding rows); one program per row; rows past the last expert's segment are left alone."""
@@ -86,9 +93,19 @@ def swiglu_forward_fp8_kernel(
 
 @triton.jit
 def swiglu_backward_fp8_kernel(
-    d_gate_up_ptr, d_gate_up_q_ptr, d_gate_up_scale_ptr, act_weighted_ptr, d_row_weight_ptr, gate_up_ptr,
-    d_act_weighted_ptr, row_weight_ptr, row_src_ptr, offs_ptr, num_local_experts,
-    TILES: tl.constexpr, TILES_P2: tl.constexpr,
+    d_gate_up_ptr,
+    d_gate_up_q_ptr,
+    d_gate_up_scale_ptr,
+    act_weighted_ptr,
+    d_row_weight_ptr,
+    gate_up_ptr,
+    d_act_weighted_ptr,
+    row_weight_ptr,
+    row_src_ptr,
+    offs_ptr,
+    num_local_experts,
+    TILES: tl.constexpr,
+    TILES_P2: tl.constexpr,
 ):
     """``moe_lab.moe.fused.kernels.swiglu_backward_kernel`` that also quantizes the gate/up gradient per 1x128 tile
     (gate tile j's scale in column j, up tile j's in column TILES + j) for the input-gradient GEMM; the bf16

@@ -48,6 +48,7 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def transpose_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The blockwise quantization of w.transpose(1, 2): the same blocks, transposed (a block's amax does not care)."""
+
     def transposed(t):
         return t.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # a copy even where a view is contiguous
 

@@ -45,5 +45,7 @@ def gpu_backend_name(gemm: str, ep: int = 1) -> str:
         return "gpu_deep_gemm"
     if gemm == "deep_gemm":
         raise RuntimeError(f"dispatcher.gemm=deep_gemm, but deep_gemm cannot be imported: {deep_gemm_import_error()}")
-    log.warning("deep_gemm is not importable (%s); the fused gpu backend uses torch._grouped_mm", deep_gemm_import_error())
+    log.warning(
+        "deep_gemm is not importable (%s); the fused gpu backend uses torch._grouped_mm", deep_gemm_import_error()
+    )
     return "gpu"

@@ -87,8 +87,18 @@ def backward(
     act_weighted = torch.empty_like(d_act_weighted)
     d_row_weight = torch.empty_like(row_weight)
     kernels.swiglu_backward_fp8_kernel[(rows,)](
-        d_gate_up, d_gate_up_q, d_gate_up_scale, act_weighted, d_row_weight, gate_up, d_act_weighted, row_weight,
-        row_src, offs, offs.numel(), *_tiles(inter),
+        d_gate_up,
+        d_gate_up_q,
+        d_gate_up_scale,
+        act_weighted,
+        d_row_weight,
+        gate_up,
+        d_act_weighted,
+        row_weight,
+        row_src,
+        offs,
+        offs.numel(),
+        *_tiles(inter),
     )
     d_down_proj = gemms.wgrad(dy_routed, act_weighted)
     dx_routed = gemm_nt(m_indices, d_gate_up_q, d_gate_up_scale, gate_up_wt)

@@ -58,8 +58,15 @@ def fused_moe_fp8(
     """-> y [T, H], x_q [R, H] e4m3, x_scale [R, H / 128] fp32, gate_up [R, 2I], row_weight [R] fp32, row_src [R]
     int64, pos [T, K] int64, offs [L] int32 (R: the rows this rank receives, each expert's padded to 128)."""
     return _impl(backend).forward(
-        x, topk_ids, topk_weights, (gate_up_q, gate_up_scale), (down_q, down_scale), gate_up_proj.shape[0],
-        num_experts, _group(group_name), ALIGN[backend],
+        x,
+        topk_ids,
+        topk_weights,
+        (gate_up_q, gate_up_scale),
+        (down_q, down_scale),
+        gate_up_proj.shape[0],
+        num_experts,
+        _group(group_name),
+        ALIGN[backend],
     )
 
 
@@ -100,8 +107,19 @@ def fused_moe_fp8_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj (in the parameters' dtypes)."""
     dx, d_weights, d_gate_up_proj, d_down_proj = _impl(backend).backward(
-        dy, x_q, x_scale, gate_up, row_weight, row_src, pos, offs, topk_ids, (gate_up_qt, gate_up_scale_t),
-        (down_qt, down_scale_t), gate_up_proj.shape[0], _group(group_name),
+        dy,
+        x_q,
+        x_scale,
+        gate_up,
+        row_weight,
+        row_src,
+        pos,
+        offs,
+        topk_ids,
+        (gate_up_qt, gate_up_scale_t),
+        (down_qt, down_scale_t),
+        gate_up_proj.shape[0],
+        _group(group_name),
     )
     return dx, d_weights, d_gate_up_proj.to(gate_up_proj.dtype), d_down_proj.to(down_proj.dtype)
 
@@ -145,8 +163,16 @@ def fused_moe_fp8_layer(
     gate_up_w = torch.ops.moe_lab.fp8_expert_weights(gate_up_proj)
     down_w = torch.ops.moe_lab.fp8_expert_weights(down_proj)
     y, *_ = torch.ops.moe_lab.fused_moe_fp8(
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, *gate_up_w, *down_w, ep_size * gate_up_proj.shape[0],
-        group_name, backend,
+        x,
+        topk_ids,
+        topk_weights,
+        gate_up_proj,
+        down_proj,
+        *gate_up_w,
+        *down_w,
+        ep_size * gate_up_proj.shape[0],
+        group_name,
+        backend,
     )
     return y
 
@@ -165,14 +191,25 @@ def validate(cfg, backend: str, gemm: str, cuda: bool, deep_gemm_error: str | No
     key = "dispatcher.expert_precision"
     for name in ("hidden_size", "moe_intermediate_size"):
         if cfg.model[name] % TILE:
-            raise ConfigError(f"model.{name}", f"{key}=fp8 quantizes in {TILE}-wide tiles: needs a multiple of {TILE}, got {cfg.model[name]}")
+            raise ConfigError(
+                f"model.{name}",
+                f"{key}=fp8 quantizes in {TILE}-wide tiles: needs a multiple of {TILE}, got {cfg.model[name]}",
+            )
     if gemm == "torch":
-        raise ConfigError("dispatcher.gemm", "expert_precision=fp8 runs DeepGEMM's FP8 GEMMs: use gemm=auto or deep_gemm")
+        raise ConfigError(
+            "dispatcher.gemm", "expert_precision=fp8 runs DeepGEMM's FP8 GEMMs: use gemm=auto or deep_gemm"
+        )
     if backend == "reference" or os.environ.get(PLANNED_HARDWARE):
         return
     if not cuda:
-        raise ConfigError(key, "fp8 runs DeepGEMM's FP8 GEMMs on an SM90+ GPU; without CUDA only dispatcher.backend=reference emulates it (slowly)")
+        raise ConfigError(
+            key,
+            "fp8 runs DeepGEMM's FP8 GEMMs on an SM90+ GPU; without CUDA only dispatcher.backend=reference emulates it (slowly)",
+        )
     if torch.cuda.get_device_capability() < (9, 0):
-        raise ConfigError(key, f"fp8 needs compute capability 9.0+ (Hopper), this GPU has {torch.cuda.get_device_capability()}; use bf16")
+        raise ConfigError(
+            key,
+            f"fp8 needs compute capability 9.0+ (Hopper), this GPU has {torch.cuda.get_device_capability()}; use bf16",
+        )
     if deep_gemm_error is not None:
         raise ConfigError(key, f"fp8 needs deep_gemm, which cannot be imported here ({deep_gemm_error}); use bf16")

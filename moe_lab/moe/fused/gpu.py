@@ -62,8 +62,21 @@ def layout_from_block_counts(topk_ids, block_counts, block_cum, all_counts, rank
     pos = torch.empty_like(flat)
     seg_end = torch.empty(ep, num_experts // ep, dtype=torch.int32, device=flat.device)
     kernels.slot_positions_kernel[(block_counts.shape[1],)](
-        flat, block_cum, block_counts, all_counts, pos, seg_end, flat.numel(), rank, align, ep, num_experts,
-        num_experts // ep, triton.next_power_of_2(ep), triton.next_power_of_2(num_experts), BLOCK=LAYOUT_BLOCK,
+        flat,
+        block_cum,
+        block_counts,
+        all_counts,
+        pos,
+        seg_end,
+        flat.numel(),
+        rank,
+        align,
+        ep,
+        num_experts,
+        num_experts // ep,
+        triton.next_power_of_2(ep),
+        triton.next_power_of_2(num_experts),
+        BLOCK=LAYOUT_BLOCK,
         num_warps=16,  # its [128, 128] tiles fit in registers without spilling (ptxas, sm_90)
     )
     return Layout(pos.view(topk_ids.shape), seg_end[rank], *receive_rows(seg_end, rank, align))
@@ -185,7 +198,9 @@ class _Exchange:
                 _, _, row_shape, row_dtype = key[:-2]
                 self._symmetric(key[:-2], (held, *row_shape), row_dtype)
         for name, row_shape, row_dtype in (
-            ("row_src", (), torch.int64), ("row_weight", (), torch.float32), ("d_row_weight", (1,), torch.float32),
+            ("row_src", (), torch.int64),
+            ("row_weight", (), torch.float32),
+            ("d_row_weight", (1,), torch.float32),
             ("out", (width,), dtype),
         ):
             self._symmetric(("workspace", name, row_shape, row_dtype), (held, *row_shape), row_dtype)
@@ -220,8 +235,20 @@ class _Exchange:
             src_ptrs = weight_ptrs = row_src
         num_slots = pos.numel()
         kernels.push_slots_kernel[(triton.cdiv(num_slots, SLOT_BLOCK),)](
-            row_src, src_ptrs, row_weight, weight_ptrs, pos, ids, weights,
-            num_slots, top_k, num_tokens, self.rank, local_experts, PEER=self.peer, BLOCK=SLOT_BLOCK,
+            row_src,
+            src_ptrs,
+            row_weight,
+            weight_ptrs,
+            pos,
+            ids,
+            weights,
+            num_slots,
+            top_k,
+            num_tokens,
+            self.rank,
+            local_experts,
+            PEER=self.peer,
+            BLOCK=SLOT_BLOCK,
         )
         if self.peer:
             self.barrier()  # all slots have arrived
@@ -307,12 +334,23 @@ def backward(
     act_weighted = torch.empty_like(d_act_weighted)
     d_row_weight = torch.empty_like(row_weight)
     kernels.swiglu_backward_kernel[(rows,)](
-        d_gate_up, act_weighted, d_row_weight, gate_up, d_act_weighted, row_weight, row_src, offs, offs.numel(),
-        INTER=inter, BLOCK=_swiglu_block(inter),
+        d_gate_up,
+        act_weighted,
+        d_row_weight,
+        gate_up,
+        d_act_weighted,
+        row_weight,
+        row_src,
+        offs,
+        offs.numel(),
+        INTER=inter,
+        BLOCK=_swiglu_block(inter),
     )
     d_down_proj = gemms.wgrad(dy_routed, act_weighted)
     dx_routed = gemms.nn(d_gate_up, gate_up_proj)
     d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
     dx = ex.combine("out", dx_routed, pos, ids, local_experts, dy.dtype)
-    d_weights = ex.combine("d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), ids.view(-1, 1), local_experts, torch.float32)
+    d_weights = ex.combine(
+        "d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), ids.view(-1, 1), local_experts, torch.float32
+    )
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj

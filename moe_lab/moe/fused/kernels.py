@@ -23,9 +23,20 @@ def _peer_base(local_ptr, peer_ptrs, rank, PEER: tl.constexpr):
 
 @triton.jit
 def push_slots_kernel(
-    row_src_ptr, row_src_peers, row_weight_ptr, row_weight_peers, pos_ptr, ids_ptr, weight_ptr,
-    num_slots, top_k, rows_per_rank, my_rank, local_experts,
-    PEER: tl.constexpr, BLOCK: tl.constexpr,
+    row_src_ptr,
+    row_src_peers,
+    row_weight_ptr,
+    row_weight_peers,
+    pos_ptr,
+    ids_ptr,
+    weight_ptr,
+    num_slots,
+    top_k,
+    rows_per_rank,
+    my_rank,
+    local_experts,
+    PEER: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Tell each slot's owner where the row comes from: row_src[pos] = rank * T + token (and its routing weight)."""
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -37,7 +48,9 @@ def push_slots_kernel(
         # Each slot may go to another GPU: one pointer per lane.
         src_base = tl.load(row_src_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_src_ptr.dtype.element_ty))
         tl.store(src_base + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
-        w_base = tl.load(row_weight_peers + dest, mask=mask, other=0).to(tl.pointer_type(row_weight_ptr.dtype.element_ty))
+        w_base = tl.load(row_weight_peers + dest, mask=mask, other=0).to(
+            tl.pointer_type(row_weight_ptr.dtype.element_ty)
+        )
         tl.store(w_base + pos, tl.load(weight_ptr + slots, mask=mask).to(tl.float32), mask=mask)
     else:
         tl.store(row_src_ptr + pos, code.to(row_src_ptr.dtype.element_ty), mask=mask)
@@ -46,8 +59,16 @@ def push_slots_kernel(
 
 @triton.jit
 def gather_rows_kernel(
-    out_ptr, src_ptr, src_peers, row_src_ptr, offs_ptr, num_local_experts, rows_per_rank, width,
-    PEER: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    src_ptr,
+    src_peers,
+    row_src_ptr,
+    offs_ptr,
+    num_local_experts,
+    rows_per_rank,
+    width,
+    PEER: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Dispatch: out[r] = src_rank's x[token] for each row of the receive buffer (zeros for padding)."""
     row = tl.program_id(0)
@@ -64,8 +85,16 @@ def gather_rows_kernel(
 
 @triton.jit
 def combine_kernel(
-    out_ptr, buf_ptr, buf_peers, pos_ptr, ids_ptr, local_experts, width,
-    TOP_K: tl.constexpr, PEER: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    buf_ptr,
+    buf_peers,
+    pos_ptr,
+    ids_ptr,
+    local_experts,
+    width,
+    TOP_K: tl.constexpr,
+    PEER: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Combine as a gather-sum by token: out[t] = sum_k buf_{owner}[pos[t, k]], accumulated in fp32, the owner of
     expert ids[t, k] being ids[t, k] // local_experts."""
@@ -104,8 +133,17 @@ def swiglu_forward_kernel(
 
 @triton.jit
 def swiglu_backward_kernel(
-    d_gate_up_ptr, act_weighted_ptr, d_row_weight_ptr, gate_up_ptr, d_act_weighted_ptr, row_weight_ptr, row_src_ptr,
-    offs_ptr, num_local_experts, INTER: tl.constexpr, BLOCK: tl.constexpr,
+    d_gate_up_ptr,
+    act_weighted_ptr,
+    d_row_weight_ptr,
+    gate_up_ptr,
+    d_act_weighted_ptr,
+    row_weight_ptr,
+    row_src_ptr,
+    offs_ptr,
+    num_local_experts,
+    INTER: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """From dL/d(weighted act) = dy_row @ W_down: the gate/up gradient, the weighted activation (recomputed, for the
     down projection's weight gradient) and dL/d(routing weight) = <dL/d(weighted act), act>."""
@@ -130,7 +168,9 @@ def swiglu_backward_kernel(
         d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
         tl.store(dgu_base + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
         tl.store(dgu_base + INTER + cols, (d_act * silu).to(d_gate_up_ptr.dtype.element_ty), mask=mask)
-        tl.store(act_weighted_ptr + row_base + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            act_weighted_ptr + row_base + cols, (silu * up * weight).to(act_weighted_ptr.dtype.element_ty), mask=mask
+        )
     tl.store(d_row_weight_ptr + row, tl.sum(acc, axis=0), mask=live)
 
 
@@ -153,8 +193,9 @@ def zero_idle_experts_kernel(out_ptr, offs_ptr, SLAB: tl.constexpr, PER_PROGRAM:
 
 
 @triton.jit
-def block_expert_counts_kernel(ids_ptr, counts_ptr, num_slots, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
-                               BLOCK: tl.constexpr):  # fmt: skip
+def block_expert_counts_kernel(
+    ids_ptr, counts_ptr, num_slots, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr
+):
     """counts[e, b] = slots of block b (BLOCK consecutive (token, k) slots) routed to expert e: expert-major, so
     the prefix over blocks is a scan along the inner dimension (a fast one; over the outer it took 0.2 ms)."""
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -167,8 +208,20 @@ def block_expert_counts_kernel(ids_ptr, counts_ptr, num_slots, NUM_EXPERTS: tl.c
 
 @triton.jit
 def slot_positions_kernel(
-    ids_ptr, block_cum_ptr, block_counts_ptr, all_counts_ptr, pos_ptr, seg_end_ptr, num_slots, my_rank, align,
-    EP: tl.constexpr, NUM_EXPERTS: tl.constexpr, LOCAL: tl.constexpr, EP_POW2: tl.constexpr, E_POW2: tl.constexpr,
+    ids_ptr,
+    block_cum_ptr,
+    block_counts_ptr,
+    all_counts_ptr,
+    pos_ptr,
+    seg_end_ptr,
+    num_slots,
+    my_rank,
+    align,
+    EP: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    LOCAL: tl.constexpr,
+    EP_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Each slot's row on its expert's owner, without a sort: the owner's segment start of the expert (segments
@@ -180,12 +233,16 @@ def slot_positions_kernel(
     experts = tl.arange(0, E_POW2)
     ranks = tl.arange(0, EP_POW2)
     in_range = (ranks[:, None] < EP) & (experts[None, :] < NUM_EXPERTS)
-    counts = tl.load(all_counts_ptr + ranks[:, None] * NUM_EXPERTS + experts[None, :], mask=in_range, other=0).to(tl.int32)
+    counts = tl.load(all_counts_ptr + ranks[:, None] * NUM_EXPERTS + experts[None, :], mask=in_range, other=0).to(
+        tl.int32
+    )
     padded = (tl.sum(counts, axis=0) + align - 1) // align * align
     # segment end of expert e on its owner: the padded rows of all experts up to e, less those of earlier owners
     owner = experts // LOCAL
     owner_rows = tl.sum(tl.where(owner[None, :] == ranks[:, None], padded[None, :], 0), axis=1)
-    seg_end = tl.cumsum(padded, axis=0) - tl.sum(tl.where(ranks[None, :] < owner[:, None], owner_rows[None, :], 0), axis=1)
+    seg_end = tl.cumsum(padded, axis=0) - tl.sum(
+        tl.where(ranks[None, :] < owner[:, None], owner_rows[None, :], 0), axis=1
+    )
     earlier_sources = tl.sum(tl.where(ranks[:, None] < my_rank, counts, 0), axis=0)
     base = seg_end - padded + earlier_sources
     if tl.program_id(0) == 0:
@@ -197,15 +254,18 @@ def slot_positions_kernel(
     mask = slots < num_slots
     ids = tl.load(ids_ptr + slots, mask=mask, other=-1)
     row = tl.maximum(ids, 0) * tl.num_programs(0) + block
-    earlier_blocks = tl.load(block_cum_ptr + row, mask=mask, other=0) - tl.load(block_counts_ptr + row, mask=mask, other=0)
+    earlier_blocks = tl.load(block_cum_ptr + row, mask=mask, other=0) - tl.load(
+        block_counts_ptr + row, mask=mask, other=0
+    )
     earlier_in_block = tl.sum(((ids[None, :] == ids[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
     slot_base = tl.sum(tl.where(ids[:, None] == experts[None, :], base[None, :], 0), axis=1)
     tl.store(pos_ptr + slots, (slot_base + earlier_in_block).to(tl.int64) + earlier_blocks, mask=mask)
 
 
 @triton.jit
-def row_experts_kernel(m_indices_ptr, offs_ptr, row_src_ptr, rows, LOCAL: tl.constexpr, L_POW2: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+def row_experts_kernel(
+    m_indices_ptr, offs_ptr, row_src_ptr, rows, LOCAL: tl.constexpr, L_POW2: tl.constexpr, BLOCK: tl.constexpr
+):
     """DeepGEMM's row map: the local expert of each receive-buffer row (the segments ending at or before it), -1
     for a padding row (``row_src`` -1), which the GEMM skips."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -63,7 +63,9 @@ def routing_layout(topk_ids: torch.Tensor, num_experts: int, align: int, group: 
     rank = 0 if group is None else dist.get_rank(group)
     flat = topk_ids.reshape(-1)
     # scatter_add rather than bincount: CUDA's bincount reads the max id back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     return layout_from_counts(topk_ids, gather_counts(counts, group), rank, align)
 
 

@@ -26,7 +26,11 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-_BACKEND_MODULES = {"reference": "moe_lab.moe.fused.reference", "gpu": "moe_lab.moe.fused.gpu", "gpu_deep_gemm": "moe_lab.moe.fused.gpu"}
+_BACKEND_MODULES = {
+    "reference": "moe_lab.moe.fused.reference",
+    "gpu": "moe_lab.moe.fused.gpu",
+    "gpu_deep_gemm": "moe_lab.moe.fused.gpu",
+}
 # Rows of each expert's segment start at a multiple of this (DeepGEMM's contiguous layout needs its M block).
 ALIGN = {"reference": 1, "gpu": 8, "gpu_deep_gemm": 128}
 # What forward keeps for backward: the received rows (x_routed) and/or gate/up; what it drops, backward rebuilds.
@@ -63,7 +67,15 @@ def fused_moe(
     token, -1 for padding), pos [T, K] int64, offs [L] int32, with R the rows this rank receives (padded per
     expert); x_routed and gate_up with 0 rows where ``save`` drops them."""
     return _impl(backend).forward(
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, _group(group_name), ALIGN[backend], backend,
+        x,
+        topk_ids,
+        topk_weights,
+        gate_up_proj,
+        down_proj,
+        num_experts,
+        _group(group_name),
+        ALIGN[backend],
+        backend,
         SAVES[save],
     )
 
@@ -103,14 +115,38 @@ def fused_moe_backward(
     """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj. ``x``: forward's input, where forward
     kept no received rows (``x_routed`` with 0 rows)."""
     return _impl(backend).backward(
-        dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, _group(group_name),
-        backend, x,
+        dy,
+        x_routed,
+        gate_up,
+        row_weight,
+        row_src,
+        pos,
+        offs,
+        topk_ids,
+        gate_up_proj,
+        down_proj,
+        _group(group_name),
+        backend,
+        x,
     )
 
 
 @fused_moe_backward.register_fake
-def _(dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group_name, backend,
-      x=None):
+def _(
+    dy,
+    x_routed,
+    gate_up,
+    row_weight,
+    row_src,
+    pos,
+    offs,
+    topk_ids,
+    gate_up_proj,
+    down_proj,
+    group_name,
+    backend,
+    x=None,
+):
     return (
         dy.new_empty(dy.shape),
         dy.new_empty(pos.shape, dtype=torch.float32),

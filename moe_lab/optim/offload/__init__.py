@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from omegaconf import DictConfig
 
-from moe_lab.runtime.errors import ConfigError
-from moe_lab.runtime.device import runs_on_cuda
 from moe_lab.optim.offload import numa
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel.sharding import local_shard
+from moe_lab.runtime.device import runs_on_cuda
+from moe_lab.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,9 @@ class NoOffload(Offload):
     """Everything on the training device: fp32 parameters and optimizer state; compute runs in bf16 through
     autocast / FSDP2's mixed-precision policy."""
 
-    def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
+    def build(
+        self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype
+    ) -> torch.optim.Optimizer:
         return make_optimizer(model.parameters())
 
     def before_micro_batch(self, optimizer: torch.optim.Optimizer, final: bool) -> None:
@@ -126,9 +129,13 @@ class OptimizerOffload(Offload):
     def state_device(self, training_device: torch.device) -> torch.device:
         return torch.device("cpu")
 
-    def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> StreamedStateOptimizer:
+    def build(
+        self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype
+    ) -> StreamedStateOptimizer:
         chunk_numel = int(self.chunk_mib * 2**20) // 4
-        return StreamedStateOptimizer(list(model.parameters()), make_optimizer, _training_device(model), chunk_numel, self.max_inflight)
+        return StreamedStateOptimizer(
+            list(model.parameters()), make_optimizer, _training_device(model), chunk_numel, self.max_inflight
+        )
 
     def before_micro_batch(self, optimizer: StreamedStateOptimizer, final: bool) -> None:
         """The first micro-batch of a step starts the state's way to the device; the chunks step in the final
@@ -165,7 +172,7 @@ class FullOffload(Offload):
         timeout_s: float = 600.0,
         numa_bind: bool = True,
         sysfs_root: str = "/sys",
-        threads: Optional[int] = None,
+        threads: int | None = None,
         device_share: float = 0.0,
     ):
         self.chunk_mib, self.max_inflight, self.timeout_s = chunk_mib, max_inflight, timeout_s
@@ -175,7 +182,10 @@ class FullOffload(Offload):
     def validate(self, cfg: DictConfig) -> None:
         target = cfg.optimizer._target_
         if target not in HOST_OPTIMIZERS:
-            raise ConfigError("optimizer._target_", f"offload=full steps on the host with {' or '.join(HOST_OPTIMIZERS)} only, got {target}")
+            raise ConfigError(
+                "optimizer._target_",
+                f"offload=full steps on the host with {' or '.join(HOST_OPTIMIZERS)} only, got {target}",
+            )
         _refuse_grad_clip(cfg, "offload=full")
         _check_chunking(self.chunk_mib, self.max_inflight)
         if self.timeout_s <= 0:
@@ -183,19 +193,25 @@ class FullOffload(Offload):
         if self.threads is not None and self.threads < 1:
             raise ConfigError("offload.threads", f"must be null or >= 1, got {self.threads}")
         if not 0.0 <= self.device_share <= 1.0:
-            raise ConfigError("offload.device_share", f"must be in [0, 1] (a share of the parameters), got {self.device_share}")
+            raise ConfigError(
+                "offload.device_share", f"must be in [0, 1] (a share of the parameters), got {self.device_share}"
+            )
         if self.numa_bind and runs_on_cuda(cfg.trainer):
             gpus = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
             try:
                 for gpu in range(min(gpus, torch.cuda.device_count())):
                     numa.numa_node(numa.pci_address(gpu), self.sysfs_root)
             except numa.NumaTopologyError as e:
-                raise ConfigError("offload.numa_bind", f"{e}; set offload.numa_bind=false to run without binding") from None
+                raise ConfigError(
+                    "offload.numa_bind", f"{e}; set offload.numa_bind=false to run without binding"
+                ) from None
 
     def state_device(self, training_device: torch.device) -> torch.device:
         return torch.device("cpu")
 
-    def build(self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype) -> InBackwardOptimizer:
+    def build(
+        self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype
+    ) -> InBackwardOptimizer:
         cpus = self._bind(_training_device(model))  # before any host state exists
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         rank_cpus = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // local_world)
@@ -236,5 +252,7 @@ class FullOffload(Offload):
         if cpus is None:
             return None
         cpus = numa.bind_threads(cpus)
-        log.info("offload=full: rank on GPU %s bound to %d CPUs of its NUMA node", addresses[device.index], len(cpus or []))
+        log.info(
+            "offload=full: rank on GPU %s bound to %d CPUs of its NUMA node", addresses[device.index], len(cpus or [])
+        )
         return cpus

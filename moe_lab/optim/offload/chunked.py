@@ -4,7 +4,7 @@ per chunk that both offload modes are."""
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -93,7 +93,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         groups = []
         for chunk, optimizer in zip(self._chunks(), self.chunk_optimizers):
             (group,) = optimizer.param_groups
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [position[p] for p in chunk.params]})
+            groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [position[p] for p in chunk.params]}
+            )
             for p, entry in zip(chunk.params, self._param_states(chunk)):
                 pieces.setdefault(position[p], []).append(entry)
         state = {}
@@ -110,12 +112,17 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         position = {p: i for i, p in enumerate(self.params)}
         expected = [[position[p] for p in chunk.params] for chunk in self._chunks()]
         if [list(g["params"]) for g in groups] != expected:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: param_groups must be those of this optimizer's state_dict()")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: param_groups must be those of this optimizer's state_dict()"
+            )
         self._settle()
         for chunk, group in zip(self._chunks(), groups):
             # Copies: the state may be another optimizer's still in use (torch's own load would share a step count).
             entries = [
-                {key: local_shard(v).clone() if torch.is_tensor(v) else v for key, v in state_dict["state"].get(position[p], {}).items()}
+                {
+                    key: local_shard(v).clone() if torch.is_tensor(v) else v
+                    for key, v in state_dict["state"].get(position[p], {}).items()
+                }
                 for p in chunk.params
             ]
             self._load_chunk(chunk, {k: v for k, v in group.items() if k != "params"}, entries)
@@ -145,7 +152,9 @@ def _joined(entries: list[dict], shape: torch.Size) -> dict:
     if len(entries) == 1:
         return entries[0]
     return {
-        key: torch.cat([e[key].reshape(-1) for e in entries]).view(shape) if torch.is_tensor(value) and value.dim() > 0 else value
+        key: torch.cat([e[key].reshape(-1) for e in entries]).view(shape)
+        if torch.is_tensor(value) and value.dim() > 0
+        else value
         for key, value in entries[0].items()
     }
 
@@ -156,5 +165,7 @@ def load_keeping_group(optimizer: torch.optim.Optimizer, state: dict[int, dict],
     that dict is also the chunked optimizer's, where LR schedulers write."""
     (group,) = optimizer.param_groups
     group.update(hyperparameters)
-    optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(group["params"])))}]})
+    optimizer.load_state_dict(
+        {"state": state, "param_groups": [{**group, "params": list(range(len(group["params"])))}]}
+    )
     optimizer.param_groups[0] = group

@@ -32,13 +32,18 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from moe_lab.optim.offload import host_kernel
-from moe_lab.optim.offload.chunked import ChunkedOptimizer, attach_post_accumulate_grad_hooks, chunked, load_keeping_group
+from moe_lab.optim.offload.chunked import (
+    ChunkedOptimizer,
+    attach_post_accumulate_grad_hooks,
+    chunked,
+    load_keeping_group,
+)
 from moe_lab.optim.offload.host import SideStream, check_host_memory, host_empty, synchronize
 from moe_lab.optim.offload.host_step import host_optimizer, prompt_gil_handover
 from moe_lab.parallel.sharding import local_shard
@@ -52,7 +57,9 @@ class MasterChunk:
     """Consecutive parameters whose fp32 masters form one flat tensor, stepped as soon as all their gradients are in:
     in host memory by the host step, or (``on_device``) on the training device by the configured optimizer."""
 
-    def __init__(self, params: list[nn.Parameter], master: torch.Tensor, make_optimizer: Callable, on_device: bool = False):
+    def __init__(
+        self, params: list[nn.Parameter], master: torch.Tensor, make_optimizer: Callable, on_device: bool = False
+    ):
         self.params = params
         self.offsets, offset = {}, 0  # parameter -> (offset, numel) of its local shard in the master
         for p in params:
@@ -95,7 +102,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
         buffers = max(1, min(max_inflight, host_chunks))
         # Masters, AdamW's two moments (the most state a host optimizer here has; its first step creates them) and
         # the transfer buffers, all checked before any is allocated.
-        check_host_memory(total * 3 * 4 + largest * buffers * compute_dtype.itemsize, "offload=full host state and buffers")
+        check_host_memory(
+            total * 3 * 4 + largest * buffers * compute_dtype.itemsize, "offload=full host state and buffers"
+        )
         masters = host_empty(total, torch.float32, False, "offload=full fp32 master weights")
         self.chunks: list[MasterChunk] = []
         start = 0
@@ -104,7 +113,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
                 chunk = MasterChunk(group, masters[start : start + n], make_optimizer)
                 start += n
             else:
-                chunk = MasterChunk(group, torch.empty(n, dtype=torch.float32, device=device), make_optimizer, on_device=True)
+                chunk = MasterChunk(
+                    group, torch.empty(n, dtype=torch.float32, device=device), make_optimizer, on_device=True
+                )
             with torch.no_grad():
                 for p, (offset, size) in chunk.offsets.items():
                     chunk.master[offset : offset + size].copy_(local_shard(p).reshape(-1))
@@ -128,7 +139,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
         # The worker holds the optimizer only while it steps a chunk, and ends once the optimizer is collected: a
         # sweep that runs its points in one process frees each point's host state before the next point builds
         # its own.
-        self.worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self.ready), name="offload-full-step", daemon=True)
+        self.worker = threading.Thread(
+            target=_worker_loop, args=(weakref.ref(self), self.ready), name="offload-full-step", daemon=True
+        )
         weakref.finalize(self, self.ready.put, None)
         self.worker.start()
 
@@ -214,7 +227,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
     def _run_chunk(self, chunk: MasterChunk, copied: torch.cuda.Event | None) -> None:
         seconds = 0.0
         try:
-            synchronize(copied)  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
+            synchronize(
+                copied
+            )  # the gradients are in, and so the buffer's earlier copies are done, before the host touches it
             if self.error is None:
                 start = time.perf_counter()
                 with torch.profiler.record_function("optimizer.host_step"), prompt_gil_handover():
@@ -264,7 +279,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.waited = time.perf_counter() - start
         self._raise_worker_error()
         if not finished:
-            raise TimeoutError(f"offload=full: {self.in_flight} chunk(s) not stepped after {self.timeout_s} s (offload.timeout_s)")
+            raise TimeoutError(
+                f"offload=full: {self.in_flight} chunk(s) not stepped after {self.timeout_s} s (offload.timeout_s)"
+            )
         if self.h2d.stream is not None:  # the next forward reads the new weights
             torch.cuda.current_stream(self.h2d.stream.device).wait_stream(self.h2d.stream)
         self.steps.then_current()

@@ -51,7 +51,9 @@ def _cpu_identity() -> str:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.machine() + platform.processor()
-    return platform.machine() + "".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
+    return platform.machine() + "".join(
+        next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")
+    )
 
 
 def _compiler_version(compiler: list[str]) -> str:
@@ -67,13 +69,27 @@ def _compiler_version(compiler: list[str]) -> str:
 def build_info() -> dict:
     """The compiler (its command and first line of ``--version``) and flags the kernel is built with, for records."""
     compiler = _compiler()
-    return {"compiler": shlex.join(compiler), "version": _compiler_version(compiler).splitlines()[0], "flags": " ".join(FLAGS)}
+    return {
+        "compiler": shlex.join(compiler),
+        "version": _compiler_version(compiler).splitlines()[0],
+        "flags": " ".join(FLAGS),
+    }
 
 
 def _build(compiler: list[str]) -> Path:
     source = SOURCE.read_bytes()
     version = _compiler_version(compiler)
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), shlex.join(compiler).encode(), version.encode(), _cpu_identity().encode()]))
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source,
+                " ".join(FLAGS).encode(),
+                shlex.join(compiler).encode(),
+                version.encode(),
+                _cpu_identity().encode(),
+            ]
+        )
+    )
     library = _cache_dir() / f"host_kernel-{key.hexdigest()[:20]}.so"
     if library.exists():
         return library
@@ -89,7 +105,9 @@ def _build(compiler: list[str]) -> Path:
     try:
         built = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", temporary], capture_output=True, text=True)
         if built.returncode != 0:
-            raise RuntimeError(f"offload=full: building its host step kernel failed ({shlex.join([*compiler, *FLAGS, str(SOURCE)])}):\n{built.stderr}")
+            raise RuntimeError(
+                f"offload=full: building its host step kernel failed ({shlex.join([*compiler, *FLAGS, str(SOURCE)])}):\n{built.stderr}"
+            )
         os.replace(temporary, library)
     finally:
         if os.path.exists(temporary):
@@ -118,26 +136,51 @@ def _check(master: torch.Tensor, transfer: torch.Tensor, *state: torch.Tensor) -
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != master.numel():
             raise ValueError("the host step kernel steps contiguous fp32 host tensors of one size")
     if transfer.dtype not in TRANSFER_SUFFIX or not transfer.is_contiguous() or transfer.numel() != master.numel():
-        raise ValueError(f"the host step kernel's transfer buffer: contiguous, the master's size, {' or '.join(map(str, TRANSFER_SUFFIX))}")
+        raise ValueError(
+            f"the host step kernel's transfer buffer: contiguous, the master's size, {' or '.join(map(str, TRANSFER_SUFFIX))}"
+        )
     return TRANSFER_SUFFIX[transfer.dtype]
 
 
 def adamw_step(
-    master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, transfer: torch.Tensor, *,
-    step: float, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, threads: int,
-) -> None:  # fmt: skip
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    transfer: torch.Tensor,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    threads: int,
+) -> None:
     """One AdamW step (``step``: the step count after it) of ``master`` and its moments, with the gradient in
     ``transfer``; the new weights go into ``transfer``. The scalars are torch's fused CPU kernel's, in double."""
     suffix = _check(master, transfer, exp_avg, exp_avg_sq)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     getattr(load(), f"adamw_step_{suffix}")(
-        master.numel(), master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), transfer.data_ptr(),
-        1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -(lr / bias_correction1), threads,
-    )  # fmt: skip
+        master.numel(),
+        master.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        transfer.data_ptr(),
+        1 - lr * weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        math.sqrt(bias_correction2),
+        eps,
+        -(lr / bias_correction1),
+        threads,
+    )
 
 
 def signsgd_step(master: torch.Tensor, transfer: torch.Tensor, *, lr: float, weight_decay: float, threads: int) -> None:
     """One SignSGD step of ``master`` with the gradient in ``transfer``; the new weights go into ``transfer``."""
     suffix = _check(master, transfer)
-    getattr(load(), f"signsgd_step_{suffix}")(master.numel(), master.data_ptr(), transfer.data_ptr(), 1 - lr * weight_decay, -lr, threads)
+    getattr(load(), f"signsgd_step_{suffix}")(
+        master.numel(), master.data_ptr(), transfer.data_ptr(), 1 - lr * weight_decay, -lr, threads
+    )

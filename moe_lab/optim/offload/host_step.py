@@ -22,7 +22,7 @@ import contextlib
 import functools
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -83,10 +83,18 @@ class HostAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                 state["step"] += 1
                 host_kernel.adamw_step(
-                    master.detach(), state["exp_avg"], state["exp_avg_sq"], transfer[offset : offset + master.numel()],
-                    step=state["step"].item(), lr=group["lr"], beta1=beta1, beta2=beta2,
-                    weight_decay=group["weight_decay"], eps=group["eps"], threads=torch.get_num_threads(),
-                )  # fmt: skip
+                    master.detach(),
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    transfer[offset : offset + master.numel()],
+                    step=state["step"].item(),
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    threads=torch.get_num_threads(),
+                )
                 offset += master.numel()
 
 
@@ -100,9 +108,12 @@ class HostSignSGD(SignSGD):
         for group in self.param_groups:
             for master in group["params"]:
                 host_kernel.signsgd_step(
-                    master.detach(), transfer[offset : offset + master.numel()],
-                    lr=group["lr"], weight_decay=group["weight_decay"], threads=torch.get_num_threads(),
-                )  # fmt: skip
+                    master.detach(),
+                    transfer[offset : offset + master.numel()],
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    threads=torch.get_num_threads(),
+                )
                 offset += master.numel()
 
 
@@ -112,9 +123,15 @@ HOST_STEPS = {torch.optim.AdamW: HostAdamW, SignSGD: HostSignSGD}
 def host_optimizer(make_optimizer: Callable, params: list[torch.Tensor]) -> HostAdamW | HostSignSGD:
     """The host step of the configured optimizer (``make_optimizer``: its class, or a partial of it with its
     hyperparameters), over ``params``. A host-step class (or a subclass of one) is used as it is."""
-    cls, keywords = (make_optimizer.func, make_optimizer.keywords) if isinstance(make_optimizer, functools.partial) else (make_optimizer, {})
+    cls, keywords = (
+        (make_optimizer.func, make_optimizer.keywords)
+        if isinstance(make_optimizer, functools.partial)
+        else (make_optimizer, {})
+    )
     if issubclass(cls, tuple(HOST_STEPS.values())):
         return make_optimizer(params)
     if cls not in HOST_STEPS:
-        raise TypeError(f"offload=full steps on the host with {' or '.join(c.__name__ for c in HOST_STEPS)} only, got {cls.__name__}")
+        raise TypeError(
+            f"offload=full steps on the host with {' or '.join(c.__name__ for c in HOST_STEPS)} only, got {cls.__name__}"
+        )
     return HOST_STEPS[cls](params, **keywords)

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -164,7 +165,14 @@ class StreamedStateOptimizer(ChunkedOptimizer):
     before a step's last, whose gradients only accumulate.
     """
 
-    def __init__(self, params: list[nn.Parameter], make_optimizer: Callable, device: torch.device, chunk_numel: int, max_inflight: int):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        make_optimizer: Callable,
+        device: torch.device,
+        chunk_numel: int,
+        max_inflight: int,
+    ):
         params = [p for p in params if p.requires_grad]
         pieces = chunked_pieces(list(reversed(params)), chunk_numel, split=is_elementwise(make_optimizer))
         self.chunks = [StateChunk(c, make_optimizer) for c in pieces]
@@ -183,7 +191,9 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         self.gradients_final = True
         self.started = False  # this step's pipeline (below) has begun
         self.order: list[StateChunk] = []  # the chunks that step in backward this step, in stepping order
-        self.loaded: dict[int, tuple[Region, torch.cuda.Event | None]] = {}  # position in ``order`` -> its state's place and arrival
+        self.loaded: dict[
+            int, tuple[Region, torch.cuda.Event | None]
+        ] = {}  # position in ``order`` -> its state's place and arrival
         self.next_load = self.next_step = 0  # positions in ``order``
         attach_post_accumulate_grad_hooks(self.params, self._on_grad)
 
@@ -195,7 +205,9 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         self.started = True
         self.order = [c for c in self.chunks if c.layout is not None]
         # never more than all of it: an optimizer that is not element-wise keeps whole, maybe large, parameters
-        needed = min(self.max_inflight * max((c.nbytes for c in self.order), default=0), sum(c.nbytes for c in self.order))
+        needed = min(
+            self.max_inflight * max((c.nbytes for c in self.order), default=0), sum(c.nbytes for c in self.order)
+        )
         if self.ring.numel() < needed:
             self.ring = torch.empty(needed, dtype=torch.uint8, device=self.device)
             # The allocator orders a reused block after its last users on the allocating (current) stream only: the
@@ -216,7 +228,9 @@ class StreamedStateOptimizer(ChunkedOptimizer):
         self.begin_step()
         for chunk in self.chunks_of[p]:
             chunk.received.add(p)
-        while self.next_step < len(self.order) and len(self.order[self.next_step].received) == len(self.order[self.next_step].params):
+        while self.next_step < len(self.order) and len(self.order[self.next_step].received) == len(
+            self.order[self.next_step].params
+        ):
             self._step_next()  # in order: a chunk complete before its predecessors waits for them
 
     def _place(self, nbytes: int) -> Region | None:
@@ -277,7 +291,9 @@ class StreamedStateOptimizer(ChunkedOptimizer):
 
     def _step_chunk(self, chunk: StateChunk) -> None:
         for piece, shard in zip(chunk.pieces, chunk.shards):
-            shard.data = piece.of(local_shard(piece.param))  # FSDP2 may have re-created the local shard since the last step
+            shard.data = piece.of(
+                local_shard(piece.param)
+            )  # FSDP2 may have re-created the local shard since the last step
             shard.grad = None if piece.param.grad is None else piece.of(local_shard(piece.param.grad))
             if shard.grad is not None:
                 self.steps.keep_for(shard.grad)  # freed by zero_grad on another stream, maybe before this step ran
