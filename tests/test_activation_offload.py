@@ -82,16 +82,21 @@ def test_keep_sets_choose_what_selective_recomputes(keep):
 def test_offload_lowers_peak_memory_on_gpu():
     shape = dict(hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128, moe_intermediate_size=512)
     tokens = torch.randint(0, 512, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    peaks, results = {}, {}
+    peaks, results, moved = {}, {}, 0
     for offload in (False, True):
-        model = build(NoCheckpoint(offload_activations=offload), device="cuda", num_layers=8, **shape)
+        ac = NoCheckpoint(offload_activations=offload)
+        model = build(ac, device="cuda", num_layers=8, **shape)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
         with torch.autocast("cuda", torch.bfloat16):
             results[offload] = grads(model, tokens)
         torch.cuda.synchronize()
-        peaks[offload] = torch.cuda.max_memory_allocated()
+        peaks[offload] = torch.cuda.max_memory_allocated() - weights  # what forward and backward added
+        moved = ac.offload.moved["bytes"] if offload else moved
         del model
     for name, g in results[False].items():
         assert torch.equal(results[True][name], g), name
-    assert peaks[True] < 0.6 * peaks[False], peaks  # 2 of 8 layers' activations resident at most
+    # 7 blocks' saved tensors went to the host and at most 2 are back at once (the one in backward, the prefetched
+    # one): at least half of what moved is off the peak
+    assert peaks[False] - peaks[True] >= 0.5 * moved > 0, (peaks, moved)
