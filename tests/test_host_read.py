@@ -88,3 +88,12 @@ def test_to_host_on_gpu_equals_cpu_and_does_not_wait_behind_a_copy_home():
     assert to_host(torch.tensor([7], device="cuda")).item() == 7
     assert not gone_home.query(), "the read waited for the copy home"
     gone_home.synchronize()
+
+
+@pytest.mark.gpu
+def test_to_host_compiles_in_one_graph_on_gpu():
+    """The torch dispatcher reads its row counts inside a compiled block (EP > 1, fullgraph): there the read is the
+    graph's own copy, the values the same."""
+    t = torch.arange(6, device="cuda").view(2, 3)
+    read = torch.compile(lambda t: to_host(t * 2).unbind(), fullgraph=True)
+    assert all(torch.equal(got, want) for got, want in zip(read(t), (t * 2).cpu().unbind()))

@@ -20,7 +20,9 @@ _staging_lock = threading.Lock()
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t.cpu()``, after the current stream's work queued so far; on CUDA by a one-program kernel storing into a
     pinned buffer (``host_read_kernel``, which imports Triton: only a CUDA run needs it), not by the copy engine."""
-    if not t.is_cuda:
+    # Inside a compiled graph (the torch dispatcher's row counts at EP > 1) the read is the graph's own ``.cpu()``:
+    # dynamo traces no lock, pinned buffer or data pointer.
+    if not t.is_cuda or torch.compiler.is_compiling():
         return t.cpu()
     from moe_lab.runtime.host_read_kernel import store_bytes
 
