@@ -331,6 +331,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     options = options or config.build_options(cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process
+        torch.cuda.reset_accumulated_memory_stats(device)  # the allocator's retry count is per point too
     reset_peak_host_rss()
     record = point_record(meta, cfg, device, world)
     if emulated is not None:

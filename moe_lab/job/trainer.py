@@ -176,6 +176,7 @@ def train(
         "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak and tokens_per_s else None,
         "flops_per_token": fpt["shared"],
         "peak_gpu_mem_gib": peak_gpu_gib(device),
+        **allocator_stats(device),
         "peak_host_rss_gib": peak_host_rss_gib(),
         **expert_load.summary(),
         **_resume_metrics(checkpointer),
@@ -344,6 +345,18 @@ def summary_line(m: dict) -> str:
 
 def peak_gpu_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def allocator_stats(device: torch.device) -> dict:
+    """What the caching allocator reserved at most and how often it had to free its cache and retry a cudaMalloc: a
+    run near the memory's edge that retries is slower than its plan without being out of memory."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_gpu_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+        "gpu_alloc_retries": stats.get("num_alloc_retries", 0),
+    }
 
 
 def reset_peak_host_rss() -> None:
