@@ -159,3 +159,20 @@ def test_experiment_preset_composes_and_validates(name, monkeypatch):
     axes = [[f"{key}={v}" for v in values.split(",")] for key, values in (want["sweep"] or {}).items()]
     for point in itertools.product(*axes):
         config_lib.validate(compose_train(f"+experiment={name}", *point))
+
+
+def test_point_labels_name_only_the_keys_a_point_sets():
+    """Two points overriding different keys: each is named by its own key, not by the other's missing value."""
+    from moe_lab.results.table import point_labels
+
+    df = pd.DataFrame(
+        {
+            "error_message": [None, None],
+            "dispatcher.save": ["inputs", float("nan")],
+            "ac.keep": [float("nan"), "[attention]"],
+            "overrides": [[], []],
+            "run_dir": ["runs/0", "runs/1"],
+        }
+    )
+    assert list(point_labels(df)) == ["dispatcher.save=inputs", "ac.keep=[attention]"]
+    assert list(point_labels(df.assign(**{"ac.keep": float("nan")}))) == ["dispatcher.save=inputs", "runs/1"]

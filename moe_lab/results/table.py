@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -157,9 +158,17 @@ def by_axes(df: pd.DataFrame, values: list[str]) -> pd.DataFrame:
 
 
 def point_labels(df: pd.DataFrame) -> pd.Series:
-    """``ac=full optimizer=adamw``: each point named by the axes the sweep varies."""
+    """``ac=full optimizer=adamw``: each point named by the axes the sweep varies and it sets (a key another point
+    overrides and this one leaves at its default is left out; a point that sets none is its run directory)."""
     axes = varying_axes(df)
-    return df[axes].apply(lambda row: " ".join(f"{k}={v}" for k, v in row.items()), axis=1) if axes else df["run_dir"]
+    if not axes:
+        return df["run_dir"]
+
+    def label(row) -> str:
+        named = " ".join(f"{k}={v}" for k, v in row[axes].items() if not (isinstance(v, float) and math.isnan(v)))
+        return named or row["run_dir"]
+
+    return df.apply(label, axis=1)
 
 
 def step_rows(df: pd.DataFrame) -> pd.DataFrame:
