@@ -213,23 +213,34 @@ def overrides_of(setting: dict) -> str:
     return " ".join(f"{k}={value(v)}" for k, v in setting.items())
 
 
+# Settings planned within this share of the fastest one's step count as tied: the plan's step times are good to a
+# few per cent, and of tied settings the one with the most room left is the one to run (fused + none and fused +
+# selective plan alike, and none, at memory's edge, measured 14 % slower: experiments/emulate/README.md).
+TIE = 0.01
+
+
 def fastest_fitting(step: Step, hw: Hardware) -> dict | None:
-    """The fastest of ``room_settings`` that fits on ``hw`` (its overrides, tokens/s, step time, peak), or None."""
-    best = None
+    """The fastest of ``room_settings`` that fits on ``hw`` (its overrides, tokens/s, step time, peak), or None; of
+    settings within ``TIE`` of the fastest, the one with the lowest peak."""
+    fitting = []
     for setting in room_settings(step):
         candidate = with_setting(step, setting)
-        if not fits(candidate, hw)[0]:
-            continue
-        seconds = plan_time(candidate, hw)["step_s"]
-        if best is None or seconds < best["s_per_step"]:
+        if fits(candidate, hw)[0]:
+            seconds = plan_time(candidate, hw)["step_s"]
             peak = plan_memory(candidate, offload_pace(candidate, hw)).peak / GIB
-            best = {
-                "overrides": overrides_of(setting),
-                "s_per_step": seconds,
-                "peak_gpu_mem_gib": peak,
-                "tokens_per_s_per_gpu": candidate.tokens * candidate.grad_accum / seconds,
-            }
-    return best
+            fitting.append((setting, candidate, seconds, peak))
+    if not fitting:
+        return None
+    fastest = min(seconds for _, _, seconds, _ in fitting)
+    setting, candidate, seconds, peak = min(
+        (f for f in fitting if f[2] <= fastest * (1 + TIE)), key=lambda f: (f[3], f[2])
+    )
+    return {
+        "overrides": overrides_of(setting),
+        "s_per_step": seconds,
+        "peak_gpu_mem_gib": peak,
+        "tokens_per_s_per_gpu": candidate.tokens * candidate.grad_accum / seconds,
+    }
 
 
 def fastest_by_depth(step: Step, hw: Hardware, depths, seq_lens) -> list[dict]:

@@ -7,7 +7,8 @@ Each category's time is its work over the rate the hardware profile gives for th
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
 - pcie: offload=optimizer's moments beyond what its device ring holds (8 bytes per parameter), which the compute
   stream waits for beyond the last micro-batch's backward; ``ac.offload_activations``' copies out and back (one
-  side stream, overlapped with the micro-batch's compute: exposed only beyond it);
+  side stream, overlapped with the micro-batch's compute: exposed beyond it, and at least the profile's
+  ``activation_offload_exposed`` share of the copies' time);
 - recompute: ac=full's forward again; under ac=selective the forward of the sets ``ac.keep`` leaves out; with
   ``dispatcher.save`` rows_only / inputs the fused op's gate/up GEMM (2/3 of the experts' forward) in backward and,
   for inputs, its row gather (and the rows' exchange at EP > 1) again;
@@ -186,8 +187,10 @@ def plan_time(step: Step, hw: Hardware) -> dict:
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
     seconds["pcie"] += step.offload.exposed_pcie(step, hw, n, compute)
-    # ac.offload_activations: out in forward, back in backward, on one side stream beside the micro-batch's compute
-    seconds["pcie"] += micro * max(0.0, 2 * offloaded_bytes(step) / hw.pcie_bytes_per_s - compute / micro)
+    # ac.offload_activations: out in forward, back in backward, on one side stream beside the micro-batch's compute:
+    # what outlasts the compute, and at least the share of the copies the records show through it
+    copies = 2 * offloaded_bytes(step) / hw.pcie_bytes_per_s
+    seconds["pcie"] += micro * max(copies - compute / micro, hw.activation_offload_exposed * copies)
     exposed, total_comm = fsdp_exposed(step, hw, compute)
     seconds.update({k: exposed[k] + casts[k] for k in exposed})
     seconds["idle"] = hw.step_overhead_ms / 1e3
