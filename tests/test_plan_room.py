@@ -11,9 +11,9 @@ import pytest
 
 from moe_lab.config import ConfigError
 from moe_lab.moe.fused.ops import SAVES
+from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.config import compose
 from moe_lab.plan.memory import GIB, fused_receive_rows, offloaded_bytes, plan_memory, saved_per_layer
-from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.planner import (
     TIE,
     build_hardware,
