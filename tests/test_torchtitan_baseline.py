@@ -183,3 +183,9 @@ def test_proxy_flavour_args_and_flops_match_torchtitan(tmp_path, monkeypatch):
         model = spec.model_cls(proxy)
     _, titan_flops = proxy.get_nparams_and_flops(model, 16384)
     assert baseline.moe_lab_flops("30B-A3B", 4, 16384)["shared"] == titan_flops
+    narrowed = spec.model_args["30B-A3B-48L-16E"]  # the full-depth share of one GPU at EP 8 (experiments/full_depth)
+    assert (narrowed.n_layers, narrowed.moe_args.num_experts, narrowed.moe_args.top_k) == (48, 16, base.moe_args.top_k)
+    assert base.moe_args.num_experts == 128
+    with torch.device("meta"):
+        _, narrowed_flops = narrowed.get_nparams_and_flops(spec.model_cls(narrowed), 16384)
+    assert baseline.moe_lab_flops("30B-A3B", 48, 16384, experts=16)["shared"] == narrowed_flops

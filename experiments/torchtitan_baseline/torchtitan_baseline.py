@@ -199,10 +199,10 @@ def failure_status(log: str) -> tuple[str, str]:
     return "error", "TrainerFailed"
 
 
-def moe_lab_flops(base: str, layers: int, seq_len: int) -> dict[str, float] | None:
+def moe_lab_flops(base: str, layers: int, seq_len: int, experts: int | None = None) -> dict[str, float] | None:
     if base not in MOE_LAB_MODEL:
         return None
-    cfg = Qwen3MoeConfig.preset(MOE_LAB_MODEL[base], num_layers=layers)
+    cfg = Qwen3MoeConfig.preset(MOE_LAB_MODEL[base], num_layers=layers, **({"num_experts": experts} if experts else {}))
     return flops_per_token(cfg, seq_len)
 
 
@@ -230,6 +230,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flavour", default="30B-A3B", help="torchtitan qwen3 MoE flavour the proxy is cut from")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, help="routed experts (default: the flavour's); 16: one GPU's EP-8 share")
     parser.add_argument("--seq-lens", default="16384,8192")
     parser.add_argument(
         "--points",
@@ -266,7 +267,11 @@ def main() -> None:
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    flavour = f"{args.flavour}-{args.layers}L"
+    from torchtitan_proxy import EXPERT_COUNTS, proxy_flavour
+
+    if args.experts is not None and args.experts not in EXPERT_COUNTS:
+        parser.error(f"--experts: one of {', '.join(map(str, EXPERT_COUNTS))} (torchtitan_proxy.EXPERT_COUNTS)")
+    flavour = proxy_flavour(args.flavour, args.layers, args.experts)
     out = {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -275,6 +280,7 @@ def main() -> None:
         "proxy": {
             "torchtitan_flavour": flavour,
             "layers": args.layers,
+            "experts": args.experts or qwen3_args[args.flavour].moe_args.num_experts,
             "local_batch_size": 1,
             "routing": "balanced (debug.moe_force_load_balance)",
             "compile": args.compile,
@@ -284,7 +290,7 @@ def main() -> None:
     }
     peak = out["hardware"]["peak_flops"]
     for seq_len in seq_lens:
-        flops = moe_lab_flops(args.flavour, args.layers, seq_len)
+        flops = moe_lab_flops(args.flavour, args.layers, seq_len, args.experts)
         for gpus, ac in points:
             name = f"seq{seq_len}_gpus{gpus}_{ac}"
             titan = torchtitan_args(
