@@ -624,14 +624,19 @@ def plan_reference(*paths: str) -> str:
 
 
 def planned(*paths: str) -> str:
-    """Points planned before they run (``python -m moe_lab.plan -m``): each point's sweep overrides, the predicted step
-    and peak memory, and whether it fits."""
+    """Points planned before they run (``python -m moe_lab.plan -m``): each point's sweep overrides (those it does not
+    share with every other point of its sweep), the predicted step and peak memory, and whether it fits."""
     rows = []
     for path in paths:
-        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
-            record = json.loads(result.read_text())
+        records = [
+            json.loads(r.read_text())
+            for r in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name))
+        ]
+        # a point is named by what sets it apart from the sweep's other points (all of it when it is alone)
+        common = set.intersection(*(set(r["overrides"]) for r in records)) if len(records) > 1 else set()
+        for record in records:
             m, p = record["metrics"], record["plan"]
-            swept = " ".join(o for o in record["overrides"] if not o.startswith(("+experiment=", "hardware.")))
+            swept = " ".join(o for o in record["overrides"] if o not in common and not o.startswith("+experiment="))
             rows.append(
                 [
                     cite(path),
