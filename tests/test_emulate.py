@@ -322,3 +322,19 @@ def test_emulation_refuses_an_outer_launcher(monkeypatch):
     with pytest.raises(ConfigError) as e:
         validate(compose_train(["parallel.emulate=true", "trainer.nproc_per_node=8"]))
     assert e.value.key == "parallel.emulate"
+
+
+def test_an_emulated_rank_asks_the_host_for_its_whole_node(monkeypatch):
+    """Host buffers of an emulated rank are checked as its node's ranks would each take them: 2 GiB fits a host with
+    10 GiB free for one process, not for 8 ranks of an emulated node."""
+    import moe_lab.optim.offload.host as host
+
+    monkeypatch.setattr(host, "usable_host_bytes", lambda: 10 << 30)
+    try:
+        host.share_host(1)
+        host.check_host_memory(2 << 30, "optimizer state")
+        host.share_host(8)
+        with pytest.raises(torch.OutOfMemoryError, match="x 8 ranks of the emulated node"):
+            host.check_host_memory(2 << 30, "optimizer state")
+    finally:
+        host.share_host(1)

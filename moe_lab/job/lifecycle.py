@@ -48,6 +48,7 @@ from moe_lab.job.launcher import (
 from moe_lab.job.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
+from moe_lab.optim.offload.host import share_host
 from moe_lab.parallel.emulate import emulated_layout, enter_world
 from moe_lab.plan.emulated import emulated_metrics
 from moe_lab.results.record import RESULT, Record, environment, point_config, read_result, write_json_atomic
@@ -305,6 +306,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     cfg = OmegaConf.create(resolved_yaml)
     emulated = emulated_layout(cfg)
     enter_world(emulated)
+    share_host(emulated["mesh"]["gpus_per_node"] if emulated is not None else 1)  # a sweep's next point resets it
     if emulated is not None:  # one process as one rank of the layout: it writes the point's files
         rank, world, writer = emulated["rank"], emulated["world"], True
         log.warning(emulated["note"])

@@ -15,6 +15,18 @@ import torch
 HOST_RESERVE = 0.05  # of the host's RAM, kept free of offload's buffers (the planner plans with the same share)
 
 
+# Processes whose host buffers this host holds, this one included, when each asks as this one does: an emulated rank
+# (parallel.emulate) stands for its node's ranks, each of which would take what it takes.
+_ranks_on_host = 1
+
+
+def share_host(ranks: int) -> None:
+    """This process stands for ``ranks`` ranks of one node (1: itself only): host checks ask for that many times
+    what they allocate."""
+    global _ranks_on_host
+    _ranks_on_host = ranks
+
+
 def usable_host_bytes() -> int:
     """The host memory offload may take now: what is available less ``HOST_RESERVE`` of the total."""
     memory = psutil.virtual_memory()
@@ -22,13 +34,14 @@ def usable_host_bytes() -> int:
 
 
 def check_host_memory(nbytes: int, what: str) -> None:
-    """Fail with ``torch.OutOfMemoryError`` (recorded as an ``oom`` point) when the host has not ``nbytes``
-    available, less ``HOST_RESERVE`` of its RAM, instead of leaving the kernel's OOM killer (or a crawl through
+    """Fail with ``torch.OutOfMemoryError`` (recorded as an ``oom`` point) when the host has not ``nbytes`` (times
+    the ranks ``share_host`` set) available, less ``HOST_RESERVE`` of its RAM, instead of leaving the kernel's OOM killer (or a crawl through
     reclaim at the very edge) to end the run later."""
     usable = usable_host_bytes()
-    if nbytes > usable:
+    if nbytes * _ranks_on_host > usable:
+        each = f" x {_ranks_on_host} ranks of the emulated node" if _ranks_on_host > 1 else ""
         raise torch.OutOfMemoryError(
-            f"host memory: {what} needs {nbytes / 2**30:.1f} GiB, {usable / 2**30:.1f} GiB available "
+            f"host memory: {what} needs {nbytes / 2**30:.1f} GiB{each}, {usable / 2**30:.1f} GiB available "
             f"(keeping {HOST_RESERVE:.0%} of {psutil.virtual_memory().total / 2**30:.0f} GiB in reserve)"
         )
 
