@@ -63,7 +63,7 @@ def test_offload_leaves_small_tensors_and_the_last_block():
 
 @pytest.mark.parametrize("keep", [[], ["attention"], ["matmul", "router"], list(KEEP_SETS)])
 def test_keep_sets_choose_what_selective_recomputes(keep):
-    """Each set left out of ``ac.keep`` is recomputed in backward; the gradients stay those of keeping all."""
+    """Each set left out of ``ac.keep`` is recomputed in backward; the gradients stay those of ac=none, bit for bit."""
     expected = grads(build(NoCheckpoint()), TOKENS)
     model = build(SelectiveCheckpoint(keep=keep))
     loss = model(TOKENS).logits.float().square().mean()
@@ -74,7 +74,7 @@ def test_keep_sets_choose_what_selective_recomputes(keep):
     assert (ran["topk"] > 0) == ("router" not in keep), ran
     assert (sum(n for op, n in ran.items() if op.endswith("fused_moe")) > 0) == ("dispatcher" not in keep), ran
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+        assert torch.equal(p.grad, expected[name]), name  # recompute runs the same ops on the same values
 
 
 @pytest.mark.gpu
