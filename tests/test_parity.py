@@ -5,7 +5,9 @@ The reference: one rank, dispatcher=torch, ac=none, offload=none, one micro-batc
 (a checkpoint at step 2). Each axis changes one thing and keeps the global batch, so the math is the same model's on
 the same data. What each axis is held to, and why:
 
-- bit for bit (``--assert-equal``): ac=selective and ac=full (recompute runs the same ops on the same values) and a
+- bit for bit (``--assert-equal``): ac=selective (with every ``ac.keep`` set tried) and ac=full (recompute runs the
+  same ops on the same values), the fused op's ``dispatcher.save`` modes against save=rows (what is not kept is
+  rebuilt from the same values), and a
   run resumed from the reference's step-2 checkpoint (the whole state, generators included, is restored);
 - relative 1e-5 (``--rtol``): where only the order of a sum changes. dispatcher=fused weights each expert row before
   its down projection ((a * w) @ W, not (a @ W) * w); offload=optimizer and offload=full step AdamW on the host over
@@ -44,6 +46,7 @@ SUM_ORDER = 1e-5  # relative; see the module docstring
 ONE_RANK = {  # axis: (overrides, bitwise)
     "ac=selective": (["ac=selective"], True),
     "ac=full": (["ac=full"], True),
+    "ac=selective ac.keep=[attention,router]": (["ac=selective", "ac.keep=[attention,router]"], True),
     "dispatcher=fused": (["dispatcher=fused"], False),
     "offload=optimizer": (["offload=optimizer", *CHUNKS], False),
     "offload=full": (["offload=full", *CHUNKS], False),
@@ -132,3 +135,14 @@ def test_mesh_axes_match_the_reference(world, reference, tmp_path, monkeypatch):
         if compare.main([str(reference), run_dir, "--rtol", str(SUM_ORDER)]) != 0
     ]
     assert not failed
+
+
+@pytest.mark.parametrize("save", ["rows_only", "inputs"])
+def test_fused_save_modes_match_save_rows_bit_for_bit(save, tmp_path):
+    """dispatcher.save keeps less of the fused op for backward and rebuilds the rest from the same values with the
+    same ops: its losses are save=rows' to the bit, under ac=none and with ac=selective recomputing the matmuls."""
+    for ac in (["ac=none"], ["ac=selective", "ac.keep=[attention,router,dispatcher]"]):
+        rows = train(["dispatcher=fused", *ac], tmp_path / f"rows_{ac[0]}")
+        assert_matches(
+            rows, train(["dispatcher=fused", f"dispatcher.save={save}", *ac], tmp_path / f"{save}_{ac[0]}"), True
+        )
