@@ -5,7 +5,7 @@ The reference: one rank, dispatcher=torch, ac=none, offload=none, one micro-batc
 (a checkpoint at step 2). Each axis changes one thing and keeps the global batch, so the math is the same model's on
 the same data. What each axis is held to, and why:
 
-- bit for bit (``--assert-equal``): ac=selective (with every ``ac.keep`` set tried) and ac=full (recompute runs the
+- bit for bit (``--assert-equal``): ac=selective (also with ``ac.keep`` recomputing matmuls and the dispatcher) and ac=full (recompute runs the
   same ops on the same values), the fused op's ``dispatcher.save`` modes against save=rows (what is not kept is
   rebuilt from the same values), and a
   run resumed from the reference's step-2 checkpoint (the whole state, generators included, is restored);
