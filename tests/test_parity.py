@@ -5,9 +5,9 @@ The reference: one rank, dispatcher=torch, ac=none, offload=none, one micro-batc
 (a checkpoint at step 2). Each axis changes one thing and keeps the global batch, so the math is the same model's on
 the same data. What each axis is held to, and why:
 
-- bit for bit (``--assert-equal``): ac=selective (also with ``ac.keep`` recomputing matmuls and the dispatcher) and ac=full (recompute runs the
-  same ops on the same values), the fused op's ``dispatcher.save`` modes against save=rows (what is not kept is
-  rebuilt from the same values), and a
+- bit for bit (``--assert-equal``): ac=selective (also with ``ac.keep`` recomputing matmuls and the dispatcher) and
+  ac=full (recompute runs the same ops on the same values), the fused op's ``dispatcher.save`` modes against
+  save=rows (what is not kept is rebuilt from the same values), and a
   run resumed from the reference's step-2 checkpoint (the whole state, generators included, is restored);
 - relative 1e-5 (``--rtol``): where only the order of a sum changes. dispatcher=fused weights each expert row before
   its down projection ((a * w) @ W, not (a @ W) * w); offload=optimizer and offload=full step AdamW on the host over
