@@ -12,7 +12,11 @@ import torch.multiprocessing as mp
 from moe_lab.job.launcher import free_port
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue, environ: dict, cwd: str) -> None:
+    # A forkserver child starts from the server's environment and directory: take the caller's, as spawn would.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -34,10 +38,16 @@ def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
     (module level) and its results picklable without shared memory — numpy arrays or plain values, not tensors (a
     tensor's shared-memory segment disappears when its rank exits); a rank's exception is re-raised here with its
     traceback."""
-    ctx = mp.get_context("spawn")
+    # Ranks fork from a server that imported torch once (set_forkserver_preload) rather than each importing it again
+    # (seconds a process on a shared CPU); the server has initialized nothing, so each rank still starts clean.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue)) for r in range(world)]
+    environ, cwd = dict(os.environ), os.getcwd()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue, environ, cwd)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}
