@@ -33,15 +33,22 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue, envi
             dist.destroy_process_group()
 
 
+def forkserver():
+    """The multiprocessing context whose processes fork from one server that imported torch and moe_lab.train once
+    (``set_forkserver_preload``) rather than each importing them again (seconds a process on a shared CPU). The server
+    has initialized nothing (no process group, no thread pool), so each process still starts clean; it starts from the
+    server's environment and directory, so callers pass on their own."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "moe_lab.train"])
+    return ctx
+
+
 def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
     """``fn(*args)`` on ``world`` gloo ranks (or NCCL ranks, one GPU each); returns the per-rank results in rank order. ``fn`` must be importable
     (module level) and its results picklable without shared memory — numpy arrays or plain values, not tensors (a
     tensor's shared-memory segment disappears when its rank exits); a rank's exception is re-raised here with its
     traceback."""
-    # Ranks fork from a server that imported torch once (set_forkserver_preload) rather than each importing it again
-    # (seconds a process on a shared CPU); the server has initialized nothing, so each rank still starts clean.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx = forkserver()
     queue = ctx.Queue()
     port = free_port()
     environ, cwd = dict(os.environ), os.getcwd()
