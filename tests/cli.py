@@ -7,6 +7,7 @@ exits 1, a signal that kills it is a negative status). The ranks a job starts ar
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import subprocess
@@ -16,7 +17,7 @@ import tempfile
 from tests.distributed import forkserver
 
 
-def _main(args: list[str], environ: dict, cwd: str, stdout: str, stderr: str, new_session: bool, cpus) -> None:
+def _main(args: list[str], environ: dict, cwd: str, stdout: str, stderr: str, new_session: bool, cpus, script) -> None:
     if new_session:
         os.setsid()
     if cpus is not None:
@@ -24,6 +25,7 @@ def _main(args: list[str], environ: dict, cwd: str, stdout: str, stderr: str, ne
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    tempfile.tempdir = None  # TMPDIR is read again
     if "OMP_NUM_THREADS" in environ:  # read as torch starts, which the server did before this environment was known
         import torch
 
@@ -31,20 +33,31 @@ def _main(args: list[str], environ: dict, cwd: str, stdout: str, stderr: str, ne
     for fd, path in ((1, stdout), (2, stderr)):  # at the descriptors: what the job's ranks write goes there too
         with open(path, "a") as f:
             os.dup2(f.fileno(), fd)
-    sys.argv = ["moe_lab.train", *args]
-    runpy.run_module("moe_lab.train", run_name="__main__", alter_sys=True)
+    try:
+        if script is None:
+            sys.argv = ["moe_lab.train", *args]
+            sys.modules.pop("moe_lab.train", None)  # the server's import: run afresh as __main__, as -m does
+            runpy.run_module("moe_lab.train", run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # as an interpreter's exit does (a forked process ends with os._exit)
 
 
 class TrainProcess:
     """``subprocess.Popen([python, "-m", "moe_lab.train", *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
-    start_new_session=new_session)`` with its affinity set to ``cpus``; stdout and stderr are files (appended to; the
+    start_new_session=new_session)`` with its affinity set to ``cpus`` (``[python, script, *args]`` for a
+    ``script``: tests/sweep.py); stdout and stderr are files (appended to; the
     same path for both merges them). Has what the tests use of Popen: pid, poll, wait, send_signal, returncode."""
 
-    def __init__(self, args, cwd, stdout: str, stderr: str, env: dict | None = None, new_session=False, cpus=None):
+    def __init__(
+        self, args, cwd, stdout: str, stderr: str, env: dict | None = None, new_session=False, cpus=None, script=None
+    ):
         environ = dict(os.environ if env is None else env)
-        self.args = ["moe_lab.train", *args]
+        self.args = [script or "moe_lab.train", *args]
         self._process = forkserver().Process(
-            target=_main, args=(list(args), environ, str(cwd), stdout, stderr, new_session, cpus)
+            target=_main, args=(list(args), environ, str(cwd), stdout, stderr, new_session, cpus, script)
         )
         self._process.start()
         self.pid = self._process.pid
@@ -66,11 +79,14 @@ class TrainProcess:
         os.kill(self.pid, sig)
 
 
-def train_cli(*args: str, cwd, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``subprocess.run([python, "-m", "moe_lab.train", *args], cwd=cwd, env=env, capture_output=True, text=True)``."""
+def train_cli(
+    *args: str, cwd, env: dict | None = None, timeout: float = 300, script=None
+) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-m", "moe_lab.train", *args], cwd=cwd, env=env, capture_output=True, text=True)``
+    (``[python, script, *args]`` for a ``script``)."""
     with tempfile.TemporaryDirectory() as out:
         stdout, stderr = os.path.join(out, "stdout"), os.path.join(out, "stderr")
-        proc = TrainProcess(args, cwd, stdout, stderr, env)
+        proc = TrainProcess(args, cwd, stdout, stderr, env, script=script)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
