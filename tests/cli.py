@@ -48,8 +48,8 @@ def _main(args: list[str], environ: dict, cwd: str, stdout: str, stderr: str, ne
 class TrainProcess:
     """``subprocess.Popen([python, "-m", "moe_lab.train", *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
     start_new_session=new_session)`` with its affinity set to ``cpus`` (``[python, script, *args]`` for a
-    ``script``: tests/sweep.py); stdout and stderr are files (appended to; the
-    same path for both merges them). Has what the tests use of Popen: pid, poll, wait, send_signal, returncode."""
+    ``script``: tests/sweep.py); stdout and stderr are files, appended to (one path for both merges them). Has what
+    the tests use of Popen: pid, poll, wait, send_signal, returncode."""
 
     def __init__(
         self, args, cwd, stdout: str, stderr: str, env: dict | None = None, new_session=False, cpus=None, script=None

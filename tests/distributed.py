@@ -48,7 +48,8 @@ def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
     (module level) and its results picklable without shared memory — numpy arrays or plain values, not tensors (a
     tensor's shared-memory segment disappears when its rank exits); a rank's exception is re-raised here with its
     traceback."""
-    ctx = forkserver()
+    # NCCL ranks start as fresh processes: nothing of CUDA may come through a fork.
+    ctx = mp.get_context("spawn") if backend == "nccl" else forkserver()
     queue = ctx.Queue()
     port = free_port()
     environ, cwd = dict(os.environ), os.getcwd()
