@@ -12,7 +12,11 @@ import torch.multiprocessing as mp
 from moe_lab.job.launcher import free_port
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue, environ: dict, cwd: str) -> None:
+    # A forkserver child starts from the server's environment and directory: take the caller's, as spawn would.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -29,15 +33,29 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue) -> N
             dist.destroy_process_group()
 
 
+def forkserver():
+    """The multiprocessing context whose processes fork from one server that imported torch and moe_lab.train once
+    (``set_forkserver_preload``) rather than each importing them again (seconds a process on a shared CPU). The server
+    has initialized nothing (no process group, no thread pool), so each process still starts clean; it starts from the
+    server's environment and directory, so callers pass on their own."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "moe_lab.train"])
+    return ctx
+
+
 def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
     """``fn(*args)`` on ``world`` gloo ranks (or NCCL ranks, one GPU each); returns the per-rank results in rank order. ``fn`` must be importable
     (module level) and its results picklable without shared memory — numpy arrays or plain values, not tensors (a
     tensor's shared-memory segment disappears when its rank exits); a rank's exception is re-raised here with its
     traceback."""
-    ctx = mp.get_context("spawn")
+    # NCCL ranks start as fresh processes: nothing of CUDA may come through a fork.
+    ctx = mp.get_context("spawn") if backend == "nccl" else forkserver()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue)) for r in range(world)]
+    environ, cwd = dict(os.environ), os.getcwd()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue, environ, cwd)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}

@@ -11,7 +11,6 @@ import json
 import os
 import runpy
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +44,10 @@ EXPECTED = {  # (ac, optimizer, ep) -> status
 
 def run_sweep(sweep_dir: Path, inject=INJECT, extra=()) -> subprocess.CompletedProcess:
     env = {**os.environ, "MOE_LAB_INJECT": json.dumps(inject), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(Path(__file__)), *SWEEP_ARGS, f"hydra.sweep.dir={sweep_dir}", *extra]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+    from tests.cli import train_cli
+
+    args = [*SWEEP_ARGS, f"hydra.sweep.dir={sweep_dir}", *extra]
+    return train_cli(*args, cwd=sweep_dir.parent, env=env, timeout=600, script=str(Path(__file__)))  # forked
 
 
 def ensure_sweep(base: Path) -> Path:
@@ -63,6 +64,7 @@ def _inject() -> None:
     import torch
     from hydra.core.hydra_config import HydraConfig
 
+    import moe_lab.job.trainer
     import moe_lab.parallel
 
     rules = json.loads(os.environ.get("MOE_LAB_INJECT", "[]"))
@@ -79,11 +81,11 @@ def _inject() -> None:
                 raise RuntimeError("injected by tests/sweep.py")
         return real_parallelize(*args, **kwargs)
 
-    moe_lab.parallel.parallelize = parallelize
+    # Where the job calls it too: its module may be imported already (a process forked by tests/cli.py).
+    moe_lab.parallel.parallelize = moe_lab.job.trainer.parallelize = parallelize
 
 
 if __name__ == "__main__":
     _inject()
-    # Run the entry point as `python -m moe_lab.train` would (Hydra finds conf/ relative to the main file); it binds
-    # the patched parallelize when it imports it.
+    # Run the entry point as `python -m moe_lab.train` would (Hydra finds conf/ relative to the main file).
     runpy.run_module("moe_lab.train", run_name="__main__", alter_sys=True)

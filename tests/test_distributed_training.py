@@ -4,7 +4,8 @@ world 2 as ep 2, world 2 as dp_shard 2, world 4 as dp_shard 2 x ep 2, and world 
 one Hugging Face checkpoint for some worlds and from the same seed alone for the others (issue 14: the seed gives the
 same initial weights on every mesh shape; the checkpoint holds the weights seed 0 gives one rank).
 
-Each world is a real job, ``python -m moe_lab.train`` starting its gloo ranks itself. Clipping is on at a norm below
+Each world is a real job, ``python -m moe_lab.train`` starting its gloo ranks itself (the five run in turn in one
+process, tests/in_turn.py). Clipping is on at a norm below
 the gradients' (moe_lab.train.clip_grad_norm), so the losses also depend on the scale of every gradient, which
 AdamW alone would hide; the logged global norm checks each gradient's scale directly.
 Tolerance: fp32 throughout, only the summation order differs between worlds: relative 1e-5.
@@ -36,8 +37,8 @@ WORLDS = {  # name: (ranks, ep, starts from the checkpoint)
 }
 
 
-def run_job(run_dir: Path, ranks: int, ep: int, checkpoint: Path | None) -> dict:
-    args = [
+def job_args(run_dir: Path, ranks: int, ep: int, checkpoint: Path | None) -> list[str]:
+    return [
         f"hydra.run.dir={run_dir}",
         f"trainer.nproc_per_node={ranks}",
         f"parallel.ep={ep}",
@@ -51,12 +52,12 @@ def run_job(run_dir: Path, ranks: int, ep: int, checkpoint: Path | None) -> dict
         "trainer.seed=0",
         *([f"trainer.init_checkpoint={checkpoint}"] if checkpoint else []),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_lab.train", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def job_result(run_dir: Path, ranks: int, output: str) -> dict:
+    assert (run_dir / "result.json").exists(), output
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "ok" and result["world_size"] == ranks
+    assert result["status"] == "ok" and result["world_size"] == ranks, output
     norms = [json.loads(line)["grad_norm"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"losses": result["metrics"]["losses"], "grad_norms": norms}
 
@@ -66,10 +67,19 @@ def test_mesh_shapes_train_like_one_rank(tmp_path):
     model.init_weights(seed=0)
     save_hf_checkpoint(model.state_dict(), tmp_path / "init")
 
-    runs = {
-        name: run_job(tmp_path / name, ranks, ep, tmp_path / "init" if from_checkpoint else None)
+    commands = [
+        job_args(tmp_path / name, ranks, ep, tmp_path / "init" if from_checkpoint else None)
         for name, (ranks, ep, from_checkpoint) in WORLDS.items()
-    }
+    ]
+    proc = subprocess.run(  # the jobs in turn in one process, each as its command line would run it
+        [sys.executable, str(ROOT / "tests" / "in_turn.py"), json.dumps(commands)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = proc.stdout[-3000:] + proc.stderr[-5000:]
+    runs = {name: job_result(tmp_path / name, ranks, output) for name, (ranks, _, _) in WORLDS.items()}
 
     reference = runs.pop("world1")
     assert len(reference["losses"]) == 5

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from moe_lab.config import ConfigError, validate
 from moe_lab.parallel.emulate import EmulatedProcessGroup, init_emulated_world
+from tests import cli
 from tests.distributed import run_world
-from tests.test_train_cpu import result, train_cli
+from tests.test_train_cpu import ROOT, result
 
 COLLECTIVES = (
     "all_reduce",
@@ -229,13 +230,17 @@ def test_fused_receive_buffer_holds_the_mirrored_rows():
 
 
 def _job(run_dir, *overrides):
-    proc = train_cli(
+    """``python -m moe_lab.train``, forked from a process that imported it (tests/cli.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = cli.train_cli(
         f"hydra.run.dir={run_dir}",
         "trainer.device=cpu",
         "trainer.steps=3",
         "data.seq_len=32",
         "data.batch_size=1",
         *overrides,
+        cwd=ROOT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return result(run_dir)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +34,7 @@ from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel import set_micro_batch
 from moe_lab.parallel.sharding import local_rows, local_shard
+from tests.cli import train_cli
 from tests.distributed import run_world
 from tests.test_offload import SMALL_CHUNKS, compose_train
 
@@ -316,8 +315,7 @@ def test_training_job_counts_every_micro_batch(tmp_path):
 
     def job(name, *overrides):
         run_dir = tmp_path / name
-        cmd = [sys.executable, "-m", "moe_lab.train", f"hydra.run.dir={run_dir}", *COMMON, *overrides]
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+        proc = train_cli(f"hydra.run.dir={run_dir}", *COMMON, *overrides, cwd=root)  # forked: tests/cli.py
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return json.loads((run_dir / "result.json").read_text())["metrics"]
 

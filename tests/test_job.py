@@ -7,20 +7,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1"]
 
 
 def train_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m moe_lab.train ARGS`` in a process of its own (forked from one that imported it: tests/cli.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "moe_lab.train", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return cli.train_cli(*args, cwd=cwd, env=env)
 
 
 def records(sweep: Path) -> dict[str, tuple[str, bytes]]:

@@ -18,6 +18,7 @@ from hydra.utils import instantiate
 from moe_lab import config
 from moe_lab.job import launcher
 from moe_lab.results.table import load
+from tests.cli import train_cli
 from tests.configs import compose_train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,17 +29,8 @@ SMALL = ["trainer.steps=2", "trainer.warmup_steps=1", "data.seq_len=16", "data.b
 def test_sweep_of_two_rank_jobs(tmp_path):
     """``-m trainer.nproc_per_node=2 ac=full,selective``: both points run as 2-rank jobs, one result.json each."""
     sweep = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_lab.train",
-        "-m",
-        "trainer.nproc_per_node=2",
-        "ac=full,selective",
-        *SMALL,
-        f"hydra.sweep.dir={sweep}",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    args = ["-m", "trainer.nproc_per_node=2", "ac=full,selective", *SMALL, f"hydra.sweep.dir={sweep}"]
+    proc = train_cli(*args, cwd=ROOT, timeout=600)  # forked: tests/cli.py
     assert proc.returncode == 0, proc.stderr[-5000:]
     table = load(sweep)
     assert sorted(table["ac"]) == ["full", "selective"]

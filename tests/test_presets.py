@@ -94,28 +94,40 @@ def distinct_tiny_runs() -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("name", distinct_tiny_runs())
-@pytest.mark.slow
-def test_preset_runs_on_the_tiny_model(name, compose_preset, tmp_path):
-    composed = compose_preset(name)
-    ranks = ranks_for(composed)
-    data = [f"data.path={composed.data.path}"] if "path" in composed.data else []  # the fixture's tokens
+TINY_RUNS = distinct_tiny_runs()
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(compose_preset, tmp_path_factory) -> tuple[dict, str]:
+    """Every distinct preset's tiny run: ``python -m moe_lab.train +experiment=<name> <TINY> ...`` each, run in turn
+    in one process (tests/in_turn.py: one Python start and one torch import for all of them; the two-rank ones still
+    start their ranks). Their run directories by name, and the process's output."""
+    base = tmp_path_factory.mktemp("presets")
+    commands, run_dirs = [], {}
+    for name in TINY_RUNS:
+        composed = compose_preset(name)
+        data = [f"data.path={composed.data.path}"] if "path" in composed.data else []  # the fixture's tokens
+        run_dirs[name] = base / name.replace("/", "-")
+        commands.append([f"+experiment={name}", *TINY, *ranks_for(composed), *data, f"hydra.run.dir={run_dirs[name]}"])
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_lab.train",
-        f"+experiment={name}",
-        *TINY,
-        *ranks,
-        *data,
-        f"hydra.run.dir={tmp_path / 'run'}",
-    ]
     proc = subprocess.run(
-        cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180
+        [sys.executable, str(ROOT / "tests" / "in_turn.py"), json.dumps(commands)],
+        cwd=base,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    result, output = tmp_path / "run" / "result.json", proc.stdout[-2000:] + proc.stderr[-3000:]
+    return run_dirs, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.parametrize("name", TINY_RUNS)
+@pytest.mark.slow
+def test_preset_runs_on_the_tiny_model(name, compose_preset, tiny_runs):
+    run_dirs, output = tiny_runs
+    result = run_dirs[name] / "result.json"
     assert result.exists(), output
     record = json.loads(result.read_text())
     assert record["status"] == "ok", output
-    assert record["choices"]["experiment"] == name and record["world_size"] == (2 if ranks else 1)
+    two_ranks = compose_preset(name).parallel.ep > 1
+    assert record["choices"]["experiment"] == name and record["world_size"] == (2 if two_ranks else 1)

@@ -6,22 +6,18 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from moe_lab.metrics.trace import CATEGORIES, breakdown
+from tests.cli import train_cli
 from tests.sweep import ROOT
 
 
 def profiled_run(run_dir: Path, *args: str) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_lab.train",
+    args = [
         "trainer.steps=5",
         "profile.enabled=true",
         "profile.wait=1",
@@ -30,7 +26,7 @@ def profiled_run(run_dir: Path, *args: str) -> dict:
         f"hydra.run.dir={run_dir}",
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = train_cli(*args, cwd=ROOT, timeout=600)  # forked: tests/cli.py
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((run_dir / "result.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -8,11 +8,11 @@ import json
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import train_cli
 from tests.sweep import ROOT
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -47,15 +47,8 @@ def run_train(tmp_path: Path, args: list[str], inject=()) -> subprocess.Complete
     env.update(
         HOME=str(dirs["home"]), TMPDIR=str(dirs["tmp"]), PYTHONPATH=str(ROOT), MOE_LAB_INJECT=json.dumps(list(inject))
     )
-    cmd = [
-        sys.executable,
-        str(ROOT / "tests" / "sweep.py"),
-        *args,
-        "logger=wandb",
-        "trainer.steps=3",
-        "data.seq_len=32",
-    ]
-    return subprocess.run(cmd, cwd=dirs["cwd"], env=env, capture_output=True, text=True, timeout=300)
+    args = [*args, "logger=wandb", "trainer.steps=3", "data.seq_len=32"]
+    return train_cli(*args, cwd=dirs["cwd"], env=env, script=str(ROOT / "tests" / "sweep.py"))  # forked: tests/cli.py
 
 
 def assert_no_wandb_files_outside(tmp_path: Path) -> None:
