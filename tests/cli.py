@@ -3,7 +3,8 @@
 and the package again (seconds a command on a shared CPU). The process runs the module's ``__main__`` block with the
 caller's arguments, environment (OMP_NUM_THREADS included: the thread count it names) and directory; its exit status
 and output are what the command's would be (an uncaught exception or ``sys.exit(message)`` prints to stderr and
-exits 1, a signal that kills it is a negative status). The ranks a job starts are fresh processes, as ever."""
+exits 1, a signal that kills it is a negative status). The ranks a job starts are fresh processes, as ever; on a
+machine with CUDA the command itself is one too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import runpy
 import subprocess
 import sys
 import tempfile
+
+import torch
 
 from tests.distributed import forkserver
 
@@ -56,6 +59,23 @@ class TrainProcess:
     ):
         environ = dict(os.environ if env is None else env)
         self.args = [script or "moe_lab.train", *args]
+        self._process = self._popen = None
+        if torch.cuda.is_available():
+            # On a GPU machine a fresh interpreter, as before: a job's CUDA must not depend on what the forkserver's
+            # imports did to the driver (only NVML's device check is fork-safe).
+            command = [sys.executable, script] if script else [sys.executable, "-m", "moe_lab.train"]
+            with open(stdout, "a") as out, open(stderr, "a") as err:
+                self._popen = subprocess.Popen(
+                    [*command, *args],
+                    cwd=cwd,
+                    env=environ,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=new_session,
+                    preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+                )
+            self.pid = self._popen.pid
+            return
         self._process = forkserver().Process(
             target=_main, args=(list(args), environ, str(cwd), stdout, stderr, new_session, cpus, script)
         )
@@ -64,12 +84,14 @@ class TrainProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self._popen.returncode if self._popen else self._process.exitcode
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self._popen.poll() if self._popen else self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
+        if self._popen:
+            return self._popen.wait(timeout)
         self._process.join(timeout)
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
