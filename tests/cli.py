@@ -30,8 +30,6 @@ def _main(args: list[str], environ: dict, cwd: str, stdout: str, stderr: str, ne
     os.chdir(cwd)
     tempfile.tempdir = None  # TMPDIR is read again
     if "OMP_NUM_THREADS" in environ:  # read as torch starts, which the server did before this environment was known
-        import torch
-
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     for fd, path in ((1, stdout), (2, stderr)):  # at the descriptors: what the job's ranks write goes there too
         with open(path, "a") as f:
@@ -48,34 +46,12 @@ def _main(args: list[str], environ: dict, cwd: str, stdout: str, stderr: str, ne
         atexit._run_exitfuncs()  # as an interpreter's exit does (a forked process ends with os._exit)
 
 
-class TrainProcess:
-    """``subprocess.Popen([python, "-m", "moe_lab.train", *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
-    start_new_session=new_session)`` with its affinity set to ``cpus`` (``[python, script, *args]`` for a
-    ``script``: tests/sweep.py); stdout and stderr are files, appended to (one path for both merges them). Has what
-    the tests use of Popen: pid, poll, wait, send_signal, returncode."""
+class ForkedProcess:
+    """The command forked from the forkserver: what the tests use of ``subprocess.Popen`` (pid, poll, wait,
+    send_signal, returncode)."""
 
-    def __init__(
-        self, args, cwd, stdout: str, stderr: str, env: dict | None = None, new_session=False, cpus=None, script=None
-    ):
-        environ = dict(os.environ if env is None else env)
+    def __init__(self, args, cwd, stdout: str, stderr: str, environ: dict, new_session: bool, cpus, script):
         self.args = [script or "moe_lab.train", *args]
-        self._process = self._popen = None
-        if torch.cuda.is_available():
-            # On a GPU machine a fresh interpreter, as before: a job's CUDA must not depend on what the forkserver's
-            # imports did to the driver (only NVML's device check is fork-safe).
-            command = [sys.executable, script] if script else [sys.executable, "-m", "moe_lab.train"]
-            with open(stdout, "a") as out, open(stderr, "a") as err:
-                self._popen = subprocess.Popen(
-                    [*command, *args],
-                    cwd=cwd,
-                    env=environ,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=new_session,
-                    preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
-                )
-            self.pid = self._popen.pid
-            return
         self._process = forkserver().Process(
             target=_main, args=(list(args), environ, str(cwd), stdout, stderr, new_session, cpus, script)
         )
@@ -84,14 +60,12 @@ class TrainProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self._popen.returncode if self._popen else self._process.exitcode
+        return self._process.exitcode
 
     def poll(self) -> int | None:
-        return self._popen.poll() if self._popen else self._process.exitcode
+        return self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self._popen:
-            return self._popen.wait(timeout)
         self._process.join(timeout)
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
@@ -101,6 +75,31 @@ class TrainProcess:
         os.kill(self.pid, sig)
 
 
+def start_train(
+    args, cwd, stdout: str, stderr: str, env: dict | None = None, new_session=False, cpus=None, script=None
+) -> subprocess.Popen | ForkedProcess:
+    """``subprocess.Popen([python, "-m", "moe_lab.train", *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+    start_new_session=new_session)`` with its affinity set to ``cpus`` (``[python, script, *args]`` for a
+    ``script``: tests/sweep.py); stdout and stderr are files, appended to (one path for both merges them). Forked
+    (``ForkedProcess``) where there is no CUDA; on a GPU machine the Popen itself, a fresh interpreter as before: a
+    job's CUDA must not depend on what the forkserver's imports did to the driver (only NVML's device check is
+    fork-safe)."""
+    environ = dict(os.environ if env is None else env)
+    if not torch.cuda.is_available():
+        return ForkedProcess(args, cwd, stdout, stderr, environ, new_session, cpus, script)
+    command = [sys.executable, script] if script else [sys.executable, "-m", "moe_lab.train"]
+    with open(stdout, "a") as out, open(stderr, "a") as err:
+        return subprocess.Popen(
+            [*command, *args],
+            cwd=cwd,
+            env=environ,
+            stdout=out,
+            stderr=err,
+            start_new_session=new_session,
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+        )
+
+
 def train_cli(
     *args: str, cwd, env: dict | None = None, timeout: float = 300, script=None
 ) -> subprocess.CompletedProcess:
@@ -108,7 +107,7 @@ def train_cli(
     (``[python, script, *args]`` for a ``script``)."""
     with tempfile.TemporaryDirectory() as out:
         stdout, stderr = os.path.join(out, "stdout"), os.path.join(out, "stderr")
-        proc = TrainProcess(args, cwd, stdout, stderr, env, script=script)
+        proc = start_train(args, cwd, stdout, stderr, env, script=script)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

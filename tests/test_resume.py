@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import TrainProcess
+from tests.cli import start_train
 from tests.pausing_data import PAUSE
 
 pytestmark = pytest.mark.slow  # killed and resumed jobs, one and two ranks
@@ -80,7 +80,7 @@ class Job:
         cpus = sorted(os.sched_getaffinity(0))[: 1 if "trainer.nproc_per_node=2" not in args else 2]
         self.log.write_text("")
         # Forked from a process that imported moe_lab.train (tests/cli.py); the ranks it starts are fresh processes.
-        self.proc = TrainProcess(args, directory, str(self.log), str(self.log), env, new_session=True, cpus=cpus)
+        self.proc = start_train(args, directory, str(self.log), str(self.log), env, new_session=True, cpus=cpus)
 
     def output(self) -> str:
         return self.log.read_text()

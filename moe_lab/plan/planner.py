@@ -226,15 +226,16 @@ def fastest_fitting(step: Step, hw: Hardware) -> dict | None:
     for setting in room_settings(step):
         candidate = with_setting(step, setting)
         if fits(candidate, hw)[0]:
-            seconds = plan_time(candidate, hw)["step_s"]
-            peak = plan_memory(candidate, offload_pace(candidate, hw)).peak / GIB
-            fitting.append((setting, candidate, seconds, peak))
+            fitting.append((plan_time(candidate, hw)["step_s"], setting, candidate))
     if not fitting:
         return None
-    fastest = min(seconds for _, _, seconds, _ in fitting)
-    setting, candidate, seconds, peak = min(
-        (f for f in fitting if f[2] <= fastest * (1 + TIE)), key=lambda f: (f[3], f[2])
-    )
+    fastest = min(seconds for seconds, _, _ in fitting)
+    tied = [
+        (plan_memory(candidate, offload_pace(candidate, hw)).peak / GIB, seconds, setting, candidate)
+        for seconds, setting, candidate in fitting
+        if seconds <= fastest * (1 + TIE)
+    ]
+    peak, seconds, setting, candidate = min(tied, key=lambda t: t[:2])
     return {
         "overrides": overrides_of(setting),
         "s_per_step": seconds,

@@ -35,8 +35,8 @@ def usable_host_bytes() -> int:
 
 def check_host_memory(nbytes: int, what: str) -> None:
     """Fail with ``torch.OutOfMemoryError`` (recorded as an ``oom`` point) when the host has not ``nbytes`` (times
-    the ranks ``share_host`` set) available, less ``HOST_RESERVE`` of its RAM, instead of leaving the kernel's OOM killer (or a crawl through
-    reclaim at the very edge) to end the run later."""
+    the ranks ``share_host`` set) available, less ``HOST_RESERVE`` of its RAM, instead of leaving the kernel's OOM
+    killer (or a crawl through reclaim at the very edge) to end the run later."""
     usable = usable_host_bytes()
     if nbytes * _ranks_on_host > usable:
         each = f" x {_ranks_on_host} ranks of the emulated node" if _ranks_on_host > 1 else ""
