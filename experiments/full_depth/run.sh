@@ -5,7 +5,9 @@
 #   bash experiments/full_depth/run.sh gpu_tests   the GPU tests of dispatcher.save and ac.offload_activations (1 GPU)
 #   bash experiments/full_depth/run.sh gpu_tests_ep2   dispatcher.save=inputs over symmetric memory (2 GPUs)
 # Overrides after a part go to every point (e.g. trainer.steps=5). A point runs once: one already recorded is skipped
-# (delete its folder to run it again), so a part cut short resumes where it stopped.
+# (delete its folder to run it again), so a part cut short resumes where it stopped when run again with its record's
+# STAMP (e.g. STAMP=2026-12-01_22-36). POINT_NAMES="full save-inputs"
+# runs only those points, in that order; LIMIT (seconds, default 570) bounds a part.
 # Records: records/<machine>_1gpu_seq<len>/<UTC start>/<point>/result.json (see ../common.sh); test logs .log.
 source "$(dirname "$0")/../common.sh"
 
@@ -22,12 +24,18 @@ POINTS=(
   "none_save-inputs_offload|ac=none dispatcher.save=inputs ac.offload_activations=true"
 )
 
-sweep() {  # sweep PRESET LABEL LIMIT_S OVERRIDES...: every point, one process each, inside LIMIT_S seconds in all
+overrides_of() {  # overrides_of NAME: the point's overrides, or a failure naming the points when there is none
+  local point
+  for point in "${POINTS[@]}"; do [ "${point%%|*}" = "$1" ] && { echo "${point#*|}"; return; }; done
+  echo "full_depth: no point named '$1' (points: $(printf '%s ' "${POINTS[@]%%|*}"))" >&2; return 1
+}
+
+sweep() {  # sweep PRESET LABEL LIMIT_S OVERRIDES...: the points (POINT_NAMES or all), one process each, inside LIMIT_S s
   local preset=$1 dir end name overrides
   dir=$(record "$2")
   end=$((SECONDS + $3))
-  for point in "${POINTS[@]}"; do
-    name=${point%%|*} overrides=${point#*|}
+  for name in ${POINT_NAMES:-${POINTS[@]%%|*}}; do
+    overrides=$(overrides_of "$name") || exit 2
     [ -f "$dir/$name/result.json" ] && continue
     [ $((end - SECONDS)) -gt 30 ] || { echo "full_depth: out of time before $name" >&2; break; }
     # shellcheck disable=SC2086  # the overrides are words
@@ -50,8 +58,8 @@ tests() {  # tests LABEL LIMIT_S SELECT: the GPU tests of this study's settings,
 }
 
 case "${1:-}" in
-seq16384) sweep full_depth 1gpu_seq16384 570 "${@:2}" ;;
-seq32768) sweep full_depth/seq32768 1gpu_seq32768 570 "${@:2}" ;;
+seq16384) sweep full_depth 1gpu_seq16384 "${LIMIT:-570}" "${@:2}" ;;
+seq32768) sweep full_depth/seq32768 1gpu_seq32768 "${LIMIT:-570}" "${@:2}" ;;
 gpu_tests) tests 1gpu_tests 400 "not ep2" ;;
 gpu_tests_ep2) tests 2gpu_tests 200 "ep2" ;;
 *) echo "usage: $0 seq16384|seq32768|gpu_tests|gpu_tests_ep2" >&2; exit 2 ;;
