@@ -125,6 +125,7 @@ def check(
             verdicts.append(Verdict(label, False, f"{label}: no step in common with {reference}"))
             continue
         worst = diff.abs().idxmax()
+        rms = math.sqrt(float((diff**2).mean()))
         if exact:
             unequal = diff.index[diff != 0]
             ok = unequal.empty and missing.empty
@@ -146,7 +147,7 @@ def check(
                 message = (
                     f"{label}: leaves the band first at step {s}: difference {diff[s]:+.3e}, band "
                     f"{allowed[s]:.3e} ({len(over)} of {len(diff)} steps outside; largest {diff[worst]:+.3e} at "
-                    f"step {worst}, band {allowed[worst]:.3e})"
+                    f"step {worst}, band {allowed[worst]:.3e}; root mean square {rms:.3e})"
                 )
             elif not missing.empty:
                 message = (
@@ -156,7 +157,7 @@ def check(
             else:
                 message = (
                     f"{label}: within the band at all {len(diff)} steps (largest {diff[worst]:+.3e} at step "
-                    f"{worst}, band {allowed[worst]:.3e})"
+                    f"{worst}, band {allowed[worst]:.3e}; root mean square {rms:.3e})"
                 )
         verdicts.append(Verdict(label, ok, message))
     return verdicts
@@ -277,8 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     repeat_paths = [p for p in (args.noise or []) if not Path(p).is_file()]
     if repeat_paths:
         repeats = load_runs([reference_dir, *repeat_paths])
-        band = noise_from_repeats(curves(repeats, args.metric)).reindex(table.index).ffill()
-        band_from = f"{len(repeats) - 1} repeat(s) of the reference"
+        repeat_curves = curves(repeats, args.metric).dropna()
+        band = noise_from_repeats(repeat_curves).reindex(table.index).ffill()
+        spread = repeat_curves.max(axis=1) - repeat_curves.min(axis=1)
+        # The root mean square beside each run's: a steadier measure than the largest difference, which one repeat
+        # samples poorly.
+        band_from = (
+            f"{len(repeats) - 1} repeat(s) of the reference, their spread's root mean square "
+            f"{math.sqrt(float((spread**2).mean())):.3e}"
+        )
         if args.write_noise:
             Path(args.write_noise).write_text(
                 json.dumps(

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # parity's GPU runs, one part per call (README.md says what they answer; the CPU part is tests/test_parity.py):
 #   bash experiments/parity/run.sh one_gpu          reference x2 (noise band), each axis once, a resumed run, then
-#                                                   python -m moe_lab.compare: compare.txt, noise.json, parity.png
+#                                                   python -m moe_lab.compare (band: twice the repeat's spread, plus
+#                                                   1e-4 of the loss; README.md says why): compare.txt, noise.json,
+#                                                   parity.png
 #   bash experiments/parity/run.sh deterministic    trainer.deterministic=true twice: bitwise equal? and its s/step
 #   bash experiments/parity/run.sh checkpoint_cost  the preset's 1.9B proxy's checkpoint, sync and async_save
 #                                                   (checkpoint_cost.py)
@@ -31,7 +33,8 @@ one_gpu() {
       "${SHAPE[@]}" "$@"
   rm -rf "$dir"/*/checkpoints  # 2.6 GB each: not records
   python3 -m moe_lab.compare "$dir/0" $(seq -f "$dir/%g" 2 $(( $(echo $AXES | tr , ' ' | wc -w) + 1 ))) "$dir/resumed" \
-    --noise "$dir/1" --write-noise "$dir/noise.json" --plot "$dir/parity.png" > "$dir/compare.txt" 2>&1
+    --noise "$dir/1" --noise-factor 2 --rtol 1e-4 --write-noise "$dir/noise.json" --plot "$dir/parity.png" \
+    > "$dir/compare.txt" 2>&1
   echo "compare exit status $?" >> "$dir/compare.txt"
   cat "$dir/compare.txt"
 }
