@@ -338,3 +338,22 @@ def test_moe_layer_within_tolerance(ep):
             train, options = validated(cfg, hw)
             planned = sum(moe_seconds(step_of(train, options, hw), hw).values())
             assert 1e3 * planned == pytest.approx(point[f"{dispatcher}_ms"], rel=0.15), (point["model"], dispatcher)
+
+
+FULL_DEPTH = ROOT / "experiments" / "full_depth" / "records"
+
+
+@pytest.mark.parametrize(
+    "result",
+    sorted(FULL_DEPTH.glob("h200_1gpu_seq*/*/*/result.json")),
+    ids=lambda p: str(p.parent.relative_to(FULL_DEPTH)),
+)
+def test_full_depth_point_within_tolerance(result):
+    """The 48-layer / 16-expert share at seq 16384 and 32768, every setting of the room issue: the step within 5 %
+    (the issue's bound) and the peak within 3 % (tighter than its 10 %: at 3 % the fused op's output, which compiled
+    selective AC does not keep, counted as kept fails the save=inputs points at 32768)."""
+    record = read(result)
+    assert record["status"] == "ok"
+    planned, measured = plan_record(record)["metrics"], record["metrics"]
+    assert planned["s_per_step"] == pytest.approx(measured["s_per_step"], rel=0.05)
+    assert planned["peak_gpu_mem_gib"] == pytest.approx(measured["peak_gpu_mem_gib"], rel=0.03)

@@ -235,7 +235,10 @@ class FusedDispatcherPlan:
         rows = fused_receive_rows(step)
         # per received row: x_routed and gate/up where dispatcher.save keeps them, its weight and source
         kept = self._row_bytes(step, "inputs") - self.dropped_row_bytes(step)
-        saved = 2 * t * c.hidden_size + rows * (kept + 4 + 8) + 8 * t * k
+        # Its output [T, H] only uncompiled, where selective AC caches every output of a kept op: compiled, the
+        # partitioner keeps what backward reads, and no backward reads it (it feeds the residual add).
+        output = 0 if step.compile else 2 * t * c.hidden_size
+        saved = output + rows * (kept + 4 + 8) + 8 * t * k
         fp8 = step.expert_precision == "fp8"
         op = torch.ops.moe_lab.fused_moe_fp8.default if fp8 else torch.ops.moe_lab.fused_moe.default
         return {op: [saved]}
