@@ -54,7 +54,8 @@ class Hardware:
     internode_efficiency: float = 0.80  # FSDP collectives across nodes
     pcie_efficiency: float = 0.83  # pinned host <-> device copies
     # ac.offload_activations: the share of its copies' time the step shows even where compute is long enough to hide
-    # them (one fit: full_depth's save-inputs_offload at seq 16384, 25 GiB each way, 0.19 s over the plan without)
+    # them (fitted on full_depth's save-inputs_offload at seq 16384, 0.19 s over the plan without; the same point at
+    # 32768 then planned within 0.4 %)
     activation_offload_exposed: float = 0.19
     host_adamw_efficiency: float = (
         0.75  # offload=full's host step kernel in a run (32 bytes per parameter) of host bandwidth

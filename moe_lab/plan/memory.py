@@ -171,7 +171,7 @@ def saved_per_layer(step: Step) -> float:
 
 def fused_saved_per_layer(step: Step) -> float:
     """Of ``saved_per_layer``, what the dispatcher's buffers hold (the fused op's receive-side residuals, rows
-    received, and its output), counted apart from the activations."""
+    received, and, uncompiled, its output), counted apart from the activations."""
     outputs = op_outputs(step)
     return sum(sum(outputs[op]) for op in step.dispatcher.buffer_ops if op in outputs and step.ac.keeps(op, step))
 
