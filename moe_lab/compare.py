@@ -68,13 +68,18 @@ def curves(runs: pd.DataFrame, metric: str = "loss") -> pd.DataFrame:
     return pd.DataFrame(columns).sort_index()
 
 
-def noise_from_repeats(repeats: pd.DataFrame) -> pd.Series:
-    """Repeats of one run (columns), by step -> the band: the largest difference between any two of them at each
-    step (max - min over the repeats), as a running maximum over the steps."""
+def spread(repeats: pd.DataFrame) -> pd.Series:
+    """Repeats of one run (columns), by step -> the largest difference between any two of them at each step where
+    all have a value (max - min over the repeats)."""
     if repeats.shape[1] < 2:
         raise ValueError("a noise band needs the reference and at least one repeat of it")
     common = repeats.dropna()
-    return (common.max(axis=1) - common.min(axis=1)).cummax().rename("noise")
+    return common.max(axis=1) - common.min(axis=1)
+
+
+def noise_from_repeats(repeats: pd.DataFrame) -> pd.Series:
+    """Repeats of one run (columns), by step -> the band: their ``spread`` as a running maximum over the steps."""
+    return spread(repeats).cummax().rename("noise")
 
 
 def noise_record(band: pd.Series, metric: str, reference: str, repeats: list[str]) -> dict:
@@ -278,14 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     repeat_paths = [p for p in (args.noise or []) if not Path(p).is_file()]
     if repeat_paths:
         repeats = load_runs([reference_dir, *repeat_paths])
-        repeat_curves = curves(repeats, args.metric).dropna()
+        repeat_curves = curves(repeats, args.metric)
         band = noise_from_repeats(repeat_curves).reindex(table.index).ffill()
-        spread = repeat_curves.max(axis=1) - repeat_curves.min(axis=1)
+        repeat_spread = spread(repeat_curves)
         # The root mean square beside each run's: a steadier measure than the largest difference, which one repeat
         # samples poorly.
         band_from = (
             f"{len(repeats) - 1} repeat(s) of the reference, their spread's root mean square "
-            f"{math.sqrt(float((spread**2).mean())):.3e}"
+            f"{math.sqrt(float((repeat_spread**2).mean())):.3e}"
         )
         if args.write_noise:
             Path(args.write_noise).write_text(
