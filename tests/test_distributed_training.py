@@ -14,8 +14,6 @@ Tolerance: fp32 throughout, only the summation order differs between worlds: rel
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch
 
 from moe_lab.models.hf_weights import save_hf_checkpoint
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from tests.in_turn import run_in_turn
 
 pytestmark = pytest.mark.slow  # every mesh shape as gloo worlds of 2 and 4
 
@@ -71,14 +70,7 @@ def test_mesh_shapes_train_like_one_rank(tmp_path):
         job_args(tmp_path / name, ranks, ep, tmp_path / "init" if from_checkpoint else None)
         for name, (ranks, ep, from_checkpoint) in WORLDS.items()
     ]
-    proc = subprocess.run(  # the jobs in turn in one process, each as its command line would run it
-        [sys.executable, str(ROOT / "tests" / "in_turn.py"), json.dumps(commands)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    output = proc.stdout[-3000:] + proc.stderr[-5000:]
+    output = run_in_turn(commands, cwd=ROOT, timeout=600)  # in one process, each as its command line would run it
     runs = {name: job_result(tmp_path / name, ranks, output) for name, (ranks, _, _) in WORLDS.items()}
 
     reference = runs.pop("world1")

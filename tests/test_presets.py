@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from moe_lab import config
 from tests.configs import TINY, compose_train
+from tests.in_turn import run_in_turn
 from tests.sweep import ROOT
 
 EXPERIMENTS = ROOT / "experiments"
@@ -110,15 +109,7 @@ def tiny_runs(compose_preset, tmp_path_factory) -> tuple[dict, str]:
         run_dirs[name] = base / name.replace("/", "-")
         commands.append([f"+experiment={name}", *TINY, *ranks_for(composed), *data, f"hydra.run.dir={run_dirs[name]}"])
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "in_turn.py"), json.dumps(commands)],
-        cwd=base,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    return run_dirs, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return run_dirs, run_in_turn(commands, cwd=base, timeout=900, env={**env, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.parametrize("name", TINY_RUNS)
