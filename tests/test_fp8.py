@@ -345,4 +345,4 @@ def test_planner_searches_fp8_with_save_rows_only():
         return {setting["dispatcher.save"] for setting in room_settings(step)}
 
     assert saves("dispatcher.expert_precision=fp8") == {"rows"}
-    assert saves() == {"rows", "rows_only", "inputs"}
+    assert saves() == {"rows", "rows_only", "gate_up", "inputs"}

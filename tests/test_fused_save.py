@@ -1,9 +1,10 @@
-"""dispatcher.save: what the fused op keeps for backward. ``rows_only`` (received rows; gate/up recomputed) and
-``inputs`` (x only; rows gathered again, gate/up recomputed) give gradients bit for bit equal to ``rows``: backward
+"""dispatcher.save: what the fused op keeps for backward. ``rows_only`` (received rows; gate/up recomputed),
+``gate_up`` (gate/up and x; rows gathered again) and ``inputs`` (x only; rows gathered again, gate/up recomputed)
+give gradients bit for bit equal to ``rows``: backward
 recomputes the same rows and GEMMs forward ran, on the same inputs, in the same order. Checked on the reference
 backend at EP=1 and over gloo at EP=2, on the gpu backend under Triton's interpreter at EP=1 and at EP=2 over the CPU
 stand-in for symmetric memory, and for a decoder block compiled with fullgraph=True under ac none, selective and full.
-What autograd saves shrinks accordingly: no tensor of the received rows with ``inputs``.
+What autograd saves shrinks accordingly: no tensor of the received rows with ``gate_up`` and ``inputs``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.distributed import run_world
 from tests.fused_cases import received_rows, routing, saved_shapes
 from tests.test_fused_reference import E, H, I, T, forward_backward, make_experts, make_problem
 
-SAVES = ("rows", "rows_only", "inputs")
+SAVES = ("rows", "rows_only", "gate_up", "inputs")
 
 
 def grads_by_save(x, ids, weights, grad_out, experts: GroupedExperts, group=None) -> dict:
@@ -48,12 +49,13 @@ def grads_by_save(x, ids, weights, grad_out, experts: GroupedExperts, group=None
 
 def assert_saves_agree(results: dict, rows: int, case: str) -> None:
     expected, saved_rows = results["rows"]
-    for save in ("rows_only", "inputs"):
+    for save in SAVES[1:]:
         got, shapes = results[save]
         for name, g, e in zip(("y", "dx", "dweights", "dgate_up", "ddown"), got, expected):
             assert torch.equal(g, e), f"{case} save={save}: {name} differs from save=rows"
     assert {(rows, H), (rows, 2 * I)} <= saved_rows, case
     assert (rows, H) in results["rows_only"][1] and (rows, 2 * I) not in results["rows_only"][1], case
+    assert (rows, H) not in results["gate_up"][1] and {(rows, 2 * I), (T, H)} <= results["gate_up"][1], case
     assert not {(rows, H), (rows, 2 * I)} & results["inputs"][1] and (T, H) in results["inputs"][1], case
 
 
@@ -157,7 +159,9 @@ def gpu_saves_check(group=None, tokens: int = 17) -> list[str]:
             results[save] = [y, *grads]
             if save == "inputs" and residuals[0].shape[0] + residuals[1].shape[0]:
                 failures.append(f"{kind}: save=inputs returned received rows")
-        for save in ("rows_only", "inputs"):
+            if save == "gate_up" and (residuals[0].shape[0] or not residuals[1].shape[0]):
+                failures.append(f"{kind}: save=gate_up returned received rows or no gate/up")
+        for save in SAVES[1:]:
             for name, g, e in zip(("y", "dx", "dweights", "dgate_up", "ddown"), results[save], results["rows"]):
                 if not torch.equal(g, e):
                     failures.append(f"{kind} save={save}: {name} differs by {(g - e).abs().max().item()}")

@@ -1,5 +1,5 @@
 """dispatcher.save on CUDA (``gpu`` marker): the gpu backend (torch and, where importable, DeepGEMM GEMMs) gives the
-same output and gradients bit for bit under rows, rows_only and inputs (backward reruns forward's own kernels on the
+same output and gradients bit for bit under rows, rows_only, gate_up and inputs (backward reruns forward's own kernels on the
 same inputs) and holds less after forward; a compiled block with save=inputs matches save=rows; at EP=2 save=inputs
 pulls the rows again from the peer's symmetric memory and matches too."""
 
@@ -15,7 +15,7 @@ from moe_lab.moe.dispatcher import FusedDispatcher
 from tests.test_fused_gpu import SHAPES, E, backends, make_problem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-SAVES = ("rows", "rows_only", "inputs")
+SAVES = ("rows", "rows_only", "gate_up", "inputs")
 
 
 def run_save(backend, save, x, ids, weights, gate_up_proj, down_proj, grad_out, group_name=""):
@@ -33,13 +33,16 @@ def test_saves_equal_rows_bitwise_on_gpu(routing):
     problem = make_problem(*SHAPES["30b"], 4096, routing)
     for backend in backends():
         results = {save: run_save(backend, save, *problem) for save in SAVES}
-        for save in ("rows_only", "inputs"):
+        for save in SAVES[1:]:
             for name, g, e in zip(("y", "dx", "dweights", "dgate_up", "ddown"), results[save][0], results["rows"][0]):
                 assert torch.equal(g, e), (
                     f"{backend} save={save}: {name} differs by {(g.float() - e.float()).abs().max()}"
                 )
         held = {save: results[save][1] for save in SAVES}
-        assert held["inputs"] < held["rows_only"] < held["rows"], (backend, held)
+        assert held["inputs"] < held["gate_up"] < held["rows"] and held["inputs"] < held["rows_only"] < held["rows"], (
+            backend,
+            held,
+        )
 
 
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
@@ -98,7 +101,7 @@ def _ep_worker(rank, ep, port, queue):
             problem = (x, ids, weights, gate_up_proj[local].contiguous(), down_proj[local].contiguous(), grad_out)
             name = dist.group.WORLD.group_name
             results = {save: run_save("gpu", save, *problem, group_name=name)[0] for save in SAVES}
-            for save in ("rows_only", "inputs"):
+            for save in SAVES[1:]:
                 for what, g, e in zip(("y", "dx", "dweights", "dgate_up", "ddown"), results[save], results["rows"]):
                     if not torch.equal(g, e):
                         failures.append(

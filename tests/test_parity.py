@@ -137,7 +137,7 @@ def test_mesh_axes_match_the_reference(world, reference, tmp_path, monkeypatch):
     assert not failed
 
 
-@pytest.mark.parametrize("save", ["rows_only", "inputs"])
+@pytest.mark.parametrize("save", ["rows_only", "gate_up", "inputs"])
 def test_fused_save_modes_match_save_rows_bit_for_bit(save, tmp_path):
     """dispatcher.save keeps less of the fused op for backward and rebuilds the rest from the same values with the
     same ops: its losses are save=rows' to the bit, under ac=none and with ac=selective recomputing the matmuls."""

@@ -62,14 +62,18 @@ def test_save_modes_keep_what_the_op_returns():
 
 
 def test_save_modes_pay_the_gate_up_gemm_and_the_gather():
-    """rows_only adds the gate/up GEMM (2/3 of the experts' forward) to backward; inputs the row gather too."""
+    """rows_only adds the gate/up GEMM (2/3 of the experts' forward) to backward; gate_up the row gather; inputs
+    both."""
     times = {save: plan_time(*step_and_hw("ac=selective", f"dispatcher.save={save}")) for save in SAVES}
     step, hw = step_and_hw("ac=selective")
     expert_forward = step.shapes.expert_flops(step.tokens) / (hw.flops("grouped_gemm") * grouped_shape_factor(step))
     extra = times["rows_only"]["seconds"]["expert_gemm"] - times["rows"]["seconds"]["expert_gemm"]
     assert extra == pytest.approx(GATE_UP_SHARE * expert_forward, rel=1e-9)
     assert times["inputs"]["seconds"]["expert_gemm"] == pytest.approx(times["rows_only"]["seconds"]["expert_gemm"])
-    assert times["rows"]["step_s"] < times["rows_only"]["step_s"] < times["inputs"]["step_s"]
+    assert times["gate_up"]["seconds"]["expert_gemm"] == pytest.approx(times["rows"]["seconds"]["expert_gemm"])
+    glue = {save: times[save]["seconds"]["dispatch_glue"] for save in SAVES}
+    assert glue["gate_up"] == pytest.approx(glue["inputs"]) and glue["gate_up"] > glue["rows"] == glue["rows_only"]
+    assert times["rows"]["step_s"] < times["gate_up"]["step_s"] < times["rows_only"]["step_s"] < times["inputs"]["step_s"]
 
 
 def test_save_inputs_at_ep2_exchanges_the_rows_again():

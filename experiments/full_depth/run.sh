@@ -17,6 +17,8 @@ POINTS=(
   "full|ac=full"
   "save-rows_only|ac=selective dispatcher.save=rows_only"
   "save-inputs|ac=selective dispatcher.save=inputs"
+  "save-gate_up|ac=selective dispatcher.save=gate_up"
+  "save-gate_up_keep-no-matmul|ac=selective dispatcher.save=gate_up ac.keep=[attention,router,dispatcher]"
   "keep-no-dispatcher|ac=selective ac.keep=[matmul,grouped_mm,attention,router]"
   "keep-no-matmul|ac=selective ac.keep=[attention,router,dispatcher]"
   "save-inputs_keep-no-matmul|ac=selective dispatcher.save=inputs ac.keep=[attention,router,dispatcher]"

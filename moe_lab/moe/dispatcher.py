@@ -190,8 +190,8 @@ class FusedDispatcher(TokenDispatcher):
     ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
     receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``). ``save``: what the op keeps
     for backward (``moe_lab.moe.fused.ops.SAVES``): ``rows`` (the received rows and gate/up), ``rows_only`` (the
-    rows; gate/up recomputed in backward) or ``inputs`` (neither: backward gathers the rows again, from the peers'
-    symmetric memory at EP > 1, and recomputes gate/up).
+    rows; gate/up recomputed in backward), ``gate_up`` (gate/up; backward gathers the rows again, from the peers'
+    symmetric memory at EP > 1) or ``inputs`` (neither: backward gathers the rows again and recomputes gate/up).
 
     ``expert_precision``: ``bf16`` (the compute dtype) or ``fp8``: the routed experts' GEMMs in blockwise FP8
     (``moe_lab.moe.fused.fp8_ops``; the gpu backend with DeepGEMM on SM90+, or the reference backend's emulation).
@@ -212,7 +212,7 @@ class FusedDispatcher(TokenDispatcher):
         self,
         backend: Literal["auto", "reference", "gpu"] = "auto",
         gemm: Literal["auto", "deep_gemm", "torch"] = "auto",
-        save: Literal["rows", "rows_only", "inputs"] = "rows",
+        save: Literal["rows", "rows_only", "gate_up", "inputs"] = "rows",
         expert_precision: Literal["bf16", "fp8"] = "bf16",
     ):
         self.backend, self.gemm, self.save, self.expert_precision = backend, gemm, save, expert_precision
@@ -248,7 +248,7 @@ class FusedDispatcher(TokenDispatcher):
                 raise ConfigError(
                     "dispatcher.save",
                     f"expert_precision=fp8 keeps its FP8 rows and gate/up for backward: it takes save=rows only, got "
-                    f"{self.save}; use expert_precision=bf16 for rows_only / inputs",
+                    f"{self.save}; use expert_precision=bf16 for the other modes",
                 )
             fp8_ops.validate(cfg, self.backend, self.gemm, cuda, fused.deep_gemm_import_error())
         if self.backend == "gpu" and not cuda:

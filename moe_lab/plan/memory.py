@@ -72,7 +72,7 @@ class Step:
     grad_sync: str = "step"
     keep_unsharded: bool = False
     keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
-    fused_save: str = "rows"  # dispatcher.save: rows | rows_only | inputs
+    fused_save: str = "rows"  # dispatcher.save: rows | rows_only | gate_up | inputs
     offload_activations: bool = False
 
     @property

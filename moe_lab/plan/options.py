@@ -245,26 +245,25 @@ class FusedDispatcherPlan:
 
     def elementwise_outputs(self, step: Step) -> float:
         """The op's input, which autograd keeps for it where save=inputs."""
-        return 2 * step.tokens * step.cfg.hidden_size if step.fused_save == "inputs" else 0.0
+        return 2 * step.tokens * step.cfg.hidden_size if "x_routed" not in SAVES[step.fused_save] else 0.0
 
     @staticmethod
     def _row_bytes(step: Step, save: str) -> float:
-        """Bytes per received row the ``save`` mode does not keep: gate/up (2I in bf16) under rows_only, and the row
-        itself (H: bf16, or FP8's e4m3 with a fp32 scale per 128) under inputs."""
-        c = step.cfg
-        gate_up = 4 * c.moe_intermediate_size
+        """Bytes per received row the ``save`` mode does not keep: gate/up (2I in bf16) where it drops them, and the
+        row itself (H: bf16, or FP8's e4m3 with a fp32 scale per 128) where it drops the rows."""
+        c, kept = step.cfg, SAVES[save]
+        gate_up = 0.0 if "gate_up" in kept else 4 * c.moe_intermediate_size
         row = c.hidden_size * (1 + 4 / 128) if step.expert_precision == "fp8" else 2 * c.hidden_size
-        return {"rows": 0.0, "rows_only": gate_up, "inputs": row + gate_up}[save]
+        return gate_up + (0.0 if "x_routed" in kept else row)
 
     def dropped_row_bytes(self, step: Step) -> float:
         return self._row_bytes(step, step.fused_save)
 
     def backward_rebuild(self, step: Step) -> dict[str, float]:
-        # rows_only / inputs: the gate/up GEMM again; inputs: the row gather (and the rows' exchange at EP > 1) too
-        if step.fused_save == "rows":
-            return {"gate_up": 0.0, "gathers": 0.0, "exchanges": 0.0}
-        inputs = step.fused_save == "inputs"
-        return {"gate_up": 1.0, "gathers": float(inputs), "exchanges": float(inputs and step.mesh.ep > 1)}
+        # dropped gate/up: its GEMM again; dropped rows: their gather (and the rows' exchange at EP > 1) again
+        kept = SAVES[step.fused_save]
+        gathers = float("x_routed" not in kept)
+        return {"gate_up": float("gate_up" not in kept), "gathers": gathers, "exchanges": gathers * (step.mesh.ep > 1)}
 
     def outside_allocator(self, step: Step) -> dict:
         """The symmetric workspace at EP>1: 4 receive-side buffers, the 1.25x ladder."""

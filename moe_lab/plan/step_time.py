@@ -11,7 +11,7 @@ Each category's time is its work over the rate the hardware profile gives for th
   ``activation_offload_exposed`` share of the copies' time);
 - recompute: ac=full's forward again; under ac=selective the forward of the sets ``ac.keep`` leaves out; with
   ``dispatcher.save`` rows_only / inputs the fused op's gate/up GEMM (2/3 of the experts' forward) in backward and,
-  for inputs, its row gather (and the rows' exchange at EP > 1) again;
+  for gate_up / inputs, its row gather (and the rows' exchange at EP > 1) again;
 - host_step: offload=full's host AdamW over this rank's parameters kept on the host (little of it hides behind
   backward in the records: the planner adds it whole); those of its ``device_share`` step on the GPU, as
   ``optimizer``;

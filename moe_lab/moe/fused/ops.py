@@ -13,8 +13,9 @@ once per forward.
 (Triton kernels with torch or DeepGEMM grouped GEMMs).
 
 ``save`` trades memory for backward work (``SAVES``): ``rows`` keeps the received rows and gate/up; ``rows_only`` keeps
-the received rows and recomputes gate/up in backward; ``inputs`` keeps neither (x is saved instead, T rows rather
-than T x K) and backward gathers the rows again, as forward did, before recomputing gate/up. The dropped residuals
+the received rows and recomputes gate/up in backward; ``gate_up`` keeps gate/up and not the rows (x is saved instead,
+T rows rather than T x K): backward gathers the rows again, as forward did; ``inputs`` keeps neither, and backward
+gathers the rows and recomputes gate/up. The dropped residuals
 come out with zero rows, so every mode has one schema and selective AC, which keeps all outputs, keeps only the rest.
 """
 
@@ -34,7 +35,7 @@ _BACKEND_MODULES = {
 # Rows of each expert's segment start at a multiple of this (DeepGEMM's contiguous layout needs its M block).
 ALIGN = {"reference": 1, "gpu": 8, "gpu_deep_gemm": 128}
 # What forward keeps for backward: the received rows (x_routed) and/or gate/up; what it drops, backward rebuilds.
-SAVES = {"rows": ("x_routed", "gate_up"), "rows_only": ("x_routed",), "inputs": ()}
+SAVES = {"rows": ("x_routed", "gate_up"), "rows_only": ("x_routed",), "gate_up": ("gate_up",), "inputs": ()}
 
 
 def kept_residuals(kept: tuple, x_routed: Tensor, gate_up: Tensor) -> tuple[Tensor, Tensor]:
