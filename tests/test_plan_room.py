@@ -73,7 +73,9 @@ def test_save_modes_pay_the_gate_up_gemm_and_the_gather():
     assert times["gate_up"]["seconds"]["expert_gemm"] == pytest.approx(times["rows"]["seconds"]["expert_gemm"])
     glue = {save: times[save]["seconds"]["dispatch_glue"] for save in SAVES}
     assert glue["gate_up"] == pytest.approx(glue["inputs"]) and glue["gate_up"] > glue["rows"] == glue["rows_only"]
-    assert times["rows"]["step_s"] < times["gate_up"]["step_s"] < times["rows_only"]["step_s"] < times["inputs"]["step_s"]
+    assert (
+        times["rows"]["step_s"] < times["gate_up"]["step_s"] < times["rows_only"]["step_s"] < times["inputs"]["step_s"]
+    )
 
 
 def test_save_inputs_at_ep2_exchanges_the_rows_again():
