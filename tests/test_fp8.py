@@ -276,6 +276,84 @@ def test_validate_fp8():
         )
 
 
+def test_validate_fp8_torch_dispatcher():
+    from moe_lab.moe.dispatcher import TorchDispatcher
+
+    fp8 = TorchDispatcher(expert_precision="fp8")
+    assert _validation_error(fp8, device="cpu") is None  # the torch dispatcher emulates it on CPU
+    assert _validation_error(fp8, inter=96, device="cpu") == "model.moe_intermediate_size"
+
+
+# --- the torch dispatcher's FP8 experts ----------------------------------------------------------------------------
+
+
+def run_torch_dispatcher(precision, x, ids, w, gate_up_proj, down_proj, grad_out, group=None, experts=slice(None)):
+    """The torch dispatcher's y and gradients (x, routing weights, this rank's expert stacks ``experts``)."""
+    from moe_lab.moe.dispatcher import TorchDispatcher
+
+    dispatcher = TorchDispatcher(expert_precision=precision).set_ep_group(group)
+    inputs = [t.clone().requires_grad_() for t in (x, w, gate_up_proj[experts], down_proj[experts])]
+    y = dispatcher(inputs[0], ids, *inputs[1:])
+    return [y, *torch.autograd.grad(y, inputs, grad_out)]
+
+
+def test_torch_dispatcher_fp8_close_to_exact_within_fp8_error():
+    """The torch dispatcher's FP8 experts (the FP8 op on its sorted rows, one choice each) against its own fp32 path:
+    off by FP8's error (not 0, under the bound), the idle expert's gradients zero; and the FP8 experts are the
+    fused dispatcher's: their difference is FP8's rounding of where the routing weight is applied, not an error."""
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem()
+    fp8 = run_torch_dispatcher("fp8", x, ids, w, gate_up_proj, down_proj, grad_out)
+    exact = run_torch_dispatcher("bf16", x, ids, w, gate_up_proj, down_proj, grad_out)  # fp32 here
+    names = ("y", "dx", "d_topk_weights", "d_gate_up_proj", "d_down_proj")
+    errors = {n: rel(a, b) for n, a, b in zip(names, fp8, exact)}
+    assert all(0.002 < e < 0.09 for e in errors.values()), errors
+    assert fp8[3][3].abs().max() == 0 and fp8[4][3].abs().max() == 0
+    fused = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
+    assert max(rel(a, b) for a, b in zip(fp8, fused)) < 0.05
+
+
+def _torch_fp8_ep2_rank():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    _, _, _, gate_up_proj, down_proj, _ = problem()  # every rank's model: the same experts
+    problems = [problem(seed=r) for r in range(2)]
+    for p in problems:
+        p[3:5] = gate_up_proj, down_proj
+    x, ids, w, _, _, grad_out = problems[rank]
+    local = slice(rank * E // 2, (rank + 1) * E // 2)
+    ep2 = run_torch_dispatcher("fp8", x, ids, w, gate_up_proj, down_proj, grad_out, dist.group.WORLD, local)
+    alone = run_torch_dispatcher("fp8", x, ids, w, gate_up_proj, down_proj, grad_out)
+    # this rank's expert gradients at EP 2 hold both ranks' rows: the two EP 1 runs' sum, for its experts
+    other = [run_torch_dispatcher("fp8", *problems[1 - rank])[i] for i in (3, 4)]
+    summed = [(alone[i] + other[i - 3])[local] for i in (3, 4)]
+    return [rel(a, b) for a, b in zip(ep2, alone[:3] + summed)]
+
+
+def test_torch_dispatcher_fp8_over_gloo_ep2_matches_ep1():
+    """At EP 2 (gloo) each rank's rows reach the experts of the other through the all-to-all in bf16 and are
+    quantized there by the same 1x128 tiles: y and the gradients are EP 1's (the weight gradients summed over both
+    ranks' tokens), up to fp32 summation order."""
+    from tests.distributed import run_world
+
+    for errors in run_world(2, _torch_fp8_ep2_rank):
+        assert max(errors) < 1e-5, errors
+
+
+def test_torch_dispatcher_fp8_compiles_fullgraph():
+    from moe_lab.moe.dispatcher import TorchDispatcher
+
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem()
+    dispatcher = TorchDispatcher(expert_precision="fp8")
+    params = [torch.nn.Parameter(t.clone()) for t in (gate_up_proj, down_proj)]
+    fn = torch.compile(lambda *args: dispatcher(*args), fullgraph=True, backend="aot_eager")
+    xr = x.clone().requires_grad_()
+    fn(xr, ids, w, *params).backward(grad_out)
+    expected = run_torch_dispatcher("fp8", x, ids, w, gate_up_proj, down_proj, grad_out)
+    torch.testing.assert_close(xr.grad, expected[1])
+    torch.testing.assert_close(params[0].grad, expected[3])
+
+
 # --- GPU: DeepGEMM against the reference ---------------------------------------------------------------------------
 
 
@@ -293,6 +371,21 @@ def test_deep_gemm_fp8_matches_reference_on_gpu():
     assert max(errors) < 1e-2, errors
     bf16 = run_op("bf16", "gpu_deep_gemm", *tensors)
     assert max(rel(a, b) for a, b in zip(got, bf16)) < 0.09
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_dispatcher_deep_gemm_fp8_matches_reference_on_gpu():
+    """The torch dispatcher's FP8 experts on the GPU (DeepGEMM) against the same on CPU (the reference emulation)."""
+    import moe_lab.moe.fused as fused
+
+    if not fused.deep_gemm_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs deep_gemm on an SM90+ GPU")
+    tensors = problem(torch.bfloat16)
+    got = run_torch_dispatcher("fp8", *[t.cuda() for t in tensors])
+    expected = run_torch_dispatcher("fp8", *tensors)
+    errors = [rel(a.cpu(), b) for a, b in zip(got, expected)]
+    assert max(errors) < 1e-2, errors
 
 
 # --- the planner ---------------------------------------------------------------------------------------------------
@@ -331,6 +424,27 @@ def test_planner_plans_fp8_experts():
     with pytest.raises(ConfigError) as error:
         _planned("hardware=b300", "dispatcher.expert_precision=fp8")
     assert error.value.key == "hardware.peak_fp8_tflops"
+
+
+def test_planner_plans_the_torch_dispatchers_fp8_experts():
+    """The torch dispatcher at FP8: its expert GEMMs at the FP8 rate (but the weight gradients'), the weight copies
+    in memory, its rows still exchanged in bf16, its experts kept under ac.keep's dispatcher set."""
+    bf16, sent_bf16 = _planned("dispatcher=torch", "hardware.gpus_per_node=2", "parallel.ep=2")
+    fp8, sent_fp8 = _planned(
+        "dispatcher=torch", "hardware.gpus_per_node=2", "parallel.ep=2", "dispatcher.expert_precision=fp8"
+    )
+    seconds = lambda p: p["metrics"]["trace_breakdown"]["seconds"]  # noqa: E731
+    assert 0.5 < seconds(fp8)["expert_gemm"] / seconds(bf16)["expert_gemm"] < 0.8
+    assert fp8["plan"]["memory"]["by_category_gib"]["fp8 weight copies"] > 0
+    assert sent_fp8 == sent_bf16
+    no_experts_kept, _ = _planned(
+        "dispatcher=torch",
+        "dispatcher.expert_precision=fp8",
+        "ac=selective",
+        "ac.keep=[matmul,grouped_mm,attention,router]",
+    )
+    kept, _ = _planned("dispatcher=torch", "dispatcher.expert_precision=fp8", "ac=selective")
+    assert seconds(no_experts_kept)["expert_gemm"] > seconds(kept)["expert_gemm"]
 
 
 def test_planner_searches_fp8_with_save_rows_only():

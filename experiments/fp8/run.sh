@@ -7,8 +7,8 @@
 #   bash experiments/fp8/run.sh e2e      training steps, the 4-layer 30B proxy at seq 16384: bf16 vs fp8, each AC mode
 #   bash experiments/fp8/run.sh e2e_full_depth   the same for the 48-layer / 16-expert share (selective, full)
 #   bash experiments/fp8/run.sh quality  1,200 steps on real text (real_routing's corpus), 4-layer 16-expert 30B-wide
-#                                        model, learned routing + aux loss: fp8 vs bf16 loss curves (planned 0.06 s a
-#                                        step: about 2 x 2 minutes with compile and evaluations)
+#                                        model, learned routing + aux loss, seq 1024 (5.5 epochs of the corpus: longer
+#                                        samples overfit before the end): fp8 vs bf16 loss curves (about 2 x 1.5 min)
 # Each part stops within BUDGET seconds (default 540: one 10-minute device call with the install before it); a sweep
 # it cuts resumes when re-run with STAMP=<that record's stamp>.
 # Records: records/<machine>_<part>/<UTC start>.json|/ (see ../common.sh).
@@ -25,7 +25,7 @@ e2e_full_depth) dir=$(record e2e_48l16e) && timeout -k 30 "${BUDGET:-540}" pytho
        dispatcher.expert_precision=fp8,bf16 ac=selective,full "${@:2}" ;;
 quality) dir=$(record quality) && bash experiments/real_routing/run.sh prepare && timeout -k 30 "${BUDGET:-540}" python3 -m moe_lab.train -m \
        +experiment=real_routing hydra.sweep.dir="$dir" model.routing=learned dispatcher=fused model.num_experts=16 \
-       data.seq_len=4096 trainer.steps=1200 trainer.eval_every=100 trainer.eval_batches=4 trainer.expert_load_every=50 \
+       data.seq_len=1024 trainer.steps=1200 trainer.eval_every=100 trainer.eval_batches=16 trainer.expert_load_every=50 \
        profile.enabled=false dispatcher.expert_precision=fp8,bf16 "${@:2}" ;;
 *) echo "usage: $0 probe|layer|e2e|e2e_full_depth|quality" >&2; exit 2 ;;
 esac

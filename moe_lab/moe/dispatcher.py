@@ -110,6 +110,10 @@ class TorchDispatcher(TokenDispatcher):
     all-to-all, a local permute from (source rank, expert) to expert-contiguous order, grouped GEMMs, and the
     reverse path. Works over gloo (CPU) and NCCL (GPU). The collectives are custom ops (``moe_lab.moe.collectives``),
     so a block compiles whole.
+
+    ``expert_precision``: ``bf16`` (``grouped_swiglu``) or ``fp8``: the experts' GEMMs in blockwise FP8
+    (``moe_lab.moe.fused.fp8_ops.fp8_grouped_swiglu``: DeepGEMM on SM90+, the reference emulation on CPU); the rows
+    still travel in bf16.
     """
 
     saved_ops = frozenset(
@@ -119,8 +123,15 @@ class TorchDispatcher(TokenDispatcher):
             torch.ops.aten.bincount.default,
             torch.ops.moe_lab.exchange_counts.default,
             torch.ops.moe_lab.all_to_all_rows.default,
+            # expert_precision=fp8: its experts' op and their weight copies (cached per step anyway)
+            torch.ops.moe_lab.fused_moe_fp8.default,
+            torch.ops.moe_lab.fp8_expert_weights.default,
         }
     )
+
+    def __init__(self, expert_precision: Literal["bf16", "fp8"] = "bf16"):
+        self.expert_precision = expert_precision
+        super().__init__()
 
     def validate(self, cfg) -> None:
         # torch._grouped_mm needs 16-byte aligned rows: a multiple of 8 elements covers bf16 and fp32.
@@ -129,6 +140,11 @@ class TorchDispatcher(TokenDispatcher):
                 raise ConfigError(
                     f"model.{key}", f"the torch dispatcher's grouped GEMM needs a multiple of 8, got {cfg.model[key]}"
                 )
+        if self.expert_precision == "fp8":
+            cuda = runs_on_cuda(cfg.trainer)
+            backend = "gpu_deep_gemm" if cuda else "reference"  # on CPU the torch dispatcher emulates it
+            fp8_ops.validate(cfg, backend, "deep_gemm", cuda, fused.deep_gemm_import_error())
+            return
         # The compiler's shape rules for torch._grouped_mm (its meta kernel) accept bf16 only.
         if cfg.trainer.compile and not computes_in_bf16(cfg.trainer):
             raise ConfigError(
@@ -138,7 +154,8 @@ class TorchDispatcher(TokenDispatcher):
 
     def __call__(self, x, topk_ids, topk_weights, gate_up_proj, down_proj):
         rows, tokens_per_expert, meta = self.dispatch(x, topk_ids, topk_weights, gate_up_proj.shape[0])
-        return self.combine(grouped_swiglu(rows, tokens_per_expert, gate_up_proj, down_proj), meta)
+        experts = fp8_ops.fp8_grouped_swiglu if self.expert_precision == "fp8" else grouped_swiglu
+        return self.combine(experts(rows, tokens_per_expert, gate_up_proj, down_proj), meta)
 
     def dispatch(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int

@@ -81,52 +81,89 @@ def named(group: str, name: str):
 _aten = torch.ops.aten
 
 
-# FP8 experts (experiments/fp8/README.md, records/h200_layer/2026-12-01_21-28.json): the quantizing kernels' extra
-# traffic over the bf16 glue, per routed row element and pass (the routed gradient's quantization, the saved rows'
-# dequantization, the SwiGLU kernels' FP8 outputs), and the weight copies' quantization, made once per optimizer step
-# (2.3 ms for the 30B layer's 604M expert parameters on the H200: 13 bytes per parameter at the HBM rate).
+# FP8 experts (experiments/fp8/README.md): the quantizing kernels' extra traffic over the bf16 glue, per routed row
+# element and pass (the routed gradient's quantization, the saved rows' dequantization, the SwiGLU kernels' FP8
+# outputs; records/h200_layer/2026-12-01_21-28.json), and the weight copies' quantization from the fp32 masters, once
+# per optimizer step: 10 bytes per parameter at the HBM rate, the 4-layer proxy's dispatch_glue beside bf16's
+# (records/h200_e2e/2026-12-02_05-44: 8.9 ms more, less the gradients' widening and the glue above), where the
+# spilling kernel of the layer records took 13.
 FP8_GLUE_BYTES_PER_ELEMENT = 1.5
-FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 13.0
+FUSED_GLUE_BYTES_PER_ELEMENT = 10.25  # the fused op's dispatch, SwiGLU and combine kernels (bf16)
+FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 10.0
+
+
+class Fp8ExpertsPlan:
+    """What ``expert_precision=fp8`` adds to either dispatcher's plan (nothing at bf16): the expert GEMMs but the
+    weight gradients' at the FP8 rate, the per-step weight copies and their quantization."""
+
+    def fp8_passes(self, step: Step, passes: float) -> float:
+        """Of its expert GEMMs' ``passes``, those at the FP8 rate: every pass but the weight gradients' (bf16
+        grouped GEMMs)."""
+        return passes - 1.0 if step.expert_precision == "fp8" else 0.0
+
+    def weight_copies(self, step: Step) -> float:
+        """Device bytes of expert weight copies it keeps over a step. FP8: every local expert stack in e4m3 and its
+        transpose, with a fp32 scale per 128x128 block (``moe_lab.moe.fp8.weights``), kept from the first forward
+        of a step to its optimizer step."""
+        if step.expert_precision != "fp8":
+            return 0.0
+        return self._local_expert_params(step) * 2 * (1 + 4 / 128**2)
+
+    def per_step_glue_bytes(self, step: Step) -> float:
+        """HBM traffic it adds once per optimizer step (not per micro-batch): FP8's weight quantization."""
+        if step.expert_precision != "fp8":
+            return 0.0
+        return self._local_expert_params(step) * FP8_WEIGHT_QUANT_BYTES_PER_PARAM
+
+    def fp8_expert_params(self, step: Step) -> float:
+        """The local expert parameters it runs in FP8 (0 at bf16)."""
+        return self._local_expert_params(step) if step.expert_precision == "fp8" else 0.0
+
+    @staticmethod
+    def _local_expert_params(step: Step) -> float:
+        return step.cfg.num_layers * step.shapes.expert_layer_params / step.mesh.ep
+
+    @staticmethod
+    def fp8_op_saved(step: Step, rows: float) -> float:
+        """Bytes per layer the FP8 op keeps for ``rows`` received rows: each row in e4m3 with a fp32 scale per 128,
+        its gate/up in bf16, its weight and source; the slot positions."""
+        c = step.cfg
+        row = c.hidden_size * (1 + 4 / 128) + 4 * c.moe_intermediate_size + 4 + 8
+        return rows * row + 8 * step.tokens * c.num_experts_per_tok
 
 
 @planner_model("dispatcher", TorchDispatcher)
-class TorchDispatcherPlan:
+class TorchDispatcherPlan(Fp8ExpertsPlan):
     name = "torch"
     expert_rate = 0.72
     exchange_in_kernels = False  # its NCCL all-to-alls are a category of their own (ep_all_to_all)
     buffer_ops = frozenset()  # no op's saved outputs are counted apart from the activations
-    expert_keep_set = "grouped_mm"  # the ac.keep set whose ops hold its expert GEMMs
+
+    def expert_keep_set(self, step: Step) -> str:
+        """The ac.keep set whose ops hold its expert GEMMs (at FP8 the FP8 op, which it declares)."""
+        return "dispatcher" if step.expert_precision == "fp8" else "grouped_mm"
 
     def save_modes(self, step: Step) -> tuple[str, ...]:
         """The ``dispatcher.save`` values this step may take (none: no such key)."""
         return ()
 
     def step_fields(self, option, train) -> dict:
-        return {}
+        return {"expert_precision": option.expert_precision}
 
     def kernel_rows(self, step: Step) -> float:
         """Rows its kernels move per layer and pass (step time)."""
         return routed_rows(step)
 
     def glue_bytes_per_element(self, step: Step) -> float:
-        """Its glue's HBM traffic per element of a row its kernels move (H wide), per pass."""
-        return 7.3
-
-    def fp8_passes(self, step: Step, passes: float) -> float:
-        """Of its expert GEMMs' ``passes``, those at the FP8 rate."""
-        return 0.0
+        """Its glue's HBM traffic per element of a row its kernels move (H wide), per pass. FP8 (not fitted yet):
+        its permutations' and, on top, the FP8 op's own gather, SwiGLU, quantization and combine, as the fused
+        dispatcher's at FP8."""
+        fp8 = FUSED_GLUE_BYTES_PER_ELEMENT + FP8_GLUE_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0
+        return 7.3 + fp8
 
     def dispatch_exchange_share(self, step: Step) -> float:
-        """Forward's dispatch exchange, of a bf16 one's bytes."""
+        """Forward's dispatch exchange, of a bf16 one's bytes (its rows travel in bf16 at either precision)."""
         return 1.0
-
-    def weight_copies(self, step: Step) -> float:
-        """Device bytes of expert weight copies it keeps over a step."""
-        return 0.0
-
-    def per_step_glue_bytes(self, step: Step) -> float:
-        """HBM traffic it adds once per optimizer step (not per micro-batch)."""
-        return 0.0
 
     def buffer_rows(self, step: Step) -> float:
         """Rows its backward's working set is sized by (memory)."""
@@ -136,10 +173,13 @@ class TorchDispatcherPlan:
         """Bytes per layer of its ops' outputs in one block's forward, by op (``memory.op_outputs``)."""
         c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
         rows = routed_rows(step)
-        outputs = {
-            _aten.sort.stable: [16 * t * k],
-            _aten._grouped_mm.default: [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size],
-        }
+        outputs = {_aten.sort.stable: [16 * t * k]}
+        if step.expert_precision == "fp8":  # the FP8 op on its rows (each local expert's padded to 128), its output
+            padded = rows + (ALIGN["gpu_deep_gemm"] - 1) * c.num_experts / step.mesh.ep
+            fp8_op = torch.ops.moe_lab.fused_moe_fp8.default
+            outputs[fp8_op] = [self.fp8_op_saved(step, padded), rows * 2 * c.hidden_size]
+        else:
+            outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
         if step.mesh.ep > 1:
             outputs[torch.ops.moe_lab.all_to_all_rows.default] = [rows * 2 * c.hidden_size, t * k * 2 * c.hidden_size]
         return outputs
@@ -150,9 +190,10 @@ class TorchDispatcherPlan:
 
     def elementwise_outputs(self, step: Step) -> float:
         """Bytes per layer of its outputs backward reads that ac=selective recomputes (the routed rows' gather, the
-        SwiGLU's inputs)."""
+        SwiGLU's inputs; at FP8 the rows the combine weights, the FP8 op saving its own)."""
         c = step.cfg
-        return routed_rows(step) * 2 * (c.hidden_size + c.moe_intermediate_size)
+        inter = 0 if step.expert_precision == "fp8" else c.moe_intermediate_size
+        return routed_rows(step) * 2 * (c.hidden_size + inter)
 
     def dropped_row_bytes(self, step: Step) -> float:
         """Bytes per row its backward rebuilds beyond what it saved (in backward's working set)."""
@@ -173,14 +214,16 @@ class TorchDispatcherPlan:
 
 
 @planner_model("dispatcher", FusedDispatcher)
-class FusedDispatcherPlan:
+class FusedDispatcherPlan(Fp8ExpertsPlan):
     name = "fused"
     expert_rate = 1.0
     exchange_in_kernels = True  # the rows it pulls and pushes over NVLink are its kernels' work (dispatch_glue)
     # its receive-side residuals and output (the op at either expert precision)
     buffer_ops = frozenset({torch.ops.moe_lab.fused_moe.default, torch.ops.moe_lab.fused_moe_fp8.default})
     unread_ops = frozenset()
-    expert_keep_set = "dispatcher"  # its expert GEMMs run inside the op it declares
+
+    def expert_keep_set(self, step: Step) -> str:
+        return "dispatcher"  # its expert GEMMs run inside the op it declares
 
     def save_modes(self, step: Step) -> tuple[str, ...]:
         # the FP8 op keeps its FP8 rows and gate/up: rows only (as validation asks)
@@ -202,33 +245,11 @@ class FusedDispatcherPlan:
         return fused_receive_rows(step)
 
     def glue_bytes_per_element(self, step: Step) -> float:
-        return 10.25 + (FP8_GLUE_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0)
-
-    def fp8_passes(self, step: Step, passes: float) -> float:
-        # FP8: every pass but the weight gradients' (bf16 grouped GEMMs)
-        return passes - 1.0 if step.expert_precision == "fp8" else 0.0
+        return FUSED_GLUE_BYTES_PER_ELEMENT + (FP8_GLUE_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0)
 
     def dispatch_exchange_share(self, step: Step) -> float:
         # FP8 dispatches e4m3 rows with a fp32 scale per 128
         return (1 + 4 / 128) / 2 if step.expert_precision == "fp8" else 1.0
-
-    def weight_copies(self, step: Step) -> float:
-        """FP8: the per-step weight copies (``moe_lab.moe.fp8.weights``), every local expert stack in e4m3 and its
-        transpose, with a fp32 scale per 128x128 block; kept from the first forward of a step to its optimizer
-        step."""
-        if step.expert_precision != "fp8":
-            return 0.0
-        return self._local_expert_params(step) * 2 * (1 + 4 / 128**2)
-
-    def per_step_glue_bytes(self, step: Step) -> float:
-        # FP8: the weight copies' quantization, once per optimizer step
-        if step.expert_precision != "fp8":
-            return 0.0
-        return self._local_expert_params(step) * FP8_WEIGHT_QUANT_BYTES_PER_PARAM
-
-    @staticmethod
-    def _local_expert_params(step: Step) -> float:
-        return step.cfg.num_layers * step.shapes.expert_layer_params / step.mesh.ep
 
     def op_outputs(self, step: Step) -> dict:
         c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
@@ -314,7 +335,7 @@ class SelectiveCheckpointPlan(NoCheckpointPlan):
         # those of the sets ac.keep leaves out (the experts: the set the dispatcher's expert GEMMs are in)
         needs = {"dense": "matmul", "attention": "attention", "dispatcher": "dispatcher"}.get(part)
         if part == "experts":
-            needs = step.dispatcher.expert_keep_set
+            needs = step.dispatcher.expert_keep_set(step)
         return 0.0 if needs in step.keep else 1.0
 
     def recompute_workspace(self, step: Step) -> float:

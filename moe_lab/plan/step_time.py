@@ -177,7 +177,13 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     casts = {"fsdp_all_gather": 0.0, "fsdp_reduce_scatter": 0.0}
     if mesh.world == 1:
         if step.offload.fp32_weights_on_device:
-            seconds["other"] += micro * (CAST_BYTES_PER_PARAM + GRAD_CAST_BYTES_PER_PARAM) * n / hw.hbm_bytes_per_s
+            # FP8 experts' stacks are quantized from fp32 (per_step_glue_bytes), not cast; the op widens their
+            # gradients itself (in its scope)
+            fp8 = step.dispatcher.fp8_expert_params(step)
+            seconds["other"] += (
+                micro * (CAST_BYTES_PER_PARAM + GRAD_CAST_BYTES_PER_PARAM) * (n - fp8) / hw.hbm_bytes_per_s
+            )
+            seconds["dispatch_glue"] += micro * GRAD_CAST_BYTES_PER_PARAM * fp8 / hw.hbm_bytes_per_s
     else:
         gathers = 1 if step.keep_unsharded else 2 * micro
         casts["fsdp_all_gather"] = gathers * 6 * n / hw.hbm_bytes_per_s

@@ -25,6 +25,7 @@ import os
 import torch
 from torch import Tensor
 
+from moe_lab.moe.experts import compute_dtype
 from moe_lab.moe.fp8 import weights  # noqa: F401  (registers torch.ops.moe_lab.fp8_expert_weights)
 from moe_lab.moe.fp8.quant import FP8, TILE
 from moe_lab.moe.fused.ops import ALIGN, _group
@@ -175,6 +176,21 @@ def fused_moe_fp8_layer(
         backend,
     )
     return y
+
+
+def fp8_grouped_swiglu(rows, tokens_per_expert, gate_up_proj, down_proj) -> Tensor:
+    """``moe_lab.moe.experts.grouped_swiglu`` in blockwise FP8, for the torch dispatcher: the FP8 op on its
+    expert-contiguous rows [R, H] as a routing of one choice (each row to its own local expert, weight 1: the
+    dispatcher's combine applies the routing weights) with no exchange. The op's gather gives DeepGEMM the
+    128-aligned expert segments it needs; its layout costs a host sync per layer. CUDA: DeepGEMM; else the
+    reference emulation."""
+    rows = rows.to(compute_dtype(rows))
+    # each row's expert, by where it falls among the segments' ends (no guard on the count tensor's size)
+    ends = tokens_per_expert.cumsum(0)
+    expert = torch.searchsorted(ends, torch.arange(rows.shape[0], device=rows.device), right=True)
+    backend = "gpu_deep_gemm" if rows.is_cuda else "reference"
+    ones = rows.new_ones(rows.shape[0], 1)
+    return fused_moe_fp8_layer(rows, expert.view(-1, 1), ones, gate_up_proj, down_proj, 1, "", backend)
 
 
 # Set (to the profile's name) while the planner validates a config for a GPU it is not running on.
