@@ -376,16 +376,21 @@ def test_deep_gemm_fp8_matches_reference_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_torch_dispatcher_deep_gemm_fp8_matches_reference_on_gpu():
-    """The torch dispatcher's FP8 experts on the GPU (DeepGEMM) against the same on CPU (the reference emulation)."""
+    """The torch dispatcher's FP8 experts on the GPU (DeepGEMM) against its bf16 path on the GPU (within FP8's error)
+    and against the same FP8 math on CPU (the reference emulation; the GPU's GEMMs round differently, and a value
+    that lands on the other side of an e4m3 rounding boundary moves by up to 2**-4 of itself)."""
     import moe_lab.moe.fused as fused
 
     if not fused.deep_gemm_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs deep_gemm on an SM90+ GPU")
     tensors = problem(torch.bfloat16)
     got = run_torch_dispatcher("fp8", *[t.cuda() for t in tensors])
-    expected = run_torch_dispatcher("fp8", *tensors)
-    errors = [rel(a.cpu(), b) for a, b in zip(got, expected)]
-    assert max(errors) < 1e-2, errors
+    bf16 = run_torch_dispatcher("bf16", *[t.cuda() for t in tensors])
+    emulated = run_torch_dispatcher("fp8", *tensors)
+    to_bf16 = [rel(a, b) for a, b in zip(got, bf16)]
+    to_emulated = [rel(a.cpu(), b) for a, b in zip(got, emulated)]
+    print("relative to bf16:", to_bf16, "to the CPU emulation:", to_emulated)
+    assert max(to_bf16) < 0.09 and max(to_emulated) < 3e-2, (to_bf16, to_emulated)
 
 
 # --- the planner ---------------------------------------------------------------------------------------------------
