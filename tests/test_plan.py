@@ -357,3 +357,26 @@ def test_full_depth_point_within_tolerance(result):
     planned, measured = plan_record(record)["metrics"], record["metrics"]
     assert planned["s_per_step"] == pytest.approx(measured["s_per_step"], rel=0.05)
     assert planned["peak_gpu_mem_gib"] == pytest.approx(measured["peak_gpu_mem_gib"], rel=0.03)
+
+
+FP8_E2E = ROOT / "experiments" / "fp8" / "records"
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        p
+        for p in sorted(FP8_E2E.glob("h200_e2e*/*/*/result.json"))
+        if read(p)["config"]["dispatcher"].get("expert_precision") == "fp8"
+    ],
+    ids=lambda p: str(p.parent.relative_to(FP8_E2E)),
+)
+def test_fp8_point_within_tolerance(result):
+    """Every measured FP8 training point (both dispatchers, the 4-layer proxy and full depth, each AC mode): the step
+    within 6 % (the records: 3-5.3 % high, the torch dispatcher 4.7 % low) and the peak within 6 % (full AC on the
+    4-layer proxy is 5.7 % high, its bf16 twin 5 %; at full depth within 0.1 GiB)."""
+    record = read(result)
+    assert record["status"] == "ok"
+    planned, measured = plan_record(record)["metrics"], record["metrics"]
+    assert planned["s_per_step"] == pytest.approx(measured["s_per_step"], rel=0.06)
+    assert planned["peak_gpu_mem_gib"] == pytest.approx(measured["peak_gpu_mem_gib"], rel=0.06)
