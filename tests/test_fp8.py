@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -465,3 +466,17 @@ def test_planner_searches_fp8_with_save_rows_only():
 
     assert saves("dispatcher.expert_precision=fp8") == {"rows"}
     assert saves() == {"rows", "rows_only", "gate_up", "inputs"}
+
+
+def test_plot_quality_draws_the_committed_record(tmp_path):
+    """experiments/fp8/plot_quality.py on (a copy of) the committed quality record: one figure of both precisions."""
+    import shutil
+
+    root = Path(__file__).parents[1]
+    copy = shutil.copytree(root / "experiments/fp8/records/h200_quality/2026-12-02_05-55", tmp_path / "record")
+    (copy / "curves.png").unlink()
+    done = subprocess.run(
+        [sys.executable, str(root / "experiments/fp8/plot_quality.py"), str(copy)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (copy / "curves.png").stat().st_size > 10_000
