@@ -5,6 +5,7 @@
 #   bash experiments/fp8/run.sh layer    one MoE layer fwd+bwd, fused bf16 vs fused FP8: 30B and 235B shapes,
 #                                        4k-16k tokens, balanced and skewed (records hold fp8_over_bf16)
 #   bash experiments/fp8/run.sh e2e      training steps, the 4-layer 30B proxy at seq 16384: bf16 vs fp8, each AC mode
+#                                        (overrides after it win: `e2e dispatcher=torch ac=selective`, the torch dispatcher)
 #   bash experiments/fp8/run.sh e2e_full_depth   the same for the 48-layer / 16-expert share (selective, full)
 #   bash experiments/fp8/run.sh quality  1,200 steps on real text (real_routing's corpus), 4-layer 16-expert 30B-wide
 #                                        model, learned routing + aux loss, seq 1024 (5.5 epochs of the corpus: longer
