@@ -11,8 +11,9 @@ from ``layer_flops``), the fused/torch speedup, and a per-kernel time breakdown 
 balanced point of each model. A point that fails records its error instead of a time. ``--trace-dir DIR`` also
 writes those points' profiles (CPU and GPU) as Chrome traces there: where the GPU waits on the host.
 ``--expert-precision fp8`` adds the fused dispatcher with its experts in blockwise FP8 (``fused_fp8``; its weight
-copies made again every step, as with one micro-batch per optimizer step) and each point's ``fp8_over_bf16`` (fused
-ms / fused_fp8 ms); ``--dispatchers`` picks which of them run.
+copies made again every ``--micro-batches`` steps, default 1: one micro-batch per optimizer step, the worst case) and
+each point's ``fp8_over_bf16`` (fused ms / fused_fp8 ms); ``--dispatchers`` picks which of them run. A point's ms is
+per step, timed over whole optimizer steps of ``--micro-batches`` steps.
 """
 
 from __future__ import annotations
@@ -65,12 +66,15 @@ def inputs(tokens, hidden, routing, rank):
     return x, ids, weights, grad
 
 
-def step(experts, dispatcher, x, ids, weights, grad):
-    # Fresh gradients each step (as FSDP's reduce-scatter consumes them), so no accumulation kernel is timed.
-    experts.zero_grad(set_to_none=True)
-    fp8_weights._CACHE.clear()  # the FP8 copies are made once per optimizer step: here every step has one
-    x.grad = weights.grad = None
-    dispatcher(x, ids, weights, experts.gate_up_proj, experts.down_proj).backward(grad)
+def step(experts, dispatcher, x, ids, weights, grad, micro_batches: int = 1):
+    """One optimizer step's micro-batches, forward + backward each. Fresh gradients each (as FSDP's reduce-scatter
+    consumes them), so no accumulation kernel is timed; the FP8 copies are made once, as the optimizer step's
+    in-place update would make them again."""
+    fp8_weights._CACHE.clear()
+    for _ in range(micro_batches):
+        experts.zero_grad(set_to_none=True)
+        x.grad = weights.grad = None
+        dispatcher(x, ids, weights, experts.gate_up_proj, experts.down_proj).backward(grad)
 
 
 def time_ms(fn, iters, warmup=3):
@@ -87,7 +91,7 @@ def time_ms(fn, iters, warmup=3):
     return statistics.median(times)
 
 
-def kernel_breakdown(fn, top=15, trace: str | None = None):
+def kernel_breakdown(fn, top=15, trace: str | None = None, steps_per_call: int = 1):
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -103,7 +107,10 @@ def kernel_breakdown(fn, top=15, trace: str | None = None):
     for evt in prof.key_averages():
         device_us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
         if device_us > 0:
-            rows.append({"kernel": evt.key[:160], "ms_per_step": device_us / 3 / 1e3, "calls_per_step": evt.count / 3})
+            calls = 3 * steps_per_call
+            rows.append(
+                {"kernel": evt.key[:160], "ms_per_step": device_us / calls / 1e3, "calls_per_step": evt.count / calls}
+            )
     rows.sort(key=lambda r: -r["ms_per_step"])
     return rows[:top]
 
@@ -116,6 +123,12 @@ def main():
     parser.add_argument("--gemm", default="auto", choices=["auto", "deep_gemm", "torch"])
     parser.add_argument("--expert-precision", default="bf16", choices=["bf16", "fp8"], help="fp8: add fused_fp8")
     parser.add_argument("--dispatchers", help="comma-separated subset of torch,fused,fused_fp8 (default: all built)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="steps per optimizer step (the FP8 weight copies made once in them)",
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", required=True)
@@ -154,9 +167,9 @@ def main():
                     "ep": ep,
                 }
                 for name, (experts, dispatcher) in layers.items():
-                    fn = lambda: step(experts, dispatcher, x, ids, weights, grad)  # noqa: E731
+                    fn = lambda: step(experts, dispatcher, x, ids, weights, grad, args.micro_batches)  # noqa: E731
                     try:
-                        ms = time_ms(fn, args.iters)
+                        ms = time_ms(fn, args.iters) / args.micro_batches
                     except Exception as e:  # OOM, or a kernel error: the point records it
                         ms = float("nan")
                         point[f"{name}_error"] = repr(e)[:500]
@@ -184,7 +197,7 @@ def main():
                                 "tokens_per_gpu": tokens,
                                 "routing": routing,
                                 "dispatcher": name,
-                                "kernels": kernel_breakdown(fn, trace=trace),
+                                "kernels": kernel_breakdown(fn, trace=trace, steps_per_call=args.micro_batches),
                             }
                         )
                 if "torch_ms" in point and "fused_ms" in point:
