@@ -124,12 +124,15 @@ class Fp8ExpertsPlan:
         return step.cfg.num_layers * step.shapes.expert_layer_params / step.mesh.ep
 
     @staticmethod
-    def fp8_op_saved(step: Step, rows: float) -> float:
-        """Bytes per layer the FP8 op keeps for ``rows`` received rows: each row in e4m3 with a fp32 scale per 128,
-        its gate/up in bf16, its weight and source; the slot positions."""
-        c = step.cfg
-        row = c.hidden_size * (1 + 4 / 128) + 4 * c.moe_intermediate_size + 4 + 8
-        return rows * row + 8 * step.tokens * c.num_experts_per_tok
+    def fp8_row_bytes(step: Step) -> float:
+        """A received row as the FP8 op keeps it: e4m3 with a fp32 scale per 128."""
+        return step.cfg.hidden_size * (1 + 4 / 128)
+
+    @staticmethod
+    def op_residuals(step: Step, rows: float, kept_row_bytes: float) -> float:
+        """Bytes per layer the fused ops (either precision) keep for ``rows`` received rows: what their save mode
+        keeps of each row (``kept_row_bytes``), its weight and source; the slot positions."""
+        return rows * (kept_row_bytes + 4 + 8) + 8 * step.tokens * step.cfg.num_experts_per_tok
 
 
 @planner_model("dispatcher", TorchDispatcher)
@@ -177,7 +180,8 @@ class TorchDispatcherPlan(Fp8ExpertsPlan):
         if step.expert_precision == "fp8":  # the FP8 op on its rows (each local expert's padded to 128), its output
             padded = rows + (ALIGN["gpu_deep_gemm"] - 1) * c.num_experts / step.mesh.ep
             fp8_op = torch.ops.moe_lab.fused_moe_fp8.default
-            outputs[fp8_op] = [self.fp8_op_saved(step, padded), rows * 2 * c.hidden_size]
+            kept = self.fp8_row_bytes(step) + 4 * c.moe_intermediate_size  # the FP8 op keeps its rows and gate/up
+            outputs[fp8_op] = [self.op_residuals(step, padded, kept), rows * 2 * c.hidden_size]
         else:
             outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
         if step.mesh.ep > 1:
@@ -252,14 +256,12 @@ class FusedDispatcherPlan(Fp8ExpertsPlan):
         return (1 + 4 / 128) / 2 if step.expert_precision == "fp8" else 1.0
 
     def op_outputs(self, step: Step) -> dict:
-        c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
-        rows = fused_receive_rows(step)
-        # per received row: x_routed and gate/up where dispatcher.save keeps them, its weight and source
+        # per received row: x_routed and gate/up where dispatcher.save keeps them
         kept = self._row_bytes(step, "inputs") - self.dropped_row_bytes(step)
         # Its output [T, H] only uncompiled, where selective AC caches every output of a kept op: compiled, the
         # partitioner keeps what backward reads, and no backward reads it (it feeds the residual add).
-        output = 0 if step.compile else 2 * t * c.hidden_size
-        saved = output + rows * (kept + 4 + 8) + 8 * t * k
+        output = 0 if step.compile else 2 * step.tokens * step.cfg.hidden_size
+        saved = output + self.op_residuals(step, fused_receive_rows(step), kept)
         fp8 = step.expert_precision == "fp8"
         op = torch.ops.moe_lab.fused_moe_fp8.default if fp8 else torch.ops.moe_lab.fused_moe.default
         return {op: [saved]}
@@ -268,13 +270,12 @@ class FusedDispatcherPlan(Fp8ExpertsPlan):
         """The op's input, which autograd keeps for it where save=inputs."""
         return 2 * step.tokens * step.cfg.hidden_size if "x_routed" not in SAVES[step.fused_save] else 0.0
 
-    @staticmethod
-    def _row_bytes(step: Step, save: str) -> float:
+    def _row_bytes(self, step: Step, save: str) -> float:
         """Bytes per received row the ``save`` mode does not keep: gate/up (2I in bf16) where it drops them, and the
         row itself (H: bf16, or FP8's e4m3 with a fp32 scale per 128) where it drops the rows."""
         c, kept = step.cfg, SAVES[save]
         gate_up = 0.0 if "gate_up" in kept else 4 * c.moe_intermediate_size
-        row = c.hidden_size * (1 + 4 / 128) if step.expert_precision == "fp8" else 2 * c.hidden_size
+        row = self.fp8_row_bytes(step) if step.expert_precision == "fp8" else 2 * c.hidden_size
         return gate_up + (0.0 if "x_routed" in kept else row)
 
     def dropped_row_bytes(self, step: Step) -> float:
