@@ -328,8 +328,8 @@ def _torch_fp8_ep2_rank():
     ep2 = run_torch_dispatcher("fp8", x, ids, w, gate_up_proj, down_proj, grad_out, dist.group.WORLD, local)
     alone = run_torch_dispatcher("fp8", x, ids, w, gate_up_proj, down_proj, grad_out)
     # this rank's expert gradients at EP 2 hold both ranks' rows: the two EP 1 runs' sum, for its experts
-    other = [run_torch_dispatcher("fp8", *problems[1 - rank])[i] for i in (3, 4)]
-    summed = [(alone[i] + other[i - 3])[local] for i in (3, 4)]
+    other = run_torch_dispatcher("fp8", *problems[1 - rank])
+    summed = [(alone[i] + other[i])[local] for i in (3, 4)]
     return [rel(a, b) for a, b in zip(ep2, alone[:3] + summed)]
 
 
