@@ -119,15 +119,15 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
         {"LOCAL": 64, "L_POW2": 64, "BLOCK": 128},
         4,
     ),
-    # FP8 experts at the 235B shape (H 4096: 32 tiles a row; I 1536: 12 tiles, a block of 16)
+    # FP8 experts at the 235B shape (H 4096: 32 tiles a row; I 1536: 12), 8 rows a program
     ("moe_lab.moe.fp8.kernels", "quantize_rows_kernel"): (
-        {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-        {"TILES": 32, "TILES_P2": 32},
+        {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32"},
+        {"TILES": 32, "ROWS": 8},
         4,
     ),
     ("moe_lab.moe.fp8.kernels", "dequantize_rows_kernel"): (
-        {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"},
-        {"TILES": 32, "TILES_P2": 32},
+        {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16", "num_rows": "i32"},
+        {"TILES": 32, "ROWS": 8},
         4,
     ),
     ("moe_lab.moe.fp8.kernels", "swiglu_forward_fp8_kernel"): (
@@ -140,7 +140,7 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
             "offs_ptr": "*i32",
             "num_local_experts": "i32",
         },
-        {"TILES": 12, "TILES_P2": 16},
+        {"TILES": 12, "ROWS": 8},
         4,
     ),
     ("moe_lab.moe.fp8.kernels", "swiglu_backward_fp8_kernel"): (
@@ -157,7 +157,7 @@ KERNELS = {  # (module, kernel): (run-time argument types, compile-time constant
             "offs_ptr": "*i32",
             "num_local_experts": "i32",
         },
-        {"TILES": 12, "TILES_P2": 16},
+        {"TILES": 12, "ROWS": 8},
         4,
     ),
     ("moe_lab.moe.fp8.kernels", "weight_blocks_kernel"): (

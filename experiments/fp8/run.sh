@@ -4,6 +4,8 @@
 #   bash experiments/fp8/run.sh probe    DeepGEMM's FP8 API on this GPU: signatures, scale layouts, correctness, speed
 #   bash experiments/fp8/run.sh layer    one MoE layer fwd+bwd, fused bf16 vs fused FP8: 30B and 235B shapes,
 #                                        4k-16k tokens, balanced and skewed (records hold fp8_over_bf16)
+#   bash experiments/fp8/run.sh wgrad    wgrad_probe.py: the weight-gradient GEMMs in FP8 (a Triton blockwise k-grouped kernel,
+#                                        torch._scaled_grouped_mm rowwise) against bf16 torch._grouped_mm, both shapes
 #   bash experiments/fp8/run.sh layer_accum   the same at 16k balanced tokens, 4 micro-batches per optimizer step
 #                                        (the FP8 weight copies made once per 4 steps, as with gradient accumulation)
 #   bash experiments/fp8/run.sh e2e      training steps, the 4-layer 30B proxy at seq 16384: bf16 vs fp8, each AC mode
@@ -21,6 +23,7 @@ probe) out=$(record probe).log && python3 experiments/fp8/probe.py 2>&1 | tee "$
 layer) out=$(record layer).json && timeout 420 python3 experiments/moe_layer/moe_layer.py --models=qwen3_30b,qwen3_235b \
          --tokens=4096,8192,16384 --routing=balanced,skewed --expert-precision=fp8 --dispatchers=fused,fused_fp8 \
          --iters=10 --profile --out "$out" ;;
+wgrad) out=$(record wgrad).json && python3 experiments/fp8/wgrad_probe.py --out "$out" 2>&1 | tee "${out%.json}.log" ;;
 layer_accum) out=$(record layer_accum).json && timeout 300 python3 experiments/moe_layer/moe_layer.py \
          --models=qwen3_30b,qwen3_235b --tokens=16384 --routing=balanced --expert-precision=fp8 \
          --dispatchers=fused,fused_fp8 --micro-batches=4 --iters=5 --profile --out "$out" ;;
@@ -33,6 +36,6 @@ quality) dir=$(record quality) && bash experiments/real_routing/run.sh prepare &
        +experiment=real_routing hydra.sweep.dir="$dir" model.routing=learned dispatcher=fused model.num_experts=16 \
        data.seq_len=1024 trainer.steps=1200 trainer.eval_every=100 trainer.eval_batches=16 trainer.expert_load_every=50 \
        profile.enabled=false dispatcher.expert_precision=fp8,bf16 "${@:2}" ;;
-*) echo "usage: $0 probe|layer|layer_accum|e2e|e2e_full_depth|quality" >&2; exit 2 ;;
+*) echo "usage: $0 probe|wgrad|layer|layer_accum|e2e|e2e_full_depth|quality" >&2; exit 2 ;;
 esac
 pack "${out:-$dir}"

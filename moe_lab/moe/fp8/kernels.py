@@ -36,31 +36,41 @@ def _quantize_tiles(vals):
 
 
 @triton.jit
-def _row_tiles(TILES: tl.constexpr, TILES_P2: tl.constexpr):
-    """A row of TILES 1x128 tiles as a [TILES_P2, 128] block: (tile index, column offsets, mask)."""
-    tiles = tl.arange(0, TILES_P2)
-    return tiles, tiles[:, None] * 128 + tl.arange(0, 128)[None, :], (tiles < TILES)[:, None]
+def _row_block(ROWS: tl.constexpr):
+    """This program's first row (a 64-bit scalar: the pointers advance once), its ROWS rows relative to it (32-bit:
+    64-bit offsets per element cost registers) and one 1x128 tile's columns."""
+    return tl.program_id(0).to(tl.int64) * ROWS, tl.arange(0, ROWS), tl.arange(0, 128)
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, TILES: tl.constexpr, TILES_P2: tl.constexpr):
-    """x [M, TILES * 128] -> e4m3 [M, TILES * 128] and scales [M, TILES]; one program per row."""
-    row = tl.program_id(0).to(tl.int64)
-    tiles, cols, mask = _row_tiles(TILES, TILES_P2)
-    vals = tl.load(x_ptr + row * TILES * 128 + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_tiles(vals)
-    tl.store(q_ptr + row * TILES * 128 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * TILES + tiles, scale, mask=tiles < TILES)
+def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, TILES: tl.constexpr, ROWS: tl.constexpr):
+    """x [M, TILES * 128] -> e4m3 [M, TILES * 128] and scales [M, TILES]; one program per ROWS rows, a tile at a
+    time (a row's width need not be a power of 2)."""
+    first, rows, cols = _row_block(ROWS)
+    live = first + rows < num_rows
+    x_ptr += first * TILES * 128
+    q_ptr += first * TILES * 128
+    scale_ptr += first * TILES
+    for t in range(TILES):
+        at = rows[:, None] * TILES * 128 + t * 128 + cols[None, :]
+        q, scale = _quantize_tiles(tl.load(x_ptr + at, mask=live[:, None], other=0.0).to(tl.float32))
+        tl.store(q_ptr + at, q.to(q_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(scale_ptr + rows * TILES + t, scale, mask=live)
 
 
 @triton.jit
-def dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, TILES: tl.constexpr, TILES_P2: tl.constexpr):
-    """The inverse: out [M, TILES * 128] = e4m3 * its tile's scale, in out's dtype; one program per row."""
-    row = tl.program_id(0).to(tl.int64)
-    tiles, cols, mask = _row_tiles(TILES, TILES_P2)
-    scale = tl.load(scale_ptr + row * TILES + tiles, mask=tiles < TILES, other=0.0)
-    vals = tl.load(q_ptr + row * TILES * 128 + cols, mask=mask, other=0.0).to(tl.float32) * scale[:, None]
-    tl.store(out_ptr + row * TILES * 128 + cols, vals.to(out_ptr.dtype.element_ty), mask=mask)
+def dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, num_rows, TILES: tl.constexpr, ROWS: tl.constexpr):
+    """The inverse: out [M, TILES * 128] = e4m3 * its tile's scale, in out's dtype."""
+    first, rows, cols = _row_block(ROWS)
+    live = first + rows < num_rows
+    q_ptr += first * TILES * 128
+    out_ptr += first * TILES * 128
+    scale_ptr += first * TILES
+    for t in range(TILES):
+        at = rows[:, None] * TILES * 128 + t * 128 + cols[None, :]
+        scale = tl.load(scale_ptr + rows * TILES + t, mask=live, other=0.0)
+        vals = tl.load(q_ptr + at, mask=live[:, None], other=0.0).to(tl.float32) * scale[:, None]
+        tl.store(out_ptr + at, vals.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
@@ -73,22 +83,26 @@ def swiglu_forward_fp8_kernel(
     offs_ptr,
     num_local_experts,
     TILES: tl.constexpr,
-    TILES_P2: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """act = silu(gate) * up * routing weight [R, TILES * 128], quantized per 1x128 tile for the down GEMM (zeros,
-    scale 1, for padding rows); one program per row; rows past the last expert's segment are left alone."""
-    row = tl.program_id(0)
+    scale 1, for padding rows); one program per ROWS rows; rows past the last expert's segment are left alone."""
     inter: tl.constexpr = TILES * 128
-    if row < tl.load(offs_ptr + num_local_experts - 1):
-        valid = tl.load(row_src_ptr + row) >= 0
-        weight = tl.load(row_weight_ptr + row)
-        tiles, cols, mask = _row_tiles(TILES, TILES_P2)
-        base = gate_up_ptr + row.to(tl.int64) * 2 * inter
-        gate = tl.load(base + cols, mask=mask & valid, other=0.0).to(tl.float32)
-        up = tl.load(base + inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
-        q, scale = _quantize_tiles(gate * tl.sigmoid(gate) * up * weight)
-        tl.store(act_ptr + row.to(tl.int64) * inter + cols, q.to(act_ptr.dtype.element_ty), mask=mask)
-        tl.store(act_scale_ptr + row * TILES + tiles, scale, mask=tiles < TILES)
+    first, rows, cols = _row_block(ROWS)
+    live = first + rows < tl.load(offs_ptr + num_local_experts - 1)
+    valid = live & (tl.load(row_src_ptr + first + rows, mask=live, other=-1) >= 0)
+    weight = tl.load(row_weight_ptr + first + rows, mask=live, other=0.0)
+    gate_up_ptr += first * 2 * inter
+    act_ptr += first * inter
+    act_scale_ptr += first * TILES
+    for t in range(TILES):
+        at = rows[:, None] * 2 * inter + t * 128 + cols[None, :]
+        gate = tl.load(gate_up_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + at + inter, mask=valid[:, None], other=0.0).to(tl.float32)
+        q, scale = _quantize_tiles(gate * tl.sigmoid(gate) * up * weight[:, None])
+        act_at = rows[:, None] * inter + t * 128 + cols[None, :]
+        tl.store(act_ptr + act_at, q.to(act_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(act_scale_ptr + rows * TILES + t, scale, mask=live)
 
 
 @triton.jit
@@ -105,63 +119,64 @@ def swiglu_backward_fp8_kernel(
     offs_ptr,
     num_local_experts,
     TILES: tl.constexpr,
-    TILES_P2: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """``moe_lab.moe.fused.kernels.swiglu_backward_kernel`` that also quantizes the gate/up gradient per 1x128 tile
     (gate tile j's scale in column j, up tile j's in column TILES + j) for the input-gradient GEMM; the bf16
-    gradient and weighted activation stay for the weight-gradient GEMMs. One program per row."""
-    row = tl.program_id(0)
+    gradient and weighted activation stay for the weight-gradient GEMMs. One program per ROWS rows."""
     inter: tl.constexpr = TILES * 128
-    live = row < tl.load(offs_ptr + num_local_experts - 1)
-    valid = tl.load(row_src_ptr + row, mask=live, other=-1) >= 0
-    weight = tl.load(row_weight_ptr + row, mask=live, other=0.0)
-    r64 = row.to(tl.int64)
-    tiles, cols, tile_mask = _row_tiles(TILES, TILES_P2)
-    mask = tile_mask & live
-    gate = tl.load(gate_up_ptr + r64 * 2 * inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + r64 * 2 * inter + inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
-    d_act_weighted = tl.load(d_act_weighted_ptr + r64 * inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    d_act = d_act_weighted * weight
-    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = d_act * silu
-    dgu = d_gate_up_ptr + r64 * 2 * inter
-    tl.store(dgu + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgu + inter + cols, d_up.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
-    act_weighted = silu * up * weight
-    tl.store(act_weighted_ptr + r64 * inter + cols, act_weighted.to(act_weighted_ptr.dtype.element_ty), mask=mask)
-    q_gate, s_gate = _quantize_tiles(d_gate)
-    q_up, s_up = _quantize_tiles(d_up)
-    qgu = d_gate_up_q_ptr + r64 * 2 * inter
-    tl.store(qgu + cols, q_gate.to(d_gate_up_q_ptr.dtype.element_ty), mask=mask)
-    tl.store(qgu + inter + cols, q_up.to(d_gate_up_q_ptr.dtype.element_ty), mask=mask)
-    scales = d_gate_up_scale_ptr + r64 * 2 * TILES + tiles
-    tl.store(scales, s_gate, mask=(tiles < TILES) & live)
-    tl.store(scales + TILES, s_up, mask=(tiles < TILES) & live)
-    tl.store(d_row_weight_ptr + row, tl.sum(tl.sum(d_act_weighted * silu * up, axis=1), axis=0), mask=live)
+    first, rows, cols = _row_block(ROWS)
+    live = first + rows < tl.load(offs_ptr + num_local_experts - 1)
+    valid = live & (tl.load(row_src_ptr + first + rows, mask=live, other=-1) >= 0)
+    weight = tl.load(row_weight_ptr + first + rows, mask=live, other=0.0)
+    gate_up_ptr += first * 2 * inter
+    d_gate_up_ptr += first * 2 * inter
+    d_gate_up_q_ptr += first * 2 * inter
+    d_gate_up_scale_ptr += first * 2 * TILES
+    d_act_weighted_ptr += first * inter
+    act_weighted_ptr += first * inter
+    d_row_weight = tl.zeros([ROWS], dtype=tl.float32)
+    for t in range(TILES):
+        at = rows[:, None] * 2 * inter + t * 128 + cols[None, :]  # the gate tile; its up tile is inter further
+        act_at = rows[:, None] * inter + t * 128 + cols[None, :]
+        gate = tl.load(gate_up_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + at + inter, mask=valid[:, None], other=0.0).to(tl.float32)
+        d_act_weighted = tl.load(d_act_weighted_ptr + act_at, mask=valid[:, None], other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        d_act = d_act_weighted * weight[:, None]
+        d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = d_act * silu
+        tl.store(d_gate_up_ptr + at, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(d_gate_up_ptr + at + inter, d_up.to(d_gate_up_ptr.dtype.element_ty), mask=live[:, None])
+        act_weighted = (silu * up * weight[:, None]).to(act_weighted_ptr.dtype.element_ty)
+        tl.store(act_weighted_ptr + act_at, act_weighted, mask=live[:, None])
+        q_gate, s_gate = _quantize_tiles(d_gate)
+        q_up, s_up = _quantize_tiles(d_up)
+        tl.store(d_gate_up_q_ptr + at, q_gate.to(d_gate_up_q_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(d_gate_up_q_ptr + at + inter, q_up.to(d_gate_up_q_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(d_gate_up_scale_ptr + rows * 2 * TILES + t, s_gate, mask=live)
+        tl.store(d_gate_up_scale_ptr + rows * 2 * TILES + TILES + t, s_up, mask=live)
+        d_row_weight += tl.sum(d_act_weighted * silu * up, axis=1)
+    tl.store(d_row_weight_ptr + first + rows, d_row_weight, mask=live)
 
 
 @triton.jit
 def weight_blocks_kernel(w_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, N: tl.constexpr, K: tl.constexpr):
     """w [L, N, K] -> e4m3 w and its transpose [L, K, N], with the 128x128 block scales [L, N/128, K/128] and their
-    transpose [L, K/128, N/128]; one program per (expert, block row, block column), over the block in 32-row slices
-    (the amax first, then the quantization: a whole block in registers spills)."""
+    transpose [L, K/128, N/128]; one program per (expert, block row, block column), the block read once and
+    transposed in registers, so both copies store whole 128-byte rows (32-bit offsets from a 64-bit block base: with
+    64-bit offsets per element the whole block spills)."""
     e = tl.program_id(0).to(tl.int64)
-    bn = tl.program_id(1)
-    bk = tl.program_id(2)
-    k = bk * 128 + tl.arange(0, 128)
-    amax = 0.0
-    for i in tl.static_range(0, 128, 32):
-        n = bn * 128 + i + tl.arange(0, 32)
-        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :]).to(tl.float32))))
-    scale = amax / 448.0
+    bn, bk = tl.program_id(1), tl.program_id(2)
+    n, k = tl.arange(0, 128), tl.arange(0, 128)
+    block = e * N * K + bn * 128 * K + bk * 128  # the block's first element: 64-bit scalars, 32-bit offsets in it
+    vals = tl.load(w_ptr + block + n[:, None] * K + k[None, :]).to(tl.float32)
+    scale = tl.max(tl.max(tl.abs(vals), axis=1), axis=0) / 448.0
     scale = tl.where(scale > 0, scale, 1.0)
-    for i in tl.static_range(0, 128, 32):
-        n = bn * 128 + i + tl.arange(0, 32)
-        vals = tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :]).to(tl.float32)
-        q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + e * N * K + n[:, None] * K + k[None, :], q)
-        tl.store(qt_ptr + e * N * K + k[:, None] * N + n[None, :], tl.trans(q))  # transposed in registers: coalesced
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + block + n[:, None] * K + k[None, :], q)
+    block_t = e * N * K + bk * 128 * N + bn * 128
+    tl.store(qt_ptr + block_t + k[:, None] * N + n[None, :], tl.trans(q))
     tl.store(scale_ptr + (e * (N // 128) + bn) * (K // 128) + bk, scale)
     tl.store(scale_t_ptr + (e * (K // 128) + bk) * (N // 128) + bn, scale)
