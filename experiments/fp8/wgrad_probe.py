@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+from datetime import UTC, datetime
 
 import torch
 import triton
 import triton.language as tl
 
 from moe_lab.moe.fp8.kernels import _quantize_tiles
+from moe_lab.results.record import git_state
 
 SHAPES = {"qwen3_30b": (2048, 768), "qwen3_235b": (4096, 1536)}  # hidden, expert intermediate
 EXPERTS, ROWS_PER_EXPERT = 128, 1024
@@ -231,6 +233,8 @@ def main():
         "torch": torch.__version__,
         "triton": triton.__version__,
         "host": platform.node(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **git_state(),
         "experts": EXPERTS,
         "rows_per_expert": ROWS_PER_EXPERT,
         "points": points,

@@ -164,19 +164,26 @@ def swiglu_backward_fp8_kernel(
 @triton.jit
 def weight_blocks_kernel(w_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, N: tl.constexpr, K: tl.constexpr):
     """w [L, N, K] -> e4m3 w and its transpose [L, K, N], with the 128x128 block scales [L, N/128, K/128] and their
-    transpose [L, K/128, N/128]; one program per (expert, block row, block column), the block read once and
-    transposed in registers, so both copies store whole 128-byte rows (32-bit offsets from a 64-bit block base: with
-    64-bit offsets per element the whole block spills)."""
+    transpose [L, K/128, N/128]; one program per (expert, block row, block column), over the block in 32-row slices
+    (the amax first, then the quantization: a whole block in registers is slower, measured), each slice addressed by
+    32-bit offsets from the block's 64-bit base."""
     e = tl.program_id(0).to(tl.int64)
     bn, bk = tl.program_id(1), tl.program_id(2)
-    n, k = tl.arange(0, 128), tl.arange(0, 128)
-    block = e * N * K + bn * 128 * K + bk * 128  # the block's first element: 64-bit scalars, 32-bit offsets in it
-    vals = tl.load(w_ptr + block + n[:, None] * K + k[None, :]).to(tl.float32)
-    scale = tl.max(tl.max(tl.abs(vals), axis=1), axis=0) / 448.0
+    w_ptr += e * N * K + bn * 128 * K + bk * 128
+    q_ptr += e * N * K + bn * 128 * K + bk * 128
+    qt_ptr += e * N * K + bk * 128 * N + bn * 128
+    k = tl.arange(0, 128)
+    amax = 0.0
+    for i in tl.static_range(0, 128, 32):
+        n = i + tl.arange(0, 32)
+        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(w_ptr + n[:, None] * K + k[None, :]).to(tl.float32))))
+    scale = amax / 448.0
     scale = tl.where(scale > 0, scale, 1.0)
-    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + block + n[:, None] * K + k[None, :], q)
-    block_t = e * N * K + bk * 128 * N + bn * 128
-    tl.store(qt_ptr + block_t + k[:, None] * N + n[None, :], tl.trans(q))
+    for i in tl.static_range(0, 128, 32):
+        n = i + tl.arange(0, 32)
+        vals = tl.load(w_ptr + n[:, None] * K + k[None, :]).to(tl.float32)
+        q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale), -448.0), 448.0)).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + n[:, None] * K + k[None, :], q)
+        tl.store(qt_ptr + k[:, None] * N + n[None, :], tl.trans(q))  # transposed in registers: coalesced
     tl.store(scale_ptr + (e * (N // 128) + bn) * (K // 128) + bk, scale)
     tl.store(scale_t_ptr + (e * (K // 128) + bk) * (N // 128) + bn, scale)
