@@ -3,22 +3,39 @@ input-gradient GEMMs read w[e] as stored, transposed; DeepGEMM's FP8 kernels on 
 once per optimizer step.
 
 ``fp8_expert_weights`` is a custom op (a fake implementation, so a compiled block calls it like any op) whose
-implementation keeps one copy per parameter: it is reused while the parameter's storage and version counter are
-unchanged (every micro-batch and every recompute of a step) and made again after anything writes the parameter in
-place (the optimizer step bumps ``_version``). It is keyed on the tensor object itself (weakly), so a temporary that
-happens to reuse a freed parameter's address never hits.
+implementation keeps one copy per parameter: it is reused while nothing can have changed the parameter (every
+micro-batch and every recompute of a step) and made again after any optimizer step or in-place write. A copy is keyed
+on the tensor object itself (weakly, so a temporary that happens to reuse a freed parameter's address never hits), its
+storage, its version counter and the optimizer-step epoch: ``torch.optim.AdamW(fused=True)`` updates parameters
+without bumping their version counter, so the version alone let FP8 experts train on stale weights. The epoch moves
+on every ``torch.optim.Optimizer.step`` in the process (a global step hook): the plain, foreach and fused paths alike,
+the offload modes' chunk and host steps (all ``torch.optim.Optimizer`` subclasses) and the steps taken inside
+backward, whichever optimizer a config names.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_lab.moe.fp8 import quant
 
-_CACHE = WeakIdKeyDictionary()  # tensor -> (data_ptr, version, quantized)
+_CACHE = WeakIdKeyDictionary()  # tensor -> ((data_ptr, version, epoch), quantized)
 stats = {"quantized": 0, "reused": 0}
+_epoch = [0]  # optimizer steps taken in this process
+
+
+def _optimizer_stepped(optimizer, args, kwargs) -> None:
+    _epoch[0] += 1
+
+
+register_optimizer_step_post_hook(_optimizer_stepped)
+
+
+def _key(w: Tensor) -> tuple[int, int, int]:
+    return w.data_ptr(), w._version, _epoch[0]
 
 
 def quantize_expert_stack(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -43,11 +60,11 @@ def quantize_expert_stack(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def fp8_expert_weights(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The FP8 copy of expert stack ``w`` [L, N, K] (a parameter, written in place by its optimizer), cached."""
     hit = _CACHE.get(w)
-    if hit is not None and hit[:2] == (w.data_ptr(), w._version):
+    if hit is not None and hit[0] == _key(w):
         stats["reused"] += 1
-        return hit[2]
+        return hit[1]
     out = quantize_expert_stack(w.detach())
-    _CACHE[w] = (w.data_ptr(), w._version, out)
+    _CACHE[w] = (_key(w), out)
     stats["quantized"] += 1
     return out
 
