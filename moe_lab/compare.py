@@ -14,8 +14,14 @@ run found is the reference. Runs are aligned by step. The band at step s is the 
 between any two of them (the reference included), carried forward as a running maximum: repeats drift apart as they
 train, and a step at which they happen to agree again is no tighter bound than the steps before it. Without
 ``--noise``, a noise record ``noise.json`` in the reference's directory or its parent (the sweep) is read, if
-there is one. Exit status 1 names the run, step, difference and band of each curve that leaves its band (or, with
-``--assert-equal``, differs at all), or that failed or lacks steps; 0 otherwise.
+there is one. A run's metrics.jsonl whose last line was cut short (a run killed while writing it) is read as its
+steps so far, and said so.
+
+Exit status: 0 when every run stays in its band (with no check asked: every run ran, and its differences are only
+shown); 1 when a run leaves its band (or, with ``--assert-equal``, differs at all), failed, lacks steps or has no step
+in common with the reference, each named with its step, difference and band; 2 when an argument is wrong or a run
+cannot be read (no such directory, no result.json, a record or metrics.jsonl that is not one), in one line naming
+the run and the file.
 """
 
 from __future__ import annotations
@@ -24,32 +30,47 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from moe_lab.results.record import RESULT
-from moe_lab.results.table import load_files, point_labels, result_files, step_rows
+from moe_lab.results.record import METRICS, RESULT
+from moe_lab.results.table import load_files, metric_rows, point_labels, result_files
 
 NOISE_RECORD = "noise.json"
+
+
+class Unreadable(Exception):
+    """A run or file this comparison cannot read; its message is one line naming it (exit status 2)."""
 
 
 def run_dirs(paths: list[str | Path]) -> list[Path]:
     """Each path a run directory, or a sweep directory standing for its points (in job order)."""
     found: list[Path] = []
     for path in map(Path, paths):
+        if not path.is_dir():
+            raise Unreadable(f"{path}: no such run directory")
         runs = [path] if (path / RESULT).exists() else [f.parent for f in result_files(path)]
         if not runs:
-            raise FileNotFoundError(f"no {RESULT} in or under {path}")
+            raise Unreadable(f"{path}: no {RESULT} in it or under it (not a run directory, nor a sweep of them)")
         found += [r for r in runs if r not in found]
     return found
 
 
 def load_runs(paths: list[str | Path]) -> pd.DataFrame:
     """The runs' records (``moe_lab.results.table``), one row each, with ``label``: what tells them apart (the axes
-    they vary, else the run directory's name), unique."""
-    df = load_files([d / RESULT for d in run_dirs(paths)])
+    they vary, else the run directory's name), unique. ``Unreadable`` names a record that is none, and a run without
+    a metrics.jsonl that should have one (the reference, or a run whose record says ok)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an unreadable record is refused below, by name
+        df = load_files([d / RESULT for d in run_dirs(paths)])
+    for i, (run_dir, status, message) in enumerate(df[["run_dir", "status", "error_message"]].itertuples(False)):
+        if status == "unreadable":
+            raise Unreadable(f"{run_dir}: {message}")
+        if (i == 0 or status == "ok") and not (Path(run_dir) / METRICS).is_file():
+            raise Unreadable(f"{run_dir}: no {METRICS} ({Path(run_dir) / METRICS}), though its record says {status}")
     axes = list(point_labels(df)) if len(df) > 1 else list(df["run_dir"])
     names = [Path(d).name for d in df["run_dir"]]
     short = names if len(set(names)) == len(names) else list(df["run_dir"])
@@ -60,11 +81,16 @@ def load_runs(paths: list[str | Path]) -> pd.DataFrame:
 
 def curves(runs: pd.DataFrame, metric: str = "loss") -> pd.DataFrame:
     """Each run's ``metric`` by step (``metrics.jsonl``): index step, one column per run label, NaN where a run has
-    no value at a step."""
+    no value at a step. A metrics.jsonl cut short in its last line reads as its steps so far, with a warning; one
+    with another line that is no row is ``Unreadable``."""
     columns = {}
-    for i, label in enumerate(runs["label"]):
-        rows = step_rows(runs.iloc[[i]]).dropna(subset=[metric])
-        columns[label] = rows.set_index("step")[metric]
+    for label, run_dir in zip(runs["label"], runs["run_dir"]):
+        path = Path(run_dir) / METRICS
+        try:
+            rows = pd.DataFrame(metric_rows(path) if path.is_file() else [])
+        except ValueError as e:  # metric_rows names the file and line
+            raise Unreadable(str(e)) from None
+        columns[label] = rows.set_index("step")[metric].dropna() if metric in rows else pd.Series(dtype=float)
     return pd.DataFrame(columns).sort_index()
 
 
@@ -115,7 +141,10 @@ def check(
     table: pd.DataFrame, runs: pd.DataFrame, band: pd.Series | None, atol: float, rtol: float, exact: bool
 ) -> list[Verdict]:
     """Each run against the reference (``table``'s first column): its largest difference and whether it stays in
-    its band (``band`` + atol + rtol * |reference|; ``exact``: bitwise equal at every step)."""
+    its band (``band`` + atol + rtol * |reference|; ``exact``: bitwise equal at every step). With no check at all (no
+    band, atol, rtol or ``exact``) a run that ran is ok and its differences are only described; a failed run, or one
+    with no step in common with the reference, fails whatever the check."""
+    checked = exact or band is not None or bool(atol) or bool(rtol)
     reference = table.columns[0]
     ref = table[reference]
     verdicts = []
@@ -131,7 +160,12 @@ def check(
             continue
         worst = diff.abs().idxmax()
         rms = math.sqrt(float((diff**2).mean()))
-        if exact:
+        if not checked:
+            ok = True
+            message = f"{label}: largest difference {diff[worst]:+.3e} at step {worst}; root mean square {rms:.3e}" + (
+                f"; steps {list(missing)[:5]} are in one run only" if not missing.empty else ""
+            )
+        elif exact:
             unequal = diff.index[diff != 0]
             ok = unequal.empty and missing.empty
             first = unequal[0] if len(unequal) else None
@@ -269,14 +303,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.assert_equal and (args.rtol or args.atol):
         parser.error("--assert-equal checks bitwise equality: give no --rtol / --atol with it")
+    try:
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            return _compare(args, parser, notes)
+    except Unreadable as e:
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        return 2
 
+
+def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser, notes: list) -> int:
     runs = load_runs(args.runs)
     if len(runs) < 2:
         parser.error(f"need two runs or more, found {len(runs)} in {' '.join(args.runs)}")
     table = curves(runs, args.metric)
-    if table.iloc[:, 0].isna().all():
-        print(f"{runs['label'].iloc[0]} (the reference) has no {args.metric} in its metrics.jsonl", file=sys.stderr)
-        return 1
+    if table.empty or table.iloc[:, 0].isna().all():
+        reference_dir = Path(runs["run_dir"].iloc[0])
+        raise Unreadable(f"{reference_dir} (the reference): no {args.metric} in {reference_dir / METRICS}")
     band, band_from = None, None
     reference_dir = Path(runs["run_dir"].iloc[0])
     records = [p for p in (args.noise or []) if Path(p).is_file()]
@@ -304,13 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     if not records and band is None and not args.assert_equal:
         records = [p for p in committed if p.is_file()][:1]
     if records:
-        band = pd.concat([read_noise(Path(p), table.index) for p in records], axis=1).max(axis=1).rename("noise")
+        try:
+            bands = [read_noise(Path(p), table.index) for p in records]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise Unreadable(f"noise record {', '.join(map(str, records))}: {e}") from None
+        band = pd.concat(bands, axis=1).max(axis=1).rename("noise")
         band_from = f"noise record {', '.join(map(str, records))}"
     if band is not None and args.noise_factor != 1:
         band = band * args.noise_factor
         band_from += f", x {args.noise_factor:g}"
 
     pd.set_option("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.6g}".format)
+    for note in notes:  # a metrics.jsonl read as its steps so far
+        print(f"note: {note.message}")
     print(f"reference: {runs['label'].iloc[0]} ({reference_dir}); {args.metric} by step")
     print(difference_table(table, band).to_string())
     checked = args.assert_equal or band is not None or args.rtol or args.atol
@@ -336,13 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     verdicts = check(table, runs, band, args.atol, args.rtol, args.assert_equal)
     for v in verdicts:
-        failed = not v.ok and (checked or v.message.startswith(f"{v.label}: status"))
-        print(("FAIL " if failed else "ok   " if checked else "     ") + v.message)
+        print(("FAIL " if not v.ok else "ok   " if checked else "     ") + v.message)
     if args.plot:
         plot(table, band, args.plot, args.metric)
         print(f"plot: {args.plot}")
-    failed = [v for v in verdicts if not v.ok and (checked or v.message.startswith(f"{v.label}: status"))]
-    return 1 if failed else 0
+    return 0 if all(v.ok for v in verdicts) else 1
 
 
 if __name__ == "__main__":

@@ -124,3 +124,63 @@ def test_a_failed_or_short_run_fails_the_comparison(tmp_path):
     assert compare.main([str(ref), str(failed), "--rtol", "1"]) == 1
     assert compare.main([str(ref), str(short), "--assert-equal"]) == 1
     assert compare.main([str(ref), str(short), "--atol", "1"]) == 1
+
+
+def test_bad_input_is_one_line_naming_the_run_and_the_file(tmp_path, capsys):
+    """Exit 2 with one line, no traceback: a run directory that does not exist, one holding no record, a record that
+    is none, an ok run without its metrics.jsonl, and a metrics.jsonl with a line in the middle that is no row."""
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_record = fake_run(tmp_path / "no_record", [3.0], lr=0.2)
+    (no_record / RESULT).write_text('{"status": "ok", "conf')
+    no_metrics = fake_run(tmp_path / "no_metrics", [3.0], lr=0.3)
+    (no_metrics / METRICS).unlink()
+    bad_row = fake_run(tmp_path / "bad_row", [3.0, 2.5], lr=0.4)
+    (bad_row / METRICS).write_text('{"step": 0, "loss": 3.0}\nnot json\n{"step": 2, "loss": 2.0}\n')
+    for run, expected in (
+        (tmp_path / "missing", f"{tmp_path / 'missing'}: no such run directory"),
+        (empty, f"{empty}: no result.json in it or under it"),
+        (no_record, f"{no_record}: {no_record / RESULT}: "),
+        (no_metrics, f"{no_metrics}: no metrics.jsonl ({no_metrics / METRICS}), though its record says ok"),
+        (bad_row, f"{bad_row / METRICS}: line 2 is no metrics row"),
+    ):
+        for check in ([], ["--assert-equal"]):
+            assert compare.main([str(ref), str(run), *check]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"python -m moe_lab.compare: {expected}") and err.count("\n") == 1, err
+    # A failed run may have no metrics.jsonl: it fails the comparison as a failed run (1), not as bad input.
+    failed = fake_run(tmp_path / "failed", [], status="oom", lr=0.5)
+    (failed / METRICS).unlink()
+    assert compare.main([str(ref), str(failed)]) == 1
+
+
+def test_a_cut_last_line_reads_as_the_steps_so_far_and_says_so(tmp_path, capsys):
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
+    killed = fake_run(tmp_path / "killed", [3.0, 2.5, 2.0], lr=0.2)
+    text = (killed / METRICS).read_text()
+    (killed / METRICS).write_text(text[: len(text) - 9])  # as a run killed mid-write leaves it
+    assert compare.main([str(ref), str(killed)]) == 0  # no check asked: shown, not failed
+    out = capsys.readouterr().out
+    assert (
+        f"note: {killed / METRICS}: its last line is cut short (a run stopped while writing it): read up to step 1"
+        in out
+    )
+    assert "steps [2] are in one run only" in out
+    assert compare.main([str(ref), str(killed), "--assert-equal"]) == 1
+    assert "equal where both have a value, but steps [2] are in one run only" in capsys.readouterr().out
+    assert compare.main([str(killed), str(ref), "--atol", "1"]) == 1  # as the reference too: step 2 in one run only
+    assert "within the band where both have a value, but steps [2] are in one run only" in capsys.readouterr().out
+
+
+def test_with_no_check_differences_are_shown_not_judged_and_integer_keys_stay_integers(tmp_path, capsys):
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
+    deeper = fake_run(tmp_path / "deeper", [3.0, 2.45, 2.1], lr=0.1)
+    record = json.loads((deeper / RESULT).read_text())
+    record["overrides"] = ["model.num_layers=4"]
+    record["config"]["model"] = {"num_layers": 4}
+    (deeper / RESULT).write_text(json.dumps(record))
+    assert compare.main([str(ref), str(deeper)]) == 0
+    out = capsys.readouterr().out
+    assert "     model.num_layers=4: largest difference +1.000e-01 at step 2" in out, out
+    assert "band" not in out.split("check: none")[1] and "4.0" not in out

@@ -124,6 +124,12 @@ def load_files(paths: list[Path]) -> pd.DataFrame:
     # a column first seen in a later row at the end): varying_axes reads the axes from there.
     head = ["run_dir", "status", "error_type", "error_message"]
     axes = list(dict.fromkeys(c for row in rows for c in list(row)[len(head) : list(row).index("overrides")]))
+    for axis in axes:
+        # An integer key some points lack would read as floats (pandas fills the gaps with NaN): model.num_layers=4,
+        # not 4.0.
+        values = [row[axis] for row in rows if axis in row]
+        if len(values) < len(rows) and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            df[axis] = df[axis].astype("Int64")
     return df[head + axes + [c for c in df.columns if c not in head and c not in axes]]
 
 
@@ -165,23 +171,27 @@ def point_labels(df: pd.DataFrame) -> pd.Series:
         return df["run_dir"]
 
     def label(row) -> str:
-        named = " ".join(f"{k}={v}" for k, v in row[axes].items() if not (isinstance(v, float) and math.isnan(v)))
+        named = " ".join(f"{k}={v}" for k, v in row[axes].items() if not _missing(v))
         return named or row["run_dir"]
 
     return df.apply(label, axis=1)
 
 
+def _missing(value) -> bool:
+    return value is pd.NA or (isinstance(value, float) and math.isnan(value))
+
+
 def step_rows(df: pd.DataFrame) -> pd.DataFrame:
     """Every point's ``metrics.jsonl``, one row per step: ``point`` (``point_labels``), ``step``, ``loss``,
     ``eval_loss`` (NaN where not evaluated), and at the steps with an ``expert_load`` row the mean over layers of
-    its ``max_over_mean`` and ``busiest_ep_rank_share``. Points without the file add no rows."""
+    its ``max_over_mean`` and ``busiest_ep_rank_share``. Points without the file add no rows (``metric_rows``: a
+    last line cut short is left out, with a warning)."""
     rows = []
     for (_, point), label in zip(df.iterrows(), point_labels(df)):
         path = Path(point["run_dir"]) / METRICS
         if not path.exists():
             continue
-        for line in path.read_text().splitlines():
-            step = json.loads(line)
+        for step in metric_rows(path):
             load = step.get("expert_load") or {}
             rows.append(
                 {
@@ -197,6 +207,28 @@ def step_rows(df: pd.DataFrame) -> pd.DataFrame:
                 }
             )
     return pd.DataFrame(rows, columns=["point", "step", "loss", "eval_loss", "max_over_mean", "busiest_ep_rank_share"])
+
+
+def metric_rows(path: Path) -> list[dict]:
+    """A metrics.jsonl's rows. A last line cut short (a run killed while writing it) is left out with a warning, so
+    the file reads as the run's steps so far; any other line that is no row is a ValueError naming file and line."""
+    lines = Path(path).read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError(f"a JSON {type(row).__name__} without a step")
+        except ValueError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}: line {number} is no metrics row: {e}") from None
+            steps = f"up to step {rows[-1]['step']}" if rows else "no step"
+            warnings.warn(
+                f"{path}: its last line is cut short (a run stopped while writing it): read {steps}", stacklevel=3
+            )
+            break
+        rows.append(row)
+    return rows
 
 
 def layer_load(df: pd.DataFrame) -> pd.DataFrame:
