@@ -2,7 +2,7 @@
 # One sitting of the studies behind docs/performance.md on a two-GPU H200 machine, in phases that each fit a
 # 10-minute device call. Each phase runs studies' experiments/<study>/run.sh: their records land in the studies'
 # records/ folders and, with OUT_DIR, also as OUT_DIR/<study>-<records folder>-<stamp>.tgz (unpack each with `tar -xzf` in the
-# checkout's root, then regenerate the docs' tables with `python experiments/doc_tables.py`).
+# checkout's root, then regenerate the docs' tables with `python -m moe_lab.report`).
 #   bash experiments/performance_suite.sh PHASE [OUT_DIR]
 #   two_gpu          grid_30b two_gpu
 #   torchtitan       torchtitan_baseline two_gpu (its four AC settings)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top. A layer may import its own and every lower layer. runtime: leaf helpers (errors, device, host
 # reads, paths); moe: router, experts, dispatchers; models: Qwen3-MoE, HF config and weights; parallel: mesh, FSDP2,
 # EP, AC, compile; config validates by building the options of all of them (and reads checkpoint directories);
-# plan and job use everything below; the entry points sit on top.
+# plan and job use everything below; the entry points (report: the docs' tables, from records and plans) sit on top.
 LAYERS = (
     ("runtime",),
     ("moe",),
@@ -36,7 +36,7 @@ LAYERS = (
     ("results",),
     ("plan",),
     ("job",),
-    ("train", "export", "compare"),
+    ("train", "export", "compare", "report"),
 )
 LAYER_OF = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 

@@ -1,5 +1,5 @@
 """The generated tables of README.md, docs/, experiments/README.md and the studies' READMEs equal what
-experiments/doc_tables.py makes of the committed records (the schema, the studies' READMEs) they name, and every
+moe_lab.report makes of the committed records (the schema, the studies' READMEs) they name, and every
 table cites its records."""
 
 from __future__ import annotations
@@ -11,37 +11,28 @@ import sys
 
 import pytest
 
+from moe_lab import report
 from tests.sweep import ROOT
-
-
-@pytest.fixture(scope="module")
-def tables():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import doc_tables
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
-    return doc_tables
 
 
 def test_generated_tables_are_up_to_date():
     proc = subprocess.run(
-        [sys.executable, "experiments/doc_tables.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "moe_lab.report", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_a_changed_figure_is_regenerated_from_its_record(tables):
+def test_a_changed_figure_is_regenerated_from_its_record():
     doc = (ROOT / "docs" / "performance.md").read_text()
-    assert tables.render(doc) == doc
+    assert report.render(doc) == doc
     stale = doc.replace("| 30B | 16,384 | balanced | 24.73 |", "| 30B | 16,384 | balanced | 99.99 |")
-    assert stale != doc and tables.render(stale) == doc  # regenerating restores the measured figure
+    assert stale != doc and report.render(stale) == doc  # regenerating restores the measured figure
 
 
-def test_every_table_names_existing_records_and_cites_them(tables):
-    docs = [path.read_text() for path in tables.DOCS]
-    blocks = [m for doc in docs for m in tables.BLOCK.finditer(doc)]
-    assert len(blocks) >= 20 and {m["kind"] for m in blocks} == set(tables.KINDS)  # every kind in use
+def test_every_table_names_existing_records_and_cites_them():
+    docs = [path.read_text() for path in report.DOCS]
+    blocks = [m for doc in docs for m in report.BLOCK.finditer(doc)]
+    assert len(blocks) >= 20 and {m["kind"] for m in blocks} == set(report.KINDS)  # every kind in use
     for m in blocks:
         paths = m["args"].split()
         assert paths and all((ROOT / p).exists() for p in paths), m.group(1)
@@ -49,30 +40,30 @@ def test_every_table_names_existing_records_and_cites_them(tables):
             assert all(f"`{p}`" in m["body"] for p in paths), m.group(1)  # under the table or in its raw column
 
 
-def test_the_study_index_lists_every_study_with_what_its_records_hold(tables):
-    index = tables.studies("experiments")
+def test_the_study_index_lists_every_study_with_what_its_records_hold():
+    index = report.studies("experiments")
     studies = sorted(p.parent.name for p in (ROOT / "experiments").glob("*/README.md"))
     assert [line.split("](")[0].removeprefix("| [") for line in index.splitlines()[2:]] == studies
     for study in studies:
         row = next(line for line in index.splitlines() if line.startswith(f"| [{study}]"))
         ran = row.split(" | ")[2]
-        sittings = tables._sittings(ROOT / "experiments" / study)
-        assert ran == ("; ".join(f"{machine} ({tables._utc(start)})" for machine, start in sittings) or "not run"), row
+        sittings = report._sittings(ROOT / "experiments" / study)
+        assert ran == ("; ".join(f"{machine} ({report._utc(start)})" for machine, start in sittings) or "not run"), row
     assert "| [grid_235b](grid_235b/README.md) |" in index and "h200_1gpu (2026-12-01 11:19)" in index
 
 
-def test_every_headline_cites_records_that_exist(tables):
+def test_every_headline_cites_records_that_exist():
     for readme in sorted((ROOT / "experiments").glob("*/README.md")):
-        for m in tables.STUDY_PARAGRAPH.finditer(readme.read_text()):
+        for m in report.STUDY_PARAGRAPH.finditer(readme.read_text()):
             if m["name"] == "Headline":
                 cited = re.findall(r"`(experiments/[^`]+)`", m["text"])
                 assert cited and all((ROOT / p).exists() for p in cited), (readme, m["text"])
 
 
-def test_the_key_reference_lists_every_option_and_schema_key(tables):
+def test_the_key_reference_lists_every_option_and_schema_key():
     from moe_lab.config.help import SECTIONS, key_rows
 
-    reference = tables.keys("moe_lab/config/schema.py", "conf")
+    reference = report.keys("moe_lab/config/schema.py", "conf")
     for path in (ROOT / "conf").glob("*/*.yaml"):
         if path.parent.name not in ("hydra", "hardware"):
             assert f"| `{path.stem}`" in reference, path
@@ -81,11 +72,11 @@ def test_the_key_reference_lists_every_option_and_schema_key(tables):
     assert "| `parallel.ep` | `1` |" in reference
 
 
-def test_a_table_naming_a_missing_record_fails(tables):
+def test_a_table_naming_a_missing_record_fails():
     with pytest.raises(FileNotFoundError, match="no record at experiments/nope"):
-        tables.render("<!-- table: grid experiments/nope -->\n<!-- /table -->")
+        report.render("<!-- table: grid experiments/nope -->\n<!-- /table -->")
     with pytest.raises(KeyError, match="no generator for table kind 'nope'"):
-        tables.render("<!-- table: nope x -->\n<!-- /table -->")
+        report.render("<!-- table: nope x -->\n<!-- /table -->")
 
 
 def _ours(directory, points, gpus=2, seq=16384):
@@ -128,7 +119,7 @@ def _titan(path, points, gpus=2, seq=16384):
     return str(path)
 
 
-def test_best_vs_best_divides_the_fastest_by_the_fastest_and_says_what_each_side_ran(tables, tmp_path):
+def test_best_vs_best_divides_the_fastest_by_the_fastest_and_says_what_each_side_ran(tmp_path):
     ours = _ours(
         tmp_path / "ours",
         [
@@ -142,7 +133,7 @@ def test_best_vs_best_divides_the_fastest_by_the_fastest_and_says_what_each_side
         tmp_path / "titan.json",
         [("none", "ok", 40_800, 87.0), ("full", "ok", 35_800, 79.7), ("layer-selective", "oom", None, None)],
     )
-    row = tables.best_vs_best(ours, titan).splitlines()[2].split(" | ")
+    row = report.best_vs_best(ours, titan).splitlines()[2].split(" | ")
     assert row[:4] == ["| Qwen3-235B-A22B, 2 layers", "2", "16,384", "fused + selective AC"]
     assert row[4:7] == ["51,000", "51.0 %", "70.2"]  # our fastest, not the same-AC point
     assert row[7:11] == ["none", "40,800", "40.8 %", "87.0"]  # torchtitan's fastest that ran
@@ -153,7 +144,7 @@ def test_best_vs_best_divides_the_fastest_by_the_fastest_and_says_what_each_side
     )
     assert row[13] == "none, full, layer-selective (oom); not run: op-selective |"
     failed = _titan(tmp_path / "failed.json", [("none", "oom", None, None)])
-    row = tables.best_vs_best(ours, failed).splitlines()[2].split(" | ")
+    row = report.best_vs_best(ours, failed).splitlines()[2].split(" | ")
     assert row[7:12] == ["(none ok)", "", "", "", ""]  # nothing to divide by
     with pytest.raises(ValueError, match="is .*1, 16384.* is .*2, 16384"):
-        tables.best_vs_best(_ours(tmp_path / "one_gpu", [("fused", "selective", "ok", 1, 1)], gpus=1), titan)
+        report.best_vs_best(_ours(tmp_path / "one_gpu", [("fused", "selective", "ok", 1, 1)], gpus=1), titan)

@@ -1,8 +1,10 @@
 """The generated tables of README.md, docs/, experiments/README.md and the studies' READMEs, made from the committed
 records (and the key reference, from the config schema and conf/; the study index, from the studies' READMEs).
 
-    python experiments/doc_tables.py           # rewrite every generated table
-    python experiments/doc_tables.py --check   # exit 1 if a table differs from what its records give
+    python -m moe_lab.report           # rewrite every generated table
+    python -m moe_lab.report --check   # exit 1 if a table differs from what its records give
+
+It works on the checkout the package is imported from (the records and docs stay there; a wheel carries neither).
 
 A generated table sits between ``<!-- table: KIND PATH... -->`` and ``<!-- /table -->``; everything else is prose.
 The marker names the records (paths from the repository root: a sweep directory, or a raw JSON file), and the
@@ -13,8 +15,8 @@ are read with ``moe_lab.results.load``, the loader the notebook uses.
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
-import importlib.util
 import json
 import math
 import re
@@ -26,7 +28,7 @@ import pandas as pd
 from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.results import load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: the package's folder is its root's (pyproject's package-dir)
 CONF = ROOT / "conf"  # a group's options: its yaml files
 DOCS = [
     ROOT / "README.md",
@@ -66,16 +68,17 @@ def raw(path: str) -> dict:
     return json.loads((ROOT / path).read_text())
 
 
-def _torchtitan_ac_settings() -> tuple[str, ...]:
-    spec = importlib.util.spec_from_file_location(
-        "torchtitan_baseline", ROOT / "experiments" / "torchtitan_baseline" / "torchtitan_baseline.py"
+@functools.cache
+def torchtitan_ac_settings() -> tuple[str, ...]:
+    """Every AC setting torchtitan offers that the baseline can run: the keys of the study script's ``AC_SETTINGS``
+    literal (read, not imported: the script is no module of the package)."""
+    script = ast.parse((ROOT / "experiments" / "torchtitan_baseline" / "torchtitan_baseline.py").read_text())
+    settings = next(
+        node.value
+        for node in script.body
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["AC_SETTINGS"]
     )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return tuple(module.AC_SETTINGS)
-
-
-TORCHTITAN_AC_SETTINGS = _torchtitan_ac_settings()  # every AC setting torchtitan offers that the baseline can run
+    return tuple(ast.literal_eval(settings))
 
 
 def titan_setting(point: dict) -> str:
@@ -226,7 +229,7 @@ def titan_setup(path: str) -> tuple[str, int, int]:
 def titan_covered(points: dict[str, dict]) -> str:
     """The AC settings a torchtitan file ran (a failed one with its status), and those of torchtitan's it did not."""
     ran = ", ".join(ac if p["status"] == "ok" else f"{ac} ({p['status']})" for ac, p in points.items())
-    missing = [ac for ac in TORCHTITAN_AC_SETTINGS if ac not in points]
+    missing = [ac for ac in torchtitan_ac_settings() if ac not in points]
     return ran + (f"; not run: {', '.join(missing)}" if missing else "")
 
 
@@ -808,7 +811,7 @@ def main() -> None:
             if not args.check:
                 path.write_text(new)
     if args.check and stale:
-        sys.exit(f"out of date with their records: {', '.join(map(str, stale))}: run python experiments/doc_tables.py")
+        sys.exit(f"out of date with their records: {', '.join(map(str, stale))}: run python -m moe_lab.report")
 
 
 if __name__ == "__main__":
