@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from moe_lab.data.batch import DataSource
 from moe_lab.metrics.logger import ExperimentLogger
+from moe_lab.models.loss import LanguageModelLoss
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import TokenDispatcher
 from moe_lab.optim.offload import Offload
@@ -28,11 +29,12 @@ class Options:
     ac: Checkpointing
     offload: Offload
     make_optimizer: OptimizerFactory  # params -> torch.optim.Optimizer (a partial of the optimizer class)
+    loss: LanguageModelLoss  # (hidden, head weight, labels) -> the loss; called in the model's forward
     data: DataSource
     logger: ExperimentLogger  # used on rank 0 only
 
     def with_rules(self) -> list:
-        """The options that own cross-group rules (their ``validate(cfg)``), in the order validation runs them."""
+        """The options that own cross-group rules (their ``validate(cfg, target)``), in the order validation runs them."""
         return [self.dispatcher, self.ac, self.offload, self.data, self.logger]
 
 
@@ -46,6 +48,7 @@ _GROUP_OF = {
     "ac": "ac",
     "offload": "offload",
     "make_optimizer": "optimizer",
+    "loss": "loss",
     "data": "data",
     "logger": "logger",
 }
@@ -55,6 +58,7 @@ CONTRACTS = {
     "ac": Checkpointing,
     "offload": Offload,
     "make_optimizer": OptimizerFactory,
+    "loss": LanguageModelLoss,
     "data": DataSource,
     "logger": ExperimentLogger,
 }

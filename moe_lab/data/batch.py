@@ -28,9 +28,10 @@ class DataSource(Protocol):
     each step and ``eval_batch`` for evaluation; the checkpointer ``state_dict`` / ``load_state_dict`` (one state
     per rank). A batch is a function of its arguments, so every mesh shape trains on the same global batch."""
 
-    def validate(self, cfg) -> None:
+    def validate(self, cfg, target) -> None:
         """Refuse, with a ``ConfigError`` naming the key, a composed config these batches do not fit (a vocabulary
-        larger than the model's); the default accepts every config."""
+        larger than the model's; ``target``: where they are read, ``moe_lab.runtime.device.Target``); the default
+        accepts every config."""
 
     def batch(self, step: int, dp_rank: int, dp_size: int, micro_batch: int = 0, micro_batches: int = 1) -> Batch:
         """Micro-batch ``micro_batch`` (of ``micro_batches``) of rank ``dp_rank``'s (of ``dp_size``) share of step

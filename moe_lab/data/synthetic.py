@@ -33,7 +33,7 @@ class SyntheticData(DataSource):
         # has been checked against the model's.
         return torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
 
-    def validate(self, cfg) -> None:
+    def validate(self, cfg, target) -> None:
         if not 1 <= self.vocab_size <= cfg.model.vocab_size:
             raise ConfigError(
                 "data.vocab_size", f"must be in [1, model.vocab_size={cfg.model.vocab_size}], got {self.vocab_size}"

@@ -118,7 +118,7 @@ class TokenData(DataSource):
         self.resume_step, self.resume_sample = 0, 0  # the position a resumed run starts from
         self.next_step, self.next_sample = 0, 0  # the position after the last batch handed out
 
-    def validate(self, cfg) -> None:
+    def validate(self, cfg, target) -> None:
         for name in SPLITS:
             self.check_split_files(name)
         vocab = self.meta["vocab_size"]

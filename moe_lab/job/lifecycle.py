@@ -42,6 +42,7 @@ from moe_lab.job.launcher import (
     adopt_slurm_environment,
     launch_local,
     shared_run_dir,
+from moe_lab.config.validate import job_target
     spawns_ranks,
     started_by_outer_launcher,
 )
@@ -181,7 +182,8 @@ def _run_point(
         if earlier is not None:
             return earlier
     try:
-        options = config.validate(cfg)
+        options = config.validate(cfg, job_target(cfg))
+        check_resume_step(cfg)
     except Exception as e:  # a ConfigError, or a check that failed in an unexpected way: a config this job cannot run
         return _record_invalid(cfg, run_dir, meta, multirun, rank0, e)
     if cfg.trainer.dry_run:

@@ -16,9 +16,9 @@ from typing import Literal, Protocol, runtime_checkable
 class ExperimentLogger(Protocol):
     """What a ``logger`` option provides; the job calls these on rank 0 only, in this order."""
 
-    def validate(self, cfg) -> None:
-        """Refuse, with a ``ConfigError`` naming the key, a composed config this logger cannot log; the default
-        accepts every config."""
+    def validate(self, cfg, target) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this logger cannot log (``target``: where
+        it runs, ``moe_lab.runtime.device.Target``); the default accepts every config."""
 
     def start(self, run_dir: Path, record: dict) -> None:
         """Before the first step: ``record`` is the point's record so far (choices, overrides, sweep, resolved

@@ -7,8 +7,8 @@ returns y[t] = sum_k w[t, k] * Expert_{id[t, k]}(x[t]), each expert evaluated on
 takes weights, never a module.
 
 Each class declares ``saved_ops``: the ops whose outputs ac=selective keeps, so that recompute never re-routes or
-re-communicates (``moe_lab.parallel.ac``); and ``validate(cfg)`` rejects configurations it cannot run
-before anything is built.
+re-communicates (``moe_lab.parallel.ac``); and ``validate(cfg, target)`` rejects configurations it cannot run
+where they are to run (``moe_lab.runtime.device.Target``) before anything is built.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from einops import rearrange
 from moe_lab.moe import fused  # registers torch.ops.moe_lab.fused_moe
 from moe_lab.moe.collectives import all_to_all_rows, exchange_counts
 from moe_lab.moe.experts import compute_dtype, grouped_swiglu
-from moe_lab.moe.fused import fp8_ops  # registers torch.ops.moe_lab.fused_moe_fp8
-from moe_lab.runtime.device import computes_in_bf16, ranks_per_node, runs_on_cuda
+from moe_lab.moe.fp8.quant import TILE
+from moe_lab.moe.fused.ops import align, fused_moe_layer
+from moe_lab.runtime.device import Target, deep_gemm_import_error
 from moe_lab.runtime.errors import ConfigError
 from moe_lab.runtime.host_read import to_host
 
@@ -59,9 +60,37 @@ class TokenDispatcher(abc.ABC):
         """y [T, H] for the rank's tokens x [T, H], their routing [T, K] and the local experts' stacked weights (the
         module docstring's contract)."""
 
-    def validate(self, cfg) -> None:  # noqa: B027 (not abstract: a dispatcher without rules inherits acceptance)
-        """Refuse, with a ``ConfigError`` naming the key, a composed config this dispatcher cannot run (shapes its
-        GEMMs cannot take, a mesh its exchange cannot span); the default accepts every config."""
+    def validate(self, cfg, target: Target) -> None:  # noqa: B027 (not abstract: a dispatcher without rules inherits acceptance)
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this dispatcher cannot run on ``target``
+        (shapes its GEMMs cannot take, a mesh its exchange cannot span); the default accepts every config."""
+
+
+def check_fp8(cfg, target: Target, emulated: bool) -> None:
+    """Where ``dispatcher.expert_precision=fp8`` can run: 128-multiple expert shapes always (the tiles); an emulation
+    (plain PyTorch, the same quantization) anywhere; otherwise a CUDA GPU of compute capability 9.0+ with DeepGEMM (a
+    planned GPU's profile says whether it runs FP8: ``moe_lab.plan``)."""
+    key = "dispatcher.expert_precision"
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if cfg.model[name] % TILE:
+            raise ConfigError(
+                f"model.{name}",
+                f"{key}=fp8 quantizes in {TILE}-wide tiles: needs a multiple of {TILE}, got {cfg.model[name]}",
+            )
+    if emulated:
+        return
+    if not target.runs_on_cuda(cfg.trainer):
+        raise ConfigError(
+            key,
+            "fp8 runs DeepGEMM's FP8 GEMMs on an SM90+ GPU; without CUDA only its emulation (dispatcher=fused with "
+            "dispatcher.backend=reference, or dispatcher=torch on CPU) runs it (slowly)",
+        )
+    capability = target.compute_capability
+    if capability is not None and capability < (9, 0):
+        raise ConfigError(key, f"fp8 needs compute capability 9.0+ (Hopper), this GPU has {capability}; use bf16")
+    if target.deep_gemm_error is not None:
+        raise ConfigError(
+            key, f"fp8 needs deep_gemm, which cannot be imported there ({target.deep_gemm_error}); use bf16"
+        )
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -111,9 +140,9 @@ class TorchDispatcher(TokenDispatcher):
     reverse path. Works over gloo (CPU) and NCCL (GPU). The collectives are custom ops (``moe_lab.moe.collectives``),
     so a block compiles whole.
 
-    ``expert_precision``: ``bf16`` (``grouped_swiglu``) or ``fp8``: the experts' GEMMs in blockwise FP8
-    (``moe_lab.moe.fused.fp8_ops.fp8_grouped_swiglu``: DeepGEMM on SM90+, the reference emulation on CPU); the rows
-    still travel in bf16.
+    ``expert_precision``: ``bf16`` or ``fp8``: ``grouped_swiglu``'s two GEMMs in blockwise FP8
+    (``moe_lab.moe.fp8.grouped.fp8_grouped_mm``: DeepGEMM on SM90+ over a 128-aligned layout sized without reading the
+    counts, so no host sync is added; the emulation on CPU); the rows still travel in bf16.
     """
 
     saved_ops = frozenset(
@@ -123,8 +152,8 @@ class TorchDispatcher(TokenDispatcher):
             torch.ops.aten.bincount.default,
             torch.ops.moe_lab.exchange_counts.default,
             torch.ops.moe_lab.all_to_all_rows.default,
-            # expert_precision=fp8: its experts' op and their weight copies (cached per step anyway)
-            torch.ops.moe_lab.fused_moe_fp8.default,
+            # expert_precision=fp8: its experts' FP8 GEMMs and their weight copies (cached per step anyway)
+            torch.ops.moe_lab.fp8_grouped_mm.default,
             torch.ops.moe_lab.fp8_expert_weights.default,
         }
     )
@@ -133,20 +162,18 @@ class TorchDispatcher(TokenDispatcher):
         self.expert_precision = expert_precision
         super().__init__()
 
-    def validate(self, cfg) -> None:
+    def validate(self, cfg, target: Target) -> None:
         # torch._grouped_mm needs 16-byte aligned rows: a multiple of 8 elements covers bf16 and fp32.
         for key in ("hidden_size", "moe_intermediate_size"):
             if cfg.model[key] % 8:
                 raise ConfigError(
                     f"model.{key}", f"the torch dispatcher's grouped GEMM needs a multiple of 8, got {cfg.model[key]}"
                 )
-        if self.expert_precision == "fp8":
-            cuda = runs_on_cuda(cfg.trainer)
-            backend = "gpu_deep_gemm" if cuda else "reference"  # on CPU the torch dispatcher emulates it
-            fp8_ops.validate(cfg, backend, "deep_gemm", cuda, fused.deep_gemm_import_error())
+        if self.expert_precision == "fp8":  # on CPU it emulates
+            check_fp8(cfg, target, emulated=not target.runs_on_cuda(cfg.trainer))
             return
         # The compiler's shape rules for torch._grouped_mm (its meta kernel) accept bf16 only.
-        if cfg.trainer.compile and not computes_in_bf16(cfg.trainer):
+        if cfg.trainer.compile and not target.computes_in_bf16(cfg.trainer):
             raise ConfigError(
                 "trainer.precision",
                 "trainer.compile=true with the torch dispatcher needs bf16 (torch._grouped_mm compiles in bf16 only); set trainer.precision=bf16",
@@ -154,8 +181,8 @@ class TorchDispatcher(TokenDispatcher):
 
     def __call__(self, x, topk_ids, topk_weights, gate_up_proj, down_proj):
         rows, tokens_per_expert, meta = self.dispatch(x, topk_ids, topk_weights, gate_up_proj.shape[0])
-        experts = fp8_ops.fp8_grouped_swiglu if self.expert_precision == "fp8" else grouped_swiglu
-        return self.combine(experts(rows, tokens_per_expert, gate_up_proj, down_proj), meta)
+        expert_out = grouped_swiglu(rows, tokens_per_expert, gate_up_proj, down_proj, self.expert_precision)
+        return self.combine(expert_out, meta)
 
     def dispatch(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int
@@ -204,26 +231,20 @@ class FusedDispatcher(TokenDispatcher):
     ``backend``: ``reference`` (plain PyTorch, CPU or GPU), ``gpu`` (Triton kernels; CUDA only) or
     ``auto`` (gpu for CUDA tensors, else reference). ``gemm`` picks the gpu backend's grouped GEMMs: ``deep_gemm``,
     ``torch`` (``torch._grouped_mm``) or ``auto`` (deep_gemm when importable and EP=1, else torch; see
-    ``moe_lab.moe.fused.gpu_backend_name``). Either backend's buffers and saved tensors follow the rows the rank
+    ``gpu_backend``). Either backend's buffers and saved tensors follow the rows the rank
     receives, at the cost of one host sync per forward (``moe_lab.moe.fused.layout``). ``save``: what the op keeps
     for backward (``moe_lab.moe.fused.ops.SAVES``): ``rows`` (the received rows and gate/up), ``rows_only`` (the
     rows; gate/up recomputed in backward), ``gate_up`` (gate/up; backward gathers the rows again, from the peers'
     symmetric memory at EP > 1) or ``inputs`` (neither: backward gathers the rows again and recomputes gate/up).
 
-    ``expert_precision``: ``bf16`` (the compute dtype) or ``fp8``: the routed experts' GEMMs in blockwise FP8
-    (``moe_lab.moe.fused.fp8_ops``; the gpu backend with DeepGEMM on SM90+, or the reference backend's emulation).
-    The FP8 op keeps its FP8 rows and gate/up for backward: it takes ``save=rows`` only.
+    ``expert_precision``: ``bf16`` (the compute dtype) or ``fp8``: the routed experts' GEMMs in blockwise FP8 (the
+    same op, ``moe_lab.moe.fused.ops``; the gpu backend with DeepGEMM on SM90+, or the reference backend's
+    emulation), with every ``save`` mode: where it keeps rows they are FP8 with their scales, gate/up stays bf16.
     """
 
-    # The ops return what backward needs: saving their outputs means recompute re-runs none of it (the FP8 weight
+    # The op returns what backward needs: saving its outputs means recompute re-runs none of it (the FP8 weight
     # copies are cached per step anyway).
-    saved_ops = frozenset(
-        {
-            torch.ops.moe_lab.fused_moe.default,
-            torch.ops.moe_lab.fused_moe_fp8.default,
-            torch.ops.moe_lab.fp8_expert_weights.default,
-        }
-    )
+    saved_ops = frozenset({torch.ops.moe_lab.fused_moe.default, torch.ops.moe_lab.fp8_expert_weights.default})
 
     def __init__(
         self,
@@ -237,50 +258,45 @@ class FusedDispatcher(TokenDispatcher):
 
     def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> FusedDispatcher:
         super().set_ep_group(ep_group)
-        # The gpu backend's GEMMs depend on the EP degree (moe_lab.moe.fused.gpu_backend_name); FP8 has DeepGEMM's only.
+        # The gpu backend's GEMMs depend on the EP degree (gpu_backend); FP8 has DeepGEMM's only.
         cuda = self.backend != "reference" and torch.cuda.is_available()
-        self.gpu_backend = fused.gpu_backend_name(self._gemm, self.ep_size) if cuda else None
+        self.op_backend = self.gpu_backend(self.ep_size, deep_gemm_import_error()) if cuda else None
         return self
 
-    @property
-    def _gemm(self) -> str:
-        return "deep_gemm" if self.expert_precision == "fp8" else self.gemm
+    def gpu_backend(self, ep: int, deep_gemm_error: str | None) -> str:
+        """The op backend this option runs on a GPU at EP degree ``ep`` where deep_gemm fails to import with
+        ``deep_gemm_error`` (None: it imports): ``moe_lab.moe.fused.gpu_backend_name`` for its ``gemm``, DeepGEMM's
+        at fp8."""
+        return fused.gpu_backend_name("deep_gemm" if self.expert_precision == "fp8" else self.gemm, ep, deep_gemm_error)
 
-    def gpu_backend_where_deep_gemm_imports(self, ep: int) -> str:
-        """The op backend this option runs at EP degree ``ep`` on a GPU machine where deep_gemm imports (what the
-        planner plans; ``moe_lab.moe.fused.gpu_backend_name`` picks it at run time)."""
-        return "gpu_deep_gemm" if fused.wants_deep_gemm(self._gemm, ep) else "gpu"
-
-    def validate(self, cfg) -> None:
-        cuda = runs_on_cuda(cfg.trainer)
-        node = ranks_per_node(cfg)
-        if self.backend != "reference" and cfg.parallel.ep > node:
+    def validate(self, cfg, target: Target) -> None:
+        cuda = target.runs_on_cuda(cfg.trainer)
+        if self.backend != "reference" and cfg.parallel.ep > target.ranks_per_node:
             raise ConfigError(
                 "parallel.ep",
                 f"the fused gpu backend exchanges rows through peer GPUs' memory over NVLink: its EP group must fit "
-                f"in a node ({node} ranks per node), got {cfg.parallel.ep}; use dispatcher=torch across nodes",
+                f"in a node ({target.ranks_per_node} ranks per node), got {cfg.parallel.ep}; use dispatcher=torch "
+                "across nodes",
             )
         if self.expert_precision == "fp8":
-            if self.save != "rows":
+            if self.gemm == "torch":
                 raise ConfigError(
-                    "dispatcher.save",
-                    f"expert_precision=fp8 keeps its FP8 rows and gate/up for backward: it takes save=rows only, got "
-                    f"{self.save}; use expert_precision=bf16 for the other modes",
+                    "dispatcher.gemm", "expert_precision=fp8 runs DeepGEMM's FP8 GEMMs: use gemm=auto or deep_gemm"
                 )
-            fp8_ops.validate(cfg, self.backend, self.gemm, cuda, fused.deep_gemm_import_error())
+            check_fp8(cfg, target, emulated=self.backend == "reference")
         if self.backend == "gpu" and not cuda:
             raise ConfigError(
                 "dispatcher.backend",
                 "gpu needs a CUDA device (trainer.device cuda or auto on a GPU machine); use reference or auto",
             )
-        if self.gemm == "deep_gemm" and not fused.deep_gemm_available():
+        if self.gemm == "deep_gemm" and target.deep_gemm_error is not None:
             raise ConfigError(
                 "dispatcher.gemm",
-                f"deep_gemm cannot be imported here ({fused.deep_gemm_import_error()}); use torch or auto",
+                f"deep_gemm cannot be imported there ({target.deep_gemm_error}); use torch or auto",
             )
         if self.backend == "reference" or not cuda:
             return
-        multiple = 128 if fused.gpu_backend_name(self.gemm, cfg.parallel.ep) == "gpu_deep_gemm" else 8
+        multiple = align(self.gpu_backend(cfg.parallel.ep, target.deep_gemm_error))
         for key in ("hidden_size", "moe_intermediate_size"):
             if cfg.model[key] % multiple:
                 raise ConfigError(
@@ -292,30 +308,19 @@ class FusedDispatcher(TokenDispatcher):
         dtype = compute_dtype(x)
         if self.backend == "reference" or (self.backend == "auto" and not x.is_cuda):
             backend = "reference"
-        elif x.is_cuda and self.gpu_backend is not None:
-            backend = self.gpu_backend
+        elif x.is_cuda and self.op_backend is not None:
+            backend = self.op_backend
         else:
             raise RuntimeError(f"dispatcher.backend=gpu needs CUDA tensors, got {x.device}")
-        if self.expert_precision == "fp8":
-            return fp8_ops.fused_moe_fp8_layer(
-                x.to(dtype),
-                topk_ids,
-                topk_weights.to(dtype),
-                gate_up_proj,
-                down_proj,
-                self.ep_size,
-                self.group_name,
-                backend,
-            )
-        y, *_ = torch.ops.moe_lab.fused_moe(
+        return fused_moe_layer(
             x.to(dtype),
             topk_ids,
             topk_weights.to(dtype),
-            gate_up_proj.to(dtype),
-            down_proj.to(dtype),
+            gate_up_proj,
+            down_proj,
             self.ep_size * gate_up_proj.shape[0],  # the global expert count
             self.group_name,
             backend,
             self.save,
+            self.expert_precision,
         )
-        return y

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from moe_lab.moe.fp8.grouped import fp8_grouped_gemm
+
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the experts compute in: autocast's, when it is on for ``x``'s device, else ``x``'s own."""
@@ -18,12 +20,18 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_swiglu(
-    rows: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+    rows: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Expert-contiguous rows in, expert outputs out: grouped GEMM -> SwiGLU -> grouped GEMM.
 
     rows [R, H], the first ``tokens_per_expert[0]`` for expert 0 and so on; tokens_per_expert [L]; gate_up_proj
-    [L, 2I, H] and down_proj [L, H, I], the L experts the rows are for. Returns [R, H].
+    [L, 2I, H] and down_proj [L, H, I], the L experts the rows are for. Returns [R, H]. ``precision``: the GEMMs'
+    operands, ``bf16`` (the compute dtype: ``torch._grouped_mm``) or ``fp8`` (blockwise FP8 on the stacks' per-step
+    copies: ``moe_lab.moe.fp8.grouped``).
     """
     # Profiler scopes are entered inside functions, not as decorators: torch.compile (before torch 2.13) traces a
     # record_function only when it is created in the compiled code.
@@ -31,9 +39,15 @@ def grouped_swiglu(
         dtype = compute_dtype(rows)
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         rows = rows.to(dtype)
-        gate_up = torch._grouped_mm(rows, gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)  # [R, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down_proj.to(dtype).transpose(-2, -1), offs=offsets)
+        if precision == "fp8":
+            gemm = fp8_grouped_gemm(offsets, rows.shape[0])
+        else:
+
+            def gemm(a, w):
+                return torch._grouped_mm(a, w.to(dtype).transpose(-2, -1), offs=offsets)
+
+        gate, up = gemm(rows, gate_up_proj).chunk(2, dim=-1)  # [R, 2I]
+        return gemm(F.silu(gate) * up, down_proj)
 
 
 class GroupedExperts(nn.Module):

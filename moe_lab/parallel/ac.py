@@ -71,9 +71,9 @@ class Checkpointing(Protocol):
     """What an ``ac`` option provides. Validation calls ``validate``; ``moe_lab.parallel.parallelize`` calls
     ``apply`` once, after expert parallelism and before compile and FSDP2."""
 
-    def validate(self, cfg) -> None:
-        """Refuse, with a ``ConfigError`` naming the key, a composed config this mode cannot run; the default
-        accepts every config."""
+    def validate(self, cfg, target) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this mode cannot run (``target``: where,
+        ``moe_lab.runtime.device.Target``); the default accepts every config."""
 
     def apply(self, model, saved_ops: Mapping[str, frozenset] = {}) -> None:
         """Wrap each decoder block's forward so that backward recomputes what this mode does not keep; ``saved_ops``:
@@ -127,7 +127,7 @@ class SelectiveCheckpoint(_Offloading):
         self.keep = keep
         super().__init__(offload_activations)
 
-    def validate(self, cfg: DictConfig) -> None:
+    def validate(self, cfg: DictConfig, target) -> None:
         if self.offload_activations and not cfg.trainer.compile:
             raise ConfigError(
                 "ac.offload_activations",

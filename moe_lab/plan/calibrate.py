@@ -104,7 +104,7 @@ def grouped_gemm_flops(device, dtype, s) -> float:
 
 def fp8_grouped_gemm_flops(device, s) -> float:
     """DeepGEMM's blockwise-FP8 m-grouped GEMM at the experts' gate/up shape, balanced rows: the FP8 experts'
-    forward and input-gradient passes (``moe_lab.moe.fused.fp8_gpu.gemm_nt``)."""
+    forward and input-gradient passes (``moe_lab.moe.fp8.grouped.deep_gemm_nt``)."""
     import deep_gemm
 
     from moe_lab.moe.fp8.quant import quantize_blocks, quantize_rows
@@ -207,9 +207,9 @@ def calibrate(size: str, base: str | None) -> tuple[dict, list[str]]:
     measured["grouped_gemm_efficiency"] = share(grouped_gemm_flops(device, dtype, s), flops)
     measured["attention_efficiency"] = share(attention_flops(device, dtype, s), flops)
     if device.type == "cuda" and peak.peak_fp8_tflops and torch.cuda.get_device_capability(device) >= (9, 0):
-        from moe_lab.moe.fused import deep_gemm_available
+        from moe_lab.runtime.device import deep_gemm_import_error
 
-        if deep_gemm_available():
+        if deep_gemm_import_error() is None:
             rate = fp8_grouped_gemm_flops(device, s)
             measured["fp8_grouped_gemm_efficiency"] = share(rate, peak.peak_fp8_tflops * 1e12)
     big = torch.empty(s["copy_mib"] * 2**20 // 4, device=device)

@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
-from moe_lab.moe.fused.ops import ALIGN, SAVES
+from moe_lab.moe.fused.ops import SAVES, align
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
@@ -88,6 +88,9 @@ _aten = torch.ops.aten
 # (records/h200_e2e/2026-12-02_05-44: 8.9 ms more, less the gradients' widening and the glue above), where the
 # spilling kernel of the layer records took 13.
 FP8_GLUE_BYTES_PER_ELEMENT = 1.5
+# The torch dispatcher's FP8 GEMMs place their e4m3 rows in a 128-aligned layout and take their bf16 outputs back
+# (moe_lab.moe.fp8.grouped.fp8_grouped_mm), per routed row element and pass: an estimate, not fitted yet.
+ALIGNED_LAYOUT_BYTES_PER_ELEMENT = 6.0
 FUSED_GLUE_BYTES_PER_ELEMENT = 10.25  # the fused op's dispatch, SwiGLU and combine kernels (bf16)
 FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 10.0
 
@@ -130,7 +133,7 @@ class Fp8ExpertsPlan:
 
     @staticmethod
     def op_residuals(step: Step, rows: float, kept_row_bytes: float) -> float:
-        """Bytes per layer the fused ops (either precision) keep for ``rows`` received rows: what their save mode
+        """Bytes per layer the fused op (either precision) keeps for ``rows`` received rows: what its save mode
         keeps of each row (``kept_row_bytes``), its weight and source; the slot positions."""
         return rows * (kept_row_bytes + 4 + 8) + 8 * step.tokens * step.cfg.num_experts_per_tok
 
@@ -143,7 +146,7 @@ class TorchDispatcherPlan(Fp8ExpertsPlan):
     buffer_ops = frozenset()  # no op's saved outputs are counted apart from the activations
 
     def expert_keep_set(self, step: Step) -> str:
-        """The ac.keep set whose ops hold its expert GEMMs (at FP8 the FP8 op, which it declares)."""
+        """The ac.keep set whose ops hold its expert GEMMs (at FP8 its FP8 GEMM op, which it declares)."""
         return "dispatcher" if step.expert_precision == "fp8" else "grouped_mm"
 
     def save_modes(self, step: Step) -> tuple[str, ...]:
@@ -159,9 +162,8 @@ class TorchDispatcherPlan(Fp8ExpertsPlan):
 
     def glue_bytes_per_element(self, step: Step) -> float:
         """Its glue's HBM traffic per element of a row its kernels move (H wide), per pass. FP8 (not fitted yet):
-        its permutations' and, on top, the FP8 op's own gather, SwiGLU, quantization and combine, as the fused
-        dispatcher's at FP8."""
-        fp8 = FUSED_GLUE_BYTES_PER_ELEMENT + FP8_GLUE_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0
+        its permutations' and, on top, the quantization and the aligned layout's copies."""
+        fp8 = FP8_GLUE_BYTES_PER_ELEMENT + ALIGNED_LAYOUT_BYTES_PER_ELEMENT if step.expert_precision == "fp8" else 0.0
         return 7.3 + fp8
 
     def dispatch_exchange_share(self, step: Step) -> float:
@@ -177,13 +179,9 @@ class TorchDispatcherPlan(Fp8ExpertsPlan):
         c, t, k = step.cfg, step.tokens, step.cfg.num_experts_per_tok
         rows = routed_rows(step)
         outputs = {_aten.sort.stable: [16 * t * k]}
-        if step.expert_precision == "fp8":  # the FP8 op on its rows (each local expert's padded to 128), its output
-            padded = rows + (ALIGN["gpu_deep_gemm"] - 1) * c.num_experts / step.mesh.ep
-            fp8_op = torch.ops.moe_lab.fused_moe_fp8.default
-            kept = self.fp8_row_bytes(step) + 4 * c.moe_intermediate_size  # the FP8 op keeps its rows and gate/up
-            outputs[fp8_op] = [self.op_residuals(step, padded, kept), rows * 2 * c.hidden_size]
-        else:
-            outputs[_aten._grouped_mm.default] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
+        # the grouped GEMMs' outputs (gate/up, the expert output), bf16 at either precision
+        gemm = torch.ops.moe_lab.fp8_grouped_mm.default if step.expert_precision == "fp8" else _aten._grouped_mm.default
+        outputs[gemm] = [rows * 4 * c.moe_intermediate_size, rows * 2 * c.hidden_size]
         if step.mesh.ep > 1:
             outputs[torch.ops.moe_lab.all_to_all_rows.default] = [rows * 2 * c.hidden_size, t * k * 2 * c.hidden_size]
         return outputs
@@ -194,10 +192,9 @@ class TorchDispatcherPlan(Fp8ExpertsPlan):
 
     def elementwise_outputs(self, step: Step) -> float:
         """Bytes per layer of its outputs backward reads that ac=selective recomputes (the routed rows' gather, the
-        SwiGLU's inputs; at FP8 the rows the combine weights, the FP8 op saving its own)."""
+        SwiGLU's inputs: what either precision's grouped GEMMs keep of their inputs)."""
         c = step.cfg
-        inter = 0 if step.expert_precision == "fp8" else c.moe_intermediate_size
-        return routed_rows(step) * 2 * (c.hidden_size + inter)
+        return routed_rows(step) * 2 * (c.hidden_size + c.moe_intermediate_size)
 
     def dropped_row_bytes(self, step: Step) -> float:
         """Bytes per row its backward rebuilds beyond what it saved (in backward's working set)."""
@@ -222,21 +219,20 @@ class FusedDispatcherPlan(Fp8ExpertsPlan):
     name = "fused"
     expert_rate = 1.0
     exchange_in_kernels = True  # the rows it pulls and pushes over NVLink are its kernels' work (dispatch_glue)
-    # its receive-side residuals and output (the op at either expert precision)
-    buffer_ops = frozenset({torch.ops.moe_lab.fused_moe.default, torch.ops.moe_lab.fused_moe_fp8.default})
+    # its receive-side residuals and output (the op, at either expert precision)
+    buffer_ops = frozenset({torch.ops.moe_lab.fused_moe.default})
     unread_ops = frozenset()
 
     def expert_keep_set(self, step: Step) -> str:
         return "dispatcher"  # its expert GEMMs run inside the op it declares
 
     def save_modes(self, step: Step) -> tuple[str, ...]:
-        # the FP8 op keeps its FP8 rows and gate/up: rows only (as validation asks)
-        return tuple(SAVES) if step.expert_precision == "bf16" else ("rows",)
+        return tuple(SAVES)  # at either precision
 
     def step_fields(self, option: FusedDispatcher, train) -> dict:
         # The GPU machine's backend by the dispatcher's own rule, DeepGEMM taken as importable there.
         return {
-            "fused_align": ALIGN[option.gpu_backend_where_deep_gemm_imports(train.parallel.ep)],
+            "fused_align": align(option.gpu_backend(train.parallel.ep, deep_gemm_error=None)),
             "fused_save": option.save,
             "expert_precision": option.expert_precision,
         }
@@ -262,9 +258,7 @@ class FusedDispatcherPlan(Fp8ExpertsPlan):
         # partitioner keeps what backward reads, and no backward reads it (it feeds the residual add).
         output = 0 if step.compile else 2 * step.tokens * step.cfg.hidden_size
         saved = output + self.op_residuals(step, fused_receive_rows(step), kept)
-        fp8 = step.expert_precision == "fp8"
-        op = torch.ops.moe_lab.fused_moe_fp8.default if fp8 else torch.ops.moe_lab.fused_moe.default
-        return {op: [saved]}
+        return {torch.ops.moe_lab.fused_moe.default: [saved]}
 
     def elementwise_outputs(self, step: Step) -> float:
         """The op's input, which autograd keeps for it where save=inputs."""

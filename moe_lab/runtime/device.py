@@ -1,31 +1,66 @@
-"""Facts about where a config runs that validation and building both need: the job's world size, its device, its
-compute precision."""
+"""Where a config runs, as validation is told it (``Target``), and facts about this machine that building needs:
+its device, its compute precision, whether DeepGEMM imports."""
 
 from __future__ import annotations
 
-import os
+import functools
+import importlib
+from dataclasses import dataclass
 
 import torch
 
 
-def world_size(cfg) -> int:
-    """Ranks of this job: the emulated layout's (``parallel.emulate``), an outer launcher's WORLD_SIZE, else the
-    ranks the job starts itself."""
-    if cfg.parallel.get("emulate"):
-        return cfg.trainer.nproc_per_node * cfg.parallel.emulate_nodes
-    return int(os.environ.get("WORLD_SIZE", cfg.trainer.nproc_per_node))
+@dataclass(frozen=True)
+class Target:
+    """What a config is validated for: built by train (``moe_lab.config.validate.job_target``: this machine, the
+    job's ranks), by the planner (the hardware profile's mesh and GPU) and for an emulated rank (the emulated
+    layout on this machine's device), and handed to every option's ``validate(cfg, target)``."""
+
+    world_size: int  # ranks of the job
+    ranks_per_node: int
+    device_type: str  # "cuda" where the machine has a GPU, else "cpu"
+    # The GPU's (major, minor); None for a planned GPU, whose hardware profile says what it runs (its FP8 peak).
+    compute_capability: tuple[int, int] | None
+    deep_gemm_error: str | None  # why deep_gemm does not import there; None where it does
+    outer_launcher: bool = False  # the job's ranks were started by torchrun / srun, not by the job
+
+    def runs_on_cuda(self, trainer) -> bool:
+        """The job's device is a GPU: ``trainer.device`` cuda, or auto where the target has one."""
+        return trainer.device != "cpu" and self.device_type == "cuda"
+
+    def computes_in_bf16(self, trainer) -> bool:
+        """bf16 compute: ``trainer.precision`` bf16, or auto on a GPU (fp32 on CPU)."""
+        return trainer.precision == "bf16" or (trainer.precision == "auto" and self.runs_on_cuda(trainer))
 
 
-def ranks_per_node(cfg) -> int:
-    """Ranks of this job on each node: an outer launcher's LOCAL_WORLD_SIZE, else every rank of the job on one."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size(cfg)))
+def machine_target(world_size: int, ranks_per_node: int, outer_launcher: bool = False) -> Target:
+    """This machine as the target of a job of ``world_size`` ranks, ``ranks_per_node`` on each node."""
+    cuda = torch.cuda.is_available()
+    return Target(
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        device_type="cuda" if cuda else "cpu",
+        compute_capability=torch.cuda.get_device_capability() if cuda else None,
+        deep_gemm_error=deep_gemm_import_error(),
+        outer_launcher=outer_launcher,
+    )
+
+
+@functools.cache
+def deep_gemm_import_error() -> str | None:
+    """Why deep_gemm cannot be imported on this machine; None if it can."""
+    try:
+        importlib.import_module("deep_gemm")
+    except Exception as e:  # ImportError, or a CUDA/toolkit error raised while it loads
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def runs_on_cuda(trainer) -> bool:
-    """The job's device is a GPU: ``trainer.device`` cuda, or auto on a machine with CUDA."""
+    """The job's device, on this machine, is a GPU: ``trainer.device`` cuda, or auto on a machine with CUDA."""
     return trainer.device != "cpu" and torch.cuda.is_available()
 
 
 def computes_in_bf16(trainer) -> bool:
-    """bf16 compute: ``trainer.precision`` bf16, or auto on a GPU (fp32 on CPU)."""
+    """bf16 compute on this machine: ``trainer.precision`` bf16, or auto on a GPU (fp32 on CPU)."""
     return trainer.precision == "bf16" or (trainer.precision == "auto" and runs_on_cuda(trainer))

@@ -1,37 +1,18 @@
-"""The fused dispatcher's op: token dispatch + SwiGLU experts + combine, forward and backward (see ``ops``)."""
+"""The fused dispatcher's op: token dispatch + SwiGLU experts + combine, forward and backward (see ``ops``), at
+either expert precision; importing the package registers the op and every backend (``reference``, ``gpu``)."""
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 
-from moe_lab.moe.fused import fp8_ops, ops  # noqa: F401  (register torch.ops.moe_lab.fused_moe*)
+from moe_lab.moe.fused import gpu, ops, reference  # noqa: F401  (register torch.ops.moe_lab.fused_moe, its backends)
 
 log = logging.getLogger(__name__)
 
 
-@functools.cache
-def deep_gemm_import_error() -> str | None:
-    try:
-        importlib.import_module("deep_gemm")
-    except Exception as e:  # ImportError, or a CUDA/toolkit error raised while it loads
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def deep_gemm_available() -> bool:
-    return deep_gemm_import_error() is None
-
-
-def wants_deep_gemm(gemm: str, ep: int = 1) -> bool:
-    """Whether the gpu backend runs DeepGEMM's grouped GEMMs with this ``gemm`` choice at EP degree ``ep`` where
-    deep_gemm imports (``gpu_backend_name``'s rule; the planner plans a GPU machine by it)."""
-    return gemm == "deep_gemm" or (gemm == "auto" and ep == 1)
-
-
-def gpu_backend_name(gemm: str, ep: int = 1) -> str:
-    """The op backend for the gpu path with this ``gemm`` choice.
+def gpu_backend_name(gemm: str, ep: int, deep_gemm_error: str | None) -> str:
+    """The op backend for the gpu path with this ``gemm`` choice at EP degree ``ep``, where deep_gemm fails to
+    import with ``deep_gemm_error`` (None: it imports; ``moe_lab.runtime.device.Target``).
 
     auto: deep_gemm when importable and EP=1, else torch. DeepGEMM's contiguous layout runs over the whole receive
     buffer, and at EP>1 that buffer held the worst case (EP x the average rows): on two H200s its GEMMs took twice
@@ -39,13 +20,11 @@ def gpu_backend_name(gemm: str, ep: int = 1) -> str:
     The buffer now holds the rows received (``moe_lab.moe.fused.layout``), which removes that reason; the choice stays
     until DeepGEMM at EP>1 is measured again.
     """
-    if not wants_deep_gemm(gemm, ep):
+    if not (gemm == "deep_gemm" or (gemm == "auto" and ep == 1)):
         return "gpu"
-    if deep_gemm_available():
+    if deep_gemm_error is None:
         return "gpu_deep_gemm"
     if gemm == "deep_gemm":
-        raise RuntimeError(f"dispatcher.gemm=deep_gemm, but deep_gemm cannot be imported: {deep_gemm_import_error()}")
-    log.warning(
-        "deep_gemm is not importable (%s); the fused gpu backend uses torch._grouped_mm", deep_gemm_import_error()
-    )
+        raise RuntimeError(f"dispatcher.gemm=deep_gemm, but deep_gemm cannot be imported: {deep_gemm_error}")
+    log.warning("deep_gemm is not importable (%s); the fused gpu backend uses torch._grouped_mm", deep_gemm_error)
     return "gpu"

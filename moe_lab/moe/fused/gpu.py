@@ -14,6 +14,13 @@ are torch symmetric memory (CUDA backend, NVLink peer access; multicast stays of
 ``_Exchange``); device-side barriers order the phases.
 ``gpu_deep_gemm`` runs the forward and input-gradient GEMMs with DeepGEMM's m-grouped contiguous bf16 kernels;
 weight gradients always use ``torch._grouped_mm`` (DeepGEMM's k-grouped kernel takes its group sizes on the host).
+
+The precision seam (``Bf16``, ``Fp8``) holds what the experts' precision changes: the rows dispatch moves (FP8:
+quantized per token before, so they travel and are kept in e4m3 with their scales), the grouped GEMMs (FP8:
+DeepGEMM's m-grouped FP8 kernel, ``moe_lab.moe.fp8.grouped``), the SwiGLU kernels (FP8: they quantize what they
+make, ``moe_lab.moe.fp8.kernels``) and the weight gradients (``weight_gradients``: bf16 grouped GEMMs at either
+precision, on the FP8 rows dequantized). Forward and backward are written once over it. No host sync beyond the
+layout's one per forward at either precision.
 """
 
 from __future__ import annotations
@@ -24,9 +31,12 @@ import torch
 import torch.distributed as dist
 import triton
 
+from moe_lab.moe.fp8 import grouped
+from moe_lab.moe.fp8 import kernels as fp8_kernels
+from moe_lab.moe.fp8.quant import FP8, TILE
 from moe_lab.moe.fused import kernels
 from moe_lab.moe.fused.layout import Layout, gather_counts, receive_rows, workspace_rows
-from moe_lab.moe.fused.ops import SAVES, kept_residuals
+from moe_lab.moe.fused.ops import Backend, kept_residuals, register_backend
 
 ROW_BLOCK = 1024  # columns per program of the row kernels
 SLOT_BLOCK = 1024
@@ -96,9 +106,11 @@ def row_experts(offs: torch.Tensor, row_src: torch.Tensor) -> torch.Tensor:
 
 
 class _Gemms:
-    def __init__(self, backend: str, offs: torch.Tensor, row_src: torch.Tensor):
+    """The bf16 grouped GEMMs over the receive buffer's expert segments: DeepGEMM's (``deep``) or torch's."""
+
+    def __init__(self, deep: bool, offs: torch.Tensor, row_src: torch.Tensor):
         self.offs = offs
-        self.deep = backend == "gpu_deep_gemm"
+        self.deep = deep
         if self.deep:
             import deep_gemm
 
@@ -122,7 +134,7 @@ class _Gemms:
         return torch._grouped_mm(a, w, offs=self.offs)
 
     def wgrad(self, grad, inp):
-        """sum over each expert's rows of grad^T inp -> [L, N, K] (k-grouped)."""
+        """sum over each expert's rows of grad^T inp -> [L, N, K] (k-grouped; an expert without rows zero)."""
         out = torch._grouped_mm(grad.t(), inp, offs=self.offs)
         slab = out[0].numel()
         per_program = triton.cdiv(slab, IDLE_PROGRAMS_PER_EXPERT)
@@ -287,70 +299,213 @@ class _Exchange:
         return out
 
 
-# --- the op --------------------------------------------------------------------------------------------------------
+# --- the precision seam ----------------------------------------------------------------------------------------
 
 
 def _swiglu_block(inter: int) -> int:
     return min(ROW_BLOCK, triton.next_power_of_2(inter))
 
 
-def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group, align, backend, kept=SAVES["rows"]):
-    num_tokens, top_k = topk_ids.shape
-    inter = down_proj.shape[2]
-    layout = kernel_layout(topk_ids, num_experts, align, group)  # the host sync: buffer sizes
+class Bf16:
+    """The experts in the compute dtype. An operand of a GEMM is a tuple: (values,) here, (e4m3, scales) at FP8."""
+
+    def __init__(self, gemms: _Gemms, gate_up_proj, down_proj, weights):
+        self.gemms, self.gate_up_proj, self.down_proj = gemms, gate_up_proj, down_proj
+
+    def dispatch(self, ex: _Exchange, x, row_src, offs):
+        """The received rows as they travel and are kept: (values, scales), the scales 0 wide."""
+        rows = ex.gather_rows("x", x.contiguous(), row_src, offs)
+        return rows, rows.new_empty(rows.shape[0], 0, dtype=torch.float32)
+
+    def gate_up(self, rows):
+        return self.gemms.nt(rows[0], self.gate_up_proj)
+
+    def swiglu(self, gate_up, row_weight, row_src, offs):
+        """act = silu(gate) * up * routing weight, as the down GEMM's operand."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        act = gate_up.new_empty(rows, inter)
+        block = _swiglu_block(inter)
+        kernels.swiglu_forward_kernel[(rows, triton.cdiv(inter, block))](
+            act, gate_up, row_weight, row_src, offs, offs.numel(), inter, BLOCK=block
+        )
+        return (act,)
+
+    def down(self, act):
+        return self.gemms.nt(act[0], self.down_proj)
+
+    def down_input_grad(self, dy_routed):
+        """The routed output gradient -> dL/d(weighted act)."""
+        return self.gemms.nn(dy_routed, self.down_proj)
+
+    def swiglu_backward(self, gate_up, d_act_weighted, row_weight, row_src, offs):
+        """-> the gate/up gradient, it as the input-gradient GEMM's operand, the weighted activation (the down
+        projection's weight gradient reads it) and dL/d(routing weight)."""
+        d_gate_up = torch.empty_like(gate_up)
+        act_weighted = torch.empty_like(d_act_weighted)
+        d_row_weight = torch.empty_like(row_weight)
+        inter = gate_up.shape[1] // 2
+        kernels.swiglu_backward_kernel[(gate_up.shape[0],)](
+            d_gate_up,
+            act_weighted,
+            d_row_weight,
+            gate_up,
+            d_act_weighted,
+            row_weight,
+            row_src,
+            offs,
+            offs.numel(),
+            INTER=inter,
+            BLOCK=_swiglu_block(inter),
+        )
+        return d_gate_up, (d_gate_up,), act_weighted, d_row_weight
+
+    def gate_up_input_grad(self, d_gate_up):
+        return self.gemms.nn(d_gate_up[0], self.gate_up_proj)
+
+    def wgrad_rows(self, rows, dtype):
+        """The received rows as the gate/up weight gradient reads them, in ``dtype``."""
+        return rows[0]
+
+    def weight_gradients(self, dy_routed, act_weighted, d_gate_up, rows):
+        """-> (d_gate_up_proj, d_down_proj): bf16 grouped GEMMs at either precision, where FP8 weight gradients
+        would come in."""
+        return (
+            self.gemms.wgrad(d_gate_up, self.wgrad_rows(rows, d_gate_up.dtype)),
+            self.gemms.wgrad(dy_routed, act_weighted),
+        )
+
+
+class Fp8(Bf16):
+    """The experts in blockwise FP8 (DeepGEMM's m-grouped FP8 GEMMs; the gpu_deep_gemm backend only). ``weights``:
+    the stacks' FP8 copies (forward) and their transposes' (input gradients)."""
+
+    def __init__(self, gemms: _Gemms, gate_up_proj, down_proj, weights):
+        super().__init__(gemms, gate_up_proj, down_proj, weights)
+        self.gate_up_w, self.gate_up_wt = tuple(weights[0:2]), tuple(weights[2:4])
+        self.down_w, self.down_wt = tuple(weights[4:6]), tuple(weights[6:8])
+
+    def _nt(self, operand, w):
+        return grouped.deep_gemm_nt(self.gemms.m_indices, *operand, w)
+
+    def dispatch(self, ex: _Exchange, x, row_src, offs):
+        q, scale = grouped.quantize_rows(x.contiguous())  # per token, before dispatch: rows travel in FP8
+        q = ex.gather_rows("x_fp8", q.view(torch.uint8), row_src, offs).view(FP8)
+        return q, ex.gather_rows("x_scale", scale, row_src, offs)
+
+    def gate_up(self, rows):
+        return self._nt(rows, self.gate_up_w)
+
+    def swiglu(self, gate_up, row_weight, row_src, offs):
+        rows, tiles = gate_up.shape[0], gate_up.shape[1] // 2 // TILE
+        act_q = torch.empty(rows, tiles * TILE, dtype=FP8, device=gate_up.device)
+        act_scale = torch.empty(rows, tiles, dtype=torch.float32, device=gate_up.device)
+        fp8_kernels.swiglu_forward_fp8_kernel[grouped.row_grid(rows)](
+            act_q, act_scale, gate_up, row_weight, row_src, offs, offs.numel(), tiles, grouped.ROWS
+        )
+        return act_q, act_scale
+
+    def down(self, act):
+        return self._nt(act, self.down_w)
+
+    def down_input_grad(self, dy_routed):
+        return self._nt(grouped.quantize_rows(dy_routed), self.down_wt)
+
+    def swiglu_backward(self, gate_up, d_act_weighted, row_weight, row_src, offs):
+        rows, tiles = gate_up.shape[0], gate_up.shape[1] // 2 // TILE
+        d_gate_up = torch.empty_like(gate_up)
+        d_gate_up_q = torch.empty(gate_up.shape, dtype=FP8, device=gate_up.device)
+        d_gate_up_scale = torch.empty(rows, 2 * tiles, dtype=torch.float32, device=gate_up.device)
+        act_weighted = torch.empty_like(d_act_weighted)
+        d_row_weight = torch.empty_like(row_weight)
+        fp8_kernels.swiglu_backward_fp8_kernel[grouped.row_grid(rows)](
+            d_gate_up,
+            d_gate_up_q,
+            d_gate_up_scale,
+            act_weighted,
+            d_row_weight,
+            gate_up,
+            d_act_weighted,
+            row_weight,
+            row_src,
+            offs,
+            offs.numel(),
+            tiles,
+            grouped.ROWS,
+        )
+        return d_gate_up, (d_gate_up_q, d_gate_up_scale), act_weighted, d_row_weight
+
+    def gate_up_input_grad(self, d_gate_up):
+        return self._nt(d_gate_up, self.gate_up_wt)
+
+    def wgrad_rows(self, rows, dtype):
+        return grouped.dequantize_rows(*rows, dtype)
+
+
+PRECISIONS = {"bf16": Bf16, "fp8": Fp8}
+
+
+# --- the op --------------------------------------------------------------------------------------------------------
+
+
+def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_experts, group, kept, precision, deep):
+    num_tokens = topk_ids.shape[0]
+    layout = kernel_layout(topk_ids, num_experts, ALIGN[deep], group)  # the host sync: buffer sizes
     ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, x.device)
     ex.reserve(layout.max_rows, x.shape[1], x.dtype)
     row_src, row_weight = ex.route(layout.pos, ids, local_experts, topk_weights.contiguous(), layout.rows, num_tokens)
-    gemms = _Gemms(backend, layout.offs, row_src)
-    x_routed = ex.gather_rows("x", x.contiguous(), row_src, layout.offs)
-    gate_up = gemms.nt(x_routed, gate_up_proj)
-    act = x.new_empty(layout.rows, inter)
-    block = _swiglu_block(inter)
-    kernels.swiglu_forward_kernel[(layout.rows, triton.cdiv(inter, block))](
-        act, gate_up, row_weight, row_src, layout.offs, layout.offs.numel(), inter, BLOCK=block
-    )
-    out = gemms.nt(act, down_proj)
+    p = PRECISIONS[precision](_Gemms(deep, layout.offs, row_src), gate_up_proj, down_proj, weights)
+    rows = p.dispatch(ex, x, row_src, layout.offs)
+    gate_up = p.gate_up(rows)
+    out = p.down(p.swiglu(gate_up, row_weight, row_src, layout.offs))
     y = ex.combine("out", out, layout.pos, ids, local_experts, x.dtype)
-    x_routed, gate_up = kept_residuals(kept, x_routed, gate_up)
-    return y, x_routed, gate_up, row_weight, row_src, layout.pos, layout.offs
+    return (y, *kept_residuals(kept, rows, gate_up), row_weight, row_src, layout.pos, layout.offs)
 
 
 def backward(
-    dy, x_routed, gate_up, row_weight, row_src, pos, offs, topk_ids, gate_up_proj, down_proj, group, backend, x=None
+    dy,
+    rows,
+    row_scales,
+    gate_up,
+    row_weight,
+    row_src,
+    pos,
+    offs,
+    topk_ids,
+    gate_up_proj,
+    down_proj,
+    weights,
+    group,
+    precision,
+    x=None,
+    *,
+    deep,
 ):
     num_tokens, top_k = pos.shape
-    rows, inter = row_src.shape[0], down_proj.shape[2]  # rows: forward's receive buffer, known on the host: no sync
     ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, dy.device)
-    gemms = _Gemms(backend, offs, row_src)
-    if x_routed.shape[0] == 0:  # forward kept its inputs only: pull the rows again, from the peers' x at EP > 1
-        x_routed = ex.gather_rows("x", x.contiguous(), row_src, offs)
+    p = PRECISIONS[precision](_Gemms(deep, offs, row_src), gate_up_proj, down_proj, weights)
+    rows = (rows, row_scales)
+    if rows[0].shape[0] == 0:  # forward kept its inputs only: pull the rows again, from the peers' x at EP > 1
+        rows = p.dispatch(ex, x, row_src, offs)
     if gate_up.shape[0] == 0:
-        gate_up = gemms.nt(x_routed, gate_up_proj)
-    dy_routed = ex.gather_rows("dy", dy, row_src, offs)
-    d_act_weighted = gemms.nn(dy_routed, down_proj)
-    d_gate_up = torch.empty_like(gate_up)
-    act_weighted = torch.empty_like(d_act_weighted)
-    d_row_weight = torch.empty_like(row_weight)
-    kernels.swiglu_backward_kernel[(rows,)](
-        d_gate_up,
-        act_weighted,
-        d_row_weight,
-        gate_up,
-        d_act_weighted,
-        row_weight,
-        row_src,
-        offs,
-        offs.numel(),
-        INTER=inter,
-        BLOCK=_swiglu_block(inter),
+        gate_up = p.gate_up(rows)
+    dy_routed = ex.gather_rows("dy", dy, row_src, offs)  # bf16: the down projection's weight gradient reads it
+    d_gate_up, d_gate_up_operand, act_weighted, d_row_weight = p.swiglu_backward(
+        gate_up, p.down_input_grad(dy_routed), row_weight, row_src, offs
     )
-    d_down_proj = gemms.wgrad(dy_routed, act_weighted)
-    dx_routed = gemms.nn(d_gate_up, gate_up_proj)
-    d_gate_up_proj = gemms.wgrad(d_gate_up, x_routed)
+    d_gate_up_proj, d_down_proj = p.weight_gradients(dy_routed, act_weighted, d_gate_up, rows)
+    dx_routed = p.gate_up_input_grad(d_gate_up_operand)
     dx = ex.combine("out", dx_routed, pos, ids, local_experts, dy.dtype)
     d_weights = ex.combine(
         "d_row_weight", d_row_weight.view(-1, 1), pos.view(-1, 1), ids.view(-1, 1), local_experts, torch.float32
     )
     return dx, d_weights.view(num_tokens, top_k), d_gate_up_proj, d_down_proj
+
+
+ALIGN = {False: 8, True: 128}  # torch._grouped_mm's 16-byte rows; DeepGEMM's M block
+for name, deep in (("gpu", False), ("gpu_deep_gemm", True)):
+    register_backend(
+        name,
+        Backend(functools.partial(forward, deep=deep), functools.partial(backward, deep=deep), ALIGN[deep]),
+    )

@@ -32,7 +32,7 @@ from moe_lab.optim.offload import numa
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel.sharding import local_shard
-from moe_lab.runtime.device import runs_on_cuda
+from moe_lab.runtime.device import Target
 from moe_lab.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ class Offload(Protocol):
     step ``before_micro_batch`` before every micro-batch and ``step_metrics`` after ``optimizer.step()``; the
     checkpointer asks ``state_device``."""
 
-    def validate(self, cfg) -> None:
-        """Refuse, with a ``ConfigError`` naming the key, a composed config this mode cannot run (an optimizer it
-        cannot step, gradient clipping it cannot honour); the default accepts every config."""
+    def validate(self, cfg, target: Target) -> None:
+        """Refuse, with a ``ConfigError`` naming the key, a composed config this mode cannot run on ``target`` (an
+        optimizer it cannot step, gradient clipping it cannot honour); the default accepts every config."""
 
     def build(
         self, model: torch.nn.Module, make_optimizer: Callable, compute_dtype: torch.dtype
@@ -122,7 +122,7 @@ class OptimizerOffload(Offload):
     def __init__(self, chunk_mib: float = 256.0, max_inflight: int = 12):
         self.chunk_mib, self.max_inflight = chunk_mib, max_inflight
 
-    def validate(self, cfg: DictConfig) -> None:
+    def validate(self, cfg: DictConfig, target: Target) -> None:
         _refuse_grad_clip(cfg, "offload=optimizer")
         _check_chunking(self.chunk_mib, self.max_inflight)
 
@@ -179,12 +179,12 @@ class FullOffload(Offload):
         self.numa_bind, self.sysfs_root, self.threads = numa_bind, sysfs_root, threads
         self.device_share = device_share
 
-    def validate(self, cfg: DictConfig) -> None:
-        target = cfg.optimizer._target_
-        if target not in HOST_OPTIMIZERS:
+    def validate(self, cfg: DictConfig, target: Target) -> None:
+        optimizer = cfg.optimizer._target_
+        if optimizer not in HOST_OPTIMIZERS:
             raise ConfigError(
                 "optimizer._target_",
-                f"offload=full steps on the host with {' or '.join(HOST_OPTIMIZERS)} only, got {target}",
+                f"offload=full steps on the host with {' or '.join(HOST_OPTIMIZERS)} only, got {optimizer}",
             )
         _refuse_grad_clip(cfg, "offload=full")
         _check_chunking(self.chunk_mib, self.max_inflight)
@@ -196,10 +196,9 @@ class FullOffload(Offload):
             raise ConfigError(
                 "offload.device_share", f"must be in [0, 1] (a share of the parameters), got {self.device_share}"
             )
-        if self.numa_bind and runs_on_cuda(cfg.trainer):
-            gpus = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
+        if self.numa_bind and target.runs_on_cuda(cfg.trainer):
             try:
-                for gpu in range(min(gpus, torch.cuda.device_count())):
+                for gpu in range(min(target.ranks_per_node, torch.cuda.device_count())):
                     numa.numa_node(numa.pci_address(gpu), self.sysfs_root)
             except numa.NumaTopologyError as e:
                 raise ConfigError(
