@@ -5,8 +5,12 @@ Three layers, each failing with one ``ConfigError`` that names the key:
 1. top-level and schema-section keys against the structured schema; every group node against the signature of the
    class its ``_target_`` names (unknown keys, types, allowed literal values);
 2. cross-field rules on plain values (mesh vs world size, experts vs EP, sequence vs rope range, ...);
-3. each option built once (its constructor's checks) and its own ``validate(cfg)`` hook for the cross-group rules
-   it owns (dispatcher, activation checkpointing, offload).
+3. each option built once (its constructor's checks) and its own ``validate(cfg, target)`` hook for the cross-group
+   rules it owns (dispatcher, activation checkpointing, offload).
+
+Validation is told where the config is to run (``moe_lab.runtime.device.Target``: the job's ranks, its device, what
+kernels import there): the job's own (``job_target``), a planned machine's (``moe_lab.plan``) or an emulated
+layout's (``moe_lab.parallel.emulate.emulated_target``), never read from the environment by a rule.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config.options import Options, build_options
 from moe_lab.config.schema import GROUPS, TrainConfig
-from moe_lab.runtime.device import world_size
+from moe_lab.parallel.emulate import emulated_target
+from moe_lab.runtime.device import Target, machine_target
 from moe_lab.runtime.errors import ConfigError
 from moe_lab.runtime.paths import CONF_DIR
 
@@ -36,17 +41,31 @@ PRECISIONS = ("auto", "bf16", "fp32")
 GRAD_SYNCS = ("step", "micro_batch")
 
 
-def validate(cfg: DictConfig) -> Options:
-    """Check ``cfg`` and return its options, built."""
+def validate(cfg: DictConfig, target: Target | None = None) -> Options:
+    """Check ``cfg`` for ``target`` (None: this job's, ``job_target``) and return its options, built."""
     check_known_keys(cfg)
     check_resolves(cfg)
     for group in GROUPS:
         check_target_node(group, cfg[group])
-    check_rules(cfg)
+    target = target or job_target(cfg)
+    check_rules(cfg, target)
     options = build_options(cfg)
     for option in options.with_rules():
-        option.validate(cfg)
+        option.validate(cfg, target)
     return options
+
+
+def job_target(cfg: DictConfig) -> Target:
+    """Where this job runs: the emulated layout (``parallel.emulate``); the ranks an outer launcher (torchrun, srun:
+    ``moe_lab.job.launcher``) started, as its WORLD_SIZE and LOCAL_WORLD_SIZE say; else the ranks the job starts
+    itself on this node."""
+    outer = "WORLD_SIZE" in os.environ
+    if cfg.parallel.emulate:
+        return emulated_target(cfg.trainer.nproc_per_node, cfg.parallel.emulate_nodes, outer_launcher=outer)
+    if outer:
+        world = int(os.environ["WORLD_SIZE"])
+        return machine_target(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), outer_launcher=True)
+    return machine_target(cfg.trainer.nproc_per_node, cfg.trainer.nproc_per_node)
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -159,7 +178,7 @@ def _describe(annotation) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def check_rules(cfg: DictConfig) -> None:
+def check_rules(cfg: DictConfig, target: Target) -> None:
     m, t, p, d = cfg.model, cfg.trainer, cfg.parallel, cfg.data
     sizes = "vocab_size hidden_size num_layers num_heads num_kv_heads head_dim num_experts moe_intermediate_size"
     for key in sizes.split():
@@ -198,9 +217,9 @@ def check_rules(cfg: DictConfig) -> None:
     _require(t.nproc_per_node >= 1, "trainer.nproc_per_node", f"must be >= 1, got {t.nproc_per_node}")
     _require(t.device in DEVICES, "trainer.device", f"must be one of {', '.join(DEVICES)}, got {t.device!r}")
     _require(
-        t.device != "cuda" or torch.cuda.is_available(),
+        t.device != "cuda" or target.device_type == "cuda",
         "trainer.device",
-        "is cuda but this machine has no CUDA device; use auto or cpu",
+        "is cuda but the machine has no CUDA device; use auto or cpu",
     )
     _require(
         t.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}"
@@ -224,8 +243,8 @@ def check_rules(cfg: DictConfig) -> None:
         f"the profile window (wait + warmup + active = {window}) must fit in trainer.steps={t.steps}",
     )
 
-    check_emulation(cfg)
-    world = world_size(cfg)  # FSDP2 shards the dense weights over all of them
+    check_emulation(cfg, target)
+    world = target.world_size  # FSDP2 shards the dense weights over all of them
     _require(
         p.ep >= 1 and world % p.ep == 0,
         "parallel.ep",
@@ -237,7 +256,7 @@ def check_rules(cfg: DictConfig) -> None:
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
 
 
-def check_emulation(cfg: DictConfig) -> None:
+def check_emulation(cfg: DictConfig, target: Target) -> None:
     """``parallel.emulate``: one process of its own; the mesh rules below then hold for the emulated layout, so a
     layout the real run refuses is refused the same way."""
     p = cfg.parallel
@@ -245,7 +264,7 @@ def check_emulation(cfg: DictConfig) -> None:
         return
 
     _require(
-        "WORLD_SIZE" not in os.environ,
+        not target.outer_launcher,
         "parallel.emulate",
         "runs as one process; start it without torchrun / srun (trainer.nproc_per_node and parallel.emulate_nodes "
         "say the layout)",

@@ -28,6 +28,8 @@ from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
 from torch.futures import Future
 
 BACKEND = "emulated"
+from moe_lab.runtime.device import Target, machine_target
+
 NOTE = (
     "emulated: one process as one rank of the mesh, stand-in peers mirror it; losses are not a model's, collectives "
     "move nothing on a wire (planned_exposed_comm_s adds the planner's)"
@@ -35,6 +37,12 @@ NOTE = (
 
 
 def _done(result=None):
+def emulated_target(nproc_per_node: int, nodes: int, outer_launcher: bool = False) -> Target:
+    """What an emulated rank is validated for: the layout's ranks (``nodes`` x ``nproc_per_node``) on this machine's
+    device, as the real job would see them."""
+    return machine_target(nproc_per_node * nodes, nproc_per_node, outer_launcher=outer_launcher)
+
+
     future = Future()
     future.set_result(result)
     return _create_work_from_future(future)

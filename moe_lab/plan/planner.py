@@ -5,9 +5,7 @@ that fit under each offload mode.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -16,7 +14,6 @@ from moe_lab import config
 from moe_lab.config import ConfigError, Options
 from moe_lab.config.validate import check_target_node
 from moe_lab.metrics.flops import flops_per_token
-from moe_lab.moe.fused.fp8_ops import PLANNED_HARDWARE
 from moe_lab.moe.router import Router
 from moe_lab.optim.offload import Offload
 from moe_lab.optim.offload.host import HOST_RESERVE
@@ -26,6 +23,7 @@ from moe_lab.plan.memory import Step, plan_memory
 from moe_lab.plan.options import MODELS, PLANNED_GROUPS, model_of, named
 from moe_lab.plan.shapes import Mesh, Shapes
 from moe_lab.plan.step_time import offload_pace, plan_time
+from moe_lab.runtime.device import Target
 
 OPTION_FIELD = {"dispatcher": "dispatcher", "ac": "ac", "offload": "offload", "optimizer": "make_optimizer"}  # Options
 
@@ -44,21 +42,17 @@ def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
         raise
 
 
-@contextlib.contextmanager
-def job_of(hw: Hardware):
-    """Validation sees the plan's mesh as the job's ranks, as it sees an outer launcher's (WORLD_SIZE), and knows
-    the GPU is the profile's, not this machine's (PLANNED_HARDWARE: checks of the GPU in hand stand aside)."""
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", PLANNED_HARDWARE)}
-    os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = str(hw.gpus), str(hw.gpus_per_node)
-    os.environ[PLANNED_HARDWARE] = hw.name
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def planned_target(hw: Hardware) -> Target:
+    """What validation checks a plan against: the profile's mesh as the job's ranks and its GPU, not this machine's;
+    DeepGEMM taken as importable there, the GPU's FP8 support as its profile says (``peak_fp8_tflops``, which the
+    planner's models check)."""
+    return Target(
+        world_size=hw.gpus,
+        ranks_per_node=hw.gpus_per_node,
+        device_type="cuda",
+        compute_capability=None,
+        deep_gemm_error=None,
+    )
 
 
 def train_config(cfg: DictConfig) -> DictConfig:
@@ -77,9 +71,7 @@ def train_config(cfg: DictConfig) -> DictConfig:
 
 def validated(cfg: DictConfig, hw: Hardware) -> tuple[DictConfig, Options]:
     train = train_config(cfg)
-    with job_of(hw):
-        options = config.validate(train)
-    return train, options
+    return train, config.validate(train, planned_target(hw))
 
 
 def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Step:
