@@ -14,6 +14,19 @@
 #   bash experiments/fp8/run.sh quality  1,200 steps on real text (real_routing's corpus), 4-layer 16-expert 30B-wide
 #                                        model, learned routing + aux loss, seq 1024 (5.5 epochs of the corpus: longer
 #                                        samples overfit before the end): fp8 vs bf16 loss curves (about 2 x 1.5 min)
+# Issue 42 ("FP8 that pays"):
+#   bash experiments/fp8/run.sh kernel_probe   kernel_probe.py: every expert GEMM (fprop, dgrad, wgrad) at the full-depth
+#                                        share (16 experts x 8,192 rows) and at 128 x 1,024, 30B and 235B widths: bf16
+#                                        (torch, DeepGEMM) vs blockwise FP8 for each sgl-deep-gemm wheel in .whl/
+#                                        (0.1.5.post1, kernel_probe/0.2.1, 0.2.5); the attention projections in bf16 vs
+#                                        torchao float8 (tensorwise, rowwise, blockwise prototype) vs DeepGEMM's dense
+#                                        FP8 GEMM (about 8.5 minutes)
+#   bash experiments/fp8/run.sh share_seq4096   the full-depth share (48 layers, 16 experts) at seq 4096 x batch 4:
+#                                        precision=fp8,bf16,fp8_experts x ac=selective,full (resume: STAMP=<stamp>)
+#   bash experiments/fp8/run.sh share_seq16384  the same at seq 16384 x batch 1
+#   bash experiments/fp8/run.sh torchtitan_seq4096   torchtitan 0.2.2 at that shape (--experts 16, batch 4), each AC
+#   bash experiments/fp8/run.sh layer16k  one MoE layer at 16k balanced tokens, both widths, the copies made every
+#                                        step: fused bf16 vs fused FP8 with the kernel breakdown
 # Each part stops within BUDGET seconds (default 540: one 10-minute device call with the install before it); a sweep
 # it cuts resumes when re-run with STAMP=<that record's stamp>.
 # Records: records/<machine>_<part>/<UTC start>.json|/ (see ../common.sh).
@@ -36,6 +49,19 @@ quality) dir=$(record quality) && bash experiments/real_routing/run.sh prepare &
        +experiment=real_routing hydra.sweep.dir="$dir" model.routing=learned dispatcher=fused model.num_experts=16 \
        data.seq_len=1024 trainer.steps=1200 trainer.eval_every=100 trainer.eval_batches=16 trainer.expert_load_every=50 \
        profile.enabled=false dispatcher.expert_precision=fp8,bf16 "${@:2}" ;;
-*) echo "usage: $0 probe|wgrad|layer|layer_accum|e2e|e2e_full_depth|quality" >&2; exit 2 ;;
+kernel_probe) out=$(record kernel_probe).json && timeout -k 10 510 python3 experiments/fp8/kernel_probe.py --out "$out" \
+       --deep-gemm .whl/sgl_deep_gemm-0.1.5.post1-*.whl --deep-gemm .whl/kernel_probe/sgl_deep_gemm-0.2.1-*.whl \
+       --deep-gemm .whl/kernel_probe/sgl_deep_gemm-0.2.5-*.whl --tvm-ffi .whl/apache_tvm_ffi-*.whl --budget 480 \
+       2>&1 | tee "${out%.json}.log" ;;
+share_seq4096|share_seq16384) seq=${1#share_seq}; dir=$(record "e2e_48l16e_seq$seq") && timeout -k 30 "${BUDGET:-540}" \
+       python3 -m moe_lab.train -m +experiment=full_depth hydra.sweep.dir="$dir" data.seq_len="$seq" \
+       data.batch_size=$((16384 / seq)) ac=selective,full precision=fp8,bf16,fp8_experts "${@:2}" ;;
+torchtitan_seq4096) out=$(record torchtitan_48l16e_seq4096).json && timeout 560 python3 \
+       experiments/torchtitan_baseline/torchtitan_baseline.py --seq-lens 4096 --batch-size 4 --layers 48 --experts 16 \
+       --steps 8 --timing-from 4 --points 1:none,1:full,1:op-selective,1:layer-selective --timeout 130 --out "$out" ;;
+layer16k) out=$(record layer16k).json && timeout 420 python3 experiments/moe_layer/moe_layer.py \
+       --models=qwen3_30b,qwen3_235b --tokens=16384 --routing=balanced --expert-precision=fp8 \
+       --dispatchers=fused,fused_fp8 --iters=10 --profile --out "$out" ;;
+*) echo "usage: $0 probe|wgrad|layer|layer_accum|e2e|e2e_full_depth|quality|kernel_probe|share_seq4096|share_seq16384|torchtitan_seq4096|layer16k" >&2; exit 2 ;;
 esac
 pack "${out:-$dir}"

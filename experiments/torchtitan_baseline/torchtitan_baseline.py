@@ -2,7 +2,7 @@
 
 Same proxy as moe_lab's runs: torchtitan's own Qwen3-30B-A3B (``--flavour 235B-A22B``: Qwen3-235B-A22B) with
 ``--layers`` layers (a flavour added at run time by
-experiments/torchtitan_baseline/torchtitan_proxy.py), one packed sample of ``seq`` tokens per GPU, forced balanced routing
+experiments/torchtitan_baseline/torchtitan_proxy.py), ``--batch-size`` packed samples (default 1) of ``seq`` tokens per GPU, forced balanced routing
 (``debug.moe_force_load_balance``), compile on, FSDP2 over all GPUs with EP over all GPUs (EP2 on two), in each of
 torchtitan's activation-checkpointing settings (``AC_SETTINGS``: none, full, op-level selective and its default
 layer-level selective, every 2nd block; its ``memory_budget`` mode, a compiler partitioner knob with a budget to
@@ -102,7 +102,17 @@ def build_dataset(directory: Path, vocab_size: int, num_tokens: int, words_per_r
 
 
 def torchtitan_args(
-    *, flavour: str, gpus: int, seq_len: int, ac: str, steps: int, compile: bool, assets: Path, data: Path, dump: Path
+    *,
+    flavour: str,
+    gpus: int,
+    seq_len: int,
+    ac: str,
+    steps: int,
+    compile: bool,
+    assets: Path,
+    data: Path,
+    dump: Path,
+    batch_size: int = 1,
 ) -> list[str]:
     args = [
         "--model.name",
@@ -118,7 +128,7 @@ def torchtitan_args(
         "--training.dataset_path",
         str(data),
         "--training.local_batch_size",
-        "1",
+        str(batch_size),
         "--training.seq_len",
         str(seq_len),
         "--training.steps",
@@ -232,6 +242,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, help="routed experts (default: the flavour's); 16: one GPU's EP-8 share")
     parser.add_argument("--seq-lens", default="16384,8192")
+    parser.add_argument("--batch-size", type=int, default=1, help="samples of seq tokens per GPU per step")
     parser.add_argument(
         "--points",
         default=",".join(f"{g}:{ac}" for g in (1, 2) for ac in AC_SETTINGS),
@@ -255,7 +266,7 @@ def main() -> None:
         parser.error(f"--points: unknown AC setting(s) {sorted(unknown)}; one of {', '.join(AC_SETTINGS)}")
     assets = build_tokenizer(args.work_dir / "tokenizer", vocab_size)
     # enough tokens that no job re-loops the data (bos/eos are off: one word is one token)
-    max_tokens = max(seq_lens) * max(g for g, _ in points) * (args.steps + 1)
+    max_tokens = max(seq_lens) * args.batch_size * max(g for g, _ in points) * (args.steps + 1)
     data = build_dataset(args.work_dir / "data", vocab_size, max_tokens)
     env = {
         **os.environ,
@@ -281,7 +292,7 @@ def main() -> None:
             "torchtitan_flavour": flavour,
             "layers": args.layers,
             "experts": args.experts or qwen3_args[args.flavour].moe_args.num_experts,
-            "local_batch_size": 1,
+            "local_batch_size": args.batch_size,
             "routing": "balanced (debug.moe_force_load_balance)",
             "compile": args.compile,
         },
@@ -303,6 +314,7 @@ def main() -> None:
                 assets=assets,
                 data=data,
                 dump=args.work_dir / "runs" / name,
+                batch_size=args.batch_size,
             )
             command = launch_command(gpus, titan)
             mode, option = AC_SETTINGS[ac]
@@ -311,6 +323,7 @@ def main() -> None:
                 "ep": gpus,
                 "dp_shard": gpus,
                 "seq_len": seq_len,
+                "batch_size": args.batch_size,
                 "ac": ac,
                 "ac_mode": mode,
                 "selective_ac_option": option,
@@ -330,7 +343,11 @@ def main() -> None:
             steps = parse_steps(log)
             if rc == 0:
                 point |= summarize(
-                    steps, tokens_per_gpu_step=seq_len, timing_from=args.timing_from, flops=flops, peak=peak
+                    steps,
+                    tokens_per_gpu_step=seq_len * args.batch_size,
+                    timing_from=args.timing_from,
+                    flops=flops,
+                    peak=peak,
                 )
             else:
                 status, error_type = ("timeout", "TimeoutExpired") if rc is None else failure_status(log)
