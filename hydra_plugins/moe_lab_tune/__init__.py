@@ -1,0 +1,1 @@
+"""Hydra finds this package under the ``hydra_plugins`` namespace: the sweeper ``moe_lab.tune`` measures with."""

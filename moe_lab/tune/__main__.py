@@ -1,0 +1,168 @@
+"""``python -m moe_lab.tune``: the fastest setting that fits, planned over a search space, the best few measured.
+
+Takes what ``python -m moe_lab.plan`` takes (the model and layout as for train, ``hardware`` and its mesh) plus the
+``tune`` group (``conf/tune/``: the axes searched, ``tune.measure``, ``tune.device``, ``tune.dir``). Every point of
+the space is planned, those that do not fit are dropped, the rest ranked by planned tokens/s/GPU; the best
+``tune.measure`` are measured on the device at hand (one emulated rank where the layout is larger than the machine)
+as one ``moe_lab.train`` sweep into ``<tune.dir>/measured``; without a GPU it stops after planning and says so. The
+report (``report.md``, ``tune.png``) ends with the winner as a ``python -m moe_lab.train`` line:
+
+    python -m moe_lab.tune +experiment=reference_30b trainer.steps=8 trainer.timing_skip=3 profile.enabled=false
+    python -m moe_lab.tune +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8 tune.measure=0
+    python -m moe_lab.tune ... dispatcher=fused ac=full,selective     # dispatcher fixed, ac narrowed to two options
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from moe_lab.config import ConfigError
+from moe_lab.config.validate import check_target_node
+from moe_lab.plan.hardware import GIB
+from moe_lab.plan.planner import build_hardware, plan, usable_device_bytes
+from moe_lab.results.tune import PLANS, TUNE
+from moe_lab.tune import config as tune_config
+from moe_lab.tune import measure as measuring
+from moe_lab.tune.planning import candidates, combinations, plan_all, point_config, point_name, rank, workers
+from moe_lab.tune.report import report
+from moe_lab.tune.space import Space, check_keys_exist, group_combinations, narrowed
+
+PLAN_COLUMNS = [
+    "rank", "point", "status", "fits", "why", "same_plan_as", "planned_s_per_step", "planned_tokens_per_s_per_gpu",
+    "planned_peak_gpu_mem_gib", "planned_mfu", "planned_compute_s", "planned_exposed_comm_s",
+    "planned_outside_allocator_gib", "planned_device_total_gib", "planned_peak_host_rss_gib",
+]  # fmt: skip
+
+
+def compose_overrides(argv: list[str]) -> list[str]:
+    """The command line without its sweeps (``ac=full,selective`` narrows an axis; the point configs are composed
+    one combination at a time)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.input_line for o in OverridesParser.create().parse_overrides(argv) if not o.is_sweep_override()]
+
+
+def closest(ranked: list[dict], combos, hw) -> ConfigError:
+    """The refusal of a space of which nothing fits: what is closest (the point of least device memory) and the
+    largest sequence and depth at which it would fit, as the planner finds them."""
+    ok = [r for r in ranked if r["status"] == "ok"]
+    if not ok:
+        first = next((r for r in ranked if r["status"] == "invalid"), ranked[0])
+        key, _, message = first["why"].partition(": ")
+        return ConfigError(key, f"no point of the space is valid; the first: {message}")
+    near = min(ok, key=lambda r: r["planned_device_total_gib"])
+    cfg = next(point_config(c.cfg, keys) for c in combos for keys in c.keys if point_name(c, keys) == near["point"])
+    largest = plan(cfg, hw, search=True)["plan"]["largest_fitting"]
+    mode, fit = max(largest.items(), key=lambda item: (item[1]["seq_len"] or 0, item[1]["num_layers"] or 0))
+    where = f"{len(ranked)} points planned on {hw.gpus} x {hw.name}"
+    what = f"the closest, {near['point']}, does not fit ({near['why']})"
+    if fit["seq_len"]:
+        return ConfigError(
+            "data.seq_len",
+            f"nothing fits ({where}); {what}; at data.seq_len <= {fit['seq_len']} it fits (offload={mode}; "
+            f"model.num_layers <= {fit['num_layers']} at this length)",
+        )
+    if fit["num_layers"]:
+        return ConfigError(
+            "model.num_layers", f"nothing fits ({where}); {what}; at model.num_layers <= {fit['num_layers']} it fits"
+        )
+    return ConfigError("hardware", f"nothing fits ({where}), at any length or depth; {what}")
+
+
+def title(cfg, hw) -> str:
+    m, d = cfg.model, cfg.data
+    return (
+        f"{m.get('name', 'model')} ({m.num_layers} layers, {m.num_experts} experts), seq {d.seq_len} x batch "
+        f"{d.batch_size}, on {hw.gpus} x {hw.name}"
+    )
+
+
+def run(argv: list[str], progress: bool = True) -> Path:
+    """The tune of ``argv`` (the command line's overrides); returns its directory."""
+    if any(a in ("-m", "--multirun") for a in argv):
+        raise ConfigError("-m", "a tune sweeps its own space; narrow an axis with key=a,b, no -m")
+    cfg = tune_config.compose(compose_overrides(argv))
+    check_target_node("tune", cfg.tune)
+    settings = OmegaConf.to_container(cfg.tune, resolve=True)
+    settings.pop("_target_")
+    space = Space(**settings)
+    n = narrowed(space, argv)
+    if cfg.parallel.emulate:
+        raise ConfigError(
+            "parallel.emulate", "the tune measures as an emulated rank where the layout needs it; leave it out"
+        )
+    hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+    layout, measure_note = None, "Plan only (tune.measure=0)."
+    if space.measure:
+        device, devices, gpu = measuring.device_at_hand(space.device)
+        if device is None:
+            measure_note = f"No GPU on this machine: stopped after planning; the same command on a GPU measures the best {space.measure}."
+        else:
+            layout = measuring.layout_of(hw, device, devices, gpu)
+            measure_note = f"The best {space.measure} measured as {layout.describe()}."
+    tune_dir = Path(space.dir)
+    tune_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.time()
+    configs = [(groups, tune_config.compose(n.base + groups)) for groups in group_combinations(n.axes)]
+    check_keys_exist(n.axes, [c for _, c in configs])
+    combos = combinations(configs, n.axes)
+    ranked = rank(plan_all(combos, workers(space.workers), progress))
+    plan_seconds = time.time() - started
+    pd.DataFrame(ranked, columns=PLAN_COLUMNS).to_csv(tune_dir / PLANS, index=False)
+    if not any(r["rank"] for r in ranked):
+        raise closest(ranked, combos, hw)
+    chosen = candidates(ranked, space.measure)
+    tune = {
+        "title": title(cfg, hw),
+        "command": shlex.join(["python", "-m", "moe_lab.tune", *argv]),
+        "base": n.base,
+        "train_overrides": measuring.train_overrides(n.base),
+        "axes": n.axes,
+        "fixed": n.fixed,
+        "hardware": {
+            "name": hw.name,
+            "nodes": hw.nodes,
+            "gpus_per_node": hw.gpus_per_node,
+            "usable_gib": usable_device_bytes(hw) / GIB,
+            "describe": f"{hw.gpus} x {hw.name} ({hw.nodes} node(s) x {hw.gpus_per_node})",
+        },
+        "points": len(ranked),
+        "plan_seconds": plan_seconds,
+        "candidates": [{"candidate": i, "rank": r["rank"], "point": r["point"]} for i, r in enumerate(chosen, 1)],
+        "measure_note": measure_note,
+        "measured": None,
+    }
+    (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
+    if layout is not None:
+        measuring.write_candidates(tune_dir, [c["point"] for c in tune["candidates"]])
+        tune["measured"] = measuring.measure(tune_dir, n.base, layout, len(chosen), progress)
+        if tune["measured"]["returncode"]:
+            tune["measure_note"] += (
+                f" The sweep exited {tune['measured']['returncode']}: see {tune['measured']['log']}."
+            )
+        (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
+    print(report(tune_dir))
+    print(f"tune directory: {tune_dir}")
+    return tune_dir
+
+
+def main() -> None:
+    try:
+        run(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"invalid tune: {e}")
+    except HydraException as e:
+        sys.exit(f"invalid tune: {e}")
+
+
+if __name__ == "__main__":
+    main()

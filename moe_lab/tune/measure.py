@@ -1,0 +1,171 @@
+"""The candidates measured on the device at hand as one ordinary ``python -m moe_lab.train -m`` sweep into the tune's
+``measured/`` (``hydra/sweeper=candidates``: the shared overrides once per candidate), each point a normal record:
+real ranks where the layout fits this machine, else one emulated rank of it (``parallel.emulate``). The same tune
+command resumes the sweep as any sweep resumes (``trainer.skip_done``)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from moe_lab.config import ConfigError
+from moe_lab.metrics.flops import hardware_option
+from moe_lab.plan.hardware import Hardware
+from moe_lab.results.record import RESULT
+from moe_lab.results.tune import CANDIDATES, MEASURED
+from moe_lab.runtime.paths import CONF_DIR
+
+POLL_S = 2.0
+
+
+@dataclass
+class Layout:
+    """Where the candidates run: ``device`` (cuda | cpu), the tune's mesh (``nodes`` x ``gpus_per_node`` of profile
+    ``hardware``) and whether this machine holds it (real ranks) or runs one rank of it (``emulated``)."""
+
+    device: str
+    nodes: int
+    gpus_per_node: int
+    hardware: str
+    emulated: bool
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def overrides(self) -> list[str]:
+        out = [f"trainer.nproc_per_node={self.gpus_per_node}"]
+        if self.emulated:
+            out += ["parallel.emulate=true", f"parallel.emulate_nodes={self.nodes}"]
+            out += [f"parallel.emulate_hardware={self.hardware}"]
+        if self.device == "cpu":
+            out.append("trainer.device=cpu")
+        return out
+
+    def describe(self) -> str:
+        mesh = f"{self.world} x {self.hardware} ({self.nodes} x {self.gpus_per_node})"
+        return f"rank 0 of {mesh}, emulated on one {self.device}" if self.emulated else f"{mesh} on real ranks"
+
+
+def device_at_hand(asked: str) -> tuple[str | None, int, str]:
+    """(cuda | cpu | None, devices, the GPU's name or why nothing is measured)."""
+    import torch
+
+    if asked == "cpu":
+        return "cpu", 1, "cpu"
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    if asked == "cuda":
+        raise ConfigError("tune.device", "cuda asked, but this machine has no CUDA GPU (auto: plan only here)")
+    return None, 0, "no GPU on this machine"
+
+
+def layout_of(hw: Hardware, device: str, devices: int, gpu: str) -> Layout:
+    """The measurement's layout, refused before any work where it cannot stand for the plan: a GPU other than the
+    profile's, or an emulated rank of a profile the record cannot name (``parallel.emulate_hardware``)."""
+    if device == "cuda" and hardware_option(gpu) != hw.name:
+        raise ConfigError(
+            "hardware",
+            f"the plan is of {hw.name}, the GPU at hand is {gpu} (hardware={hardware_option(gpu)}): measure with its "
+            "profile, or plan only (tune.measure=0)",
+        )
+    emulated = hw.gpus > devices or hw.nodes > 1
+    if emulated and not (CONF_DIR / "hardware" / f"{hw.name}.yaml").is_file():
+        raise ConfigError(
+            "hardware",
+            f"an emulated rank's planned wire reads conf/hardware/<name>.yaml; profile {hw.name!r} is not one",
+        )
+    return Layout(device, hw.nodes, hw.gpus_per_node, hw.name, emulated)
+
+
+# Overrides of the tune's command line that do not reach train: the planner's hardware, the tune's own keys, and
+# Hydra's settings but the launcher's (which the measurement sweep uses).
+def train_overrides(base: list[str], layout: Layout | None = None) -> list[str]:
+    """``base`` as train takes it, without the keys ``layout`` sets."""
+
+    def key(override: str) -> str:
+        return override.lstrip("+~").partition("=")[0]
+
+    set_by_layout = {key(o) for o in layout.overrides()} if layout else set()
+    kept = []
+    for override in base:
+        k = key(override)
+        if k in set_by_layout or k == "hardware" or k.startswith(("hardware.", "tune.")):
+            continue
+        if k.startswith("hydra") and not k.startswith(("hydra/launcher", "hydra.launcher")):
+            continue
+        kept.append(override)
+    return kept
+
+
+def sweep_command(tune_dir: Path, base: list[str], layout: Layout) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "moe_lab.train",
+        "-m",
+        *train_overrides(base, layout),
+        *layout.overrides(),
+        "hydra/sweeper=candidates",
+        f"hydra.sweeper.candidates={tune_dir.resolve() / CANDIDATES}",
+        f"hydra.sweep.dir={tune_dir.resolve() / MEASURED}",
+    ]
+
+
+def write_candidates(tune_dir: Path, points: list[str]) -> list[str]:
+    """The candidates' overrides into ``candidates.yaml``; a resumed tune keeps the ones its directory holds (the
+    sweep's points are numbered by them), and refuses a directory holding candidates of another space."""
+    path = tune_dir / CANDIDATES
+    wanted = [p.split() for p in points]
+    if path.exists():
+        held = yaml.safe_load(path.read_text())
+        if held != wanted:
+            raise ConfigError(
+                "tune.dir",
+                f"{tune_dir} holds a tune with other candidates ({' | '.join(' '.join(c) for c in held)}); choose "
+                "another tune.dir, or rerun that tune's own command to resume it",
+            )
+    else:
+        path.write_text(yaml.safe_dump(wanted))
+    return points
+
+
+def done(tune_dir: Path, started: float) -> int:
+    """Points of the sweep finished: a record written since ``started``, or an ok one from before (skipped)."""
+    count = 0
+    for path in (tune_dir / MEASURED).glob(f"*/{RESULT}"):
+        try:
+            fresh = path.stat().st_mtime >= started
+            count += fresh or '"status": "ok"' in path.read_text()
+        except OSError:
+            continue
+    return count
+
+
+def measure(tune_dir: Path, base: list[str], layout: Layout, k: int, progress: bool = True) -> dict:
+    """Runs the candidates' sweep, showing candidates measured and the time left; returns how it ended."""
+    command = sweep_command(tune_dir, base, layout)
+    log_path = tune_dir / "measured.log"
+    started = time.time()
+    bar = tqdm(total=k, desc="candidates measured", unit="point", disable=not progress)
+    with open(log_path, "ab") as log:
+        job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        while job.poll() is None:
+            time.sleep(POLL_S)
+            bar.update(min(k, done(tune_dir, started)) - bar.n)
+    bar.update(min(k, done(tune_dir, started)) - bar.n)
+    bar.close()
+    return {
+        "command": shlex.join(["python", *command[1:]]),
+        "returncode": job.returncode,
+        "log": log_path.name,
+        "layout": asdict(layout),
+        "seconds": time.time() - started,
+    }

@@ -1,0 +1,147 @@
+"""Every point of the space planned (``moe_lab.plan.planner.plan``, the planner's own function), in a process pool
+one combination of group options at a time, and the fitting ones ranked by planned tokens/s/GPU."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from moe_lab.config import ConfigError
+from moe_lab.plan.planner import build_hardware, plan
+from moe_lab.tune.space import key_points, override_value
+
+TIE = 1e-9  # plans this close (step time and peak, relative) are the same plan: one of them is measured
+
+
+@dataclass
+class Combination:
+    """One combination of the group axes: its overrides, its composed config, and its key points."""
+
+    groups: list[str]
+    cfg: DictConfig
+    keys: list[list[tuple[str, object]]]
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+def point_config(cfg: DictConfig, keys: list[tuple[str, object]]) -> DictConfig:
+    """``cfg`` with the key axes' values set and without the tune's own node: what the planner plans."""
+    point = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "tune"])
+    for key, value in keys:
+        OmegaConf.update(point, key, value, merge=False)
+    return point
+
+
+def plan_point(cfg: DictConfig, hw) -> dict:
+    """One point's planned row: ``status`` ok (fitting or not, ``why``), invalid (the key validation names) or
+    error (the planner failed)."""
+    try:
+        result = plan(cfg, hw, search=False)
+    except ConfigError as e:
+        return {"status": "invalid", "fits": False, "why": str(e)}
+    except Exception as e:  # a planner failure on one point is that point's row, not the tune's end
+        return {"status": "error", "fits": False, "why": f"{type(e).__name__}: {e}"}
+    m, p = result["metrics"], result["plan"]
+    wire = sum(p["exposed_communication_s"].values())
+    return {
+        "status": "ok",
+        "fits": p["fits"],
+        "why": p["fits_why"],
+        "planned_s_per_step": m["s_per_step"],
+        "planned_tokens_per_s_per_gpu": m["tokens_per_s_per_gpu"],
+        "planned_peak_gpu_mem_gib": m["peak_gpu_mem_gib"],
+        "planned_mfu": m["mfu"],
+        "planned_compute_s": m["s_per_step"] - wire,
+        "planned_exposed_comm_s": wire,
+        "planned_outside_allocator_gib": sum(p["memory"]["outside_allocator_gib"].values()),
+        "planned_peak_host_rss_gib": m["peak_host_rss_gib"],
+        "planned_device_total_gib": p["memory"]["device_total_gib"],
+    }
+
+
+def point_name(combination: Combination, keys: list[tuple[str, object]]) -> str:
+    """A point as the overrides that choose it (``dispatcher=fused ac=full parallel.ep=8``): its group options and
+    the key values other than those its options already have."""
+    cfg = combination.cfg
+    changed = [(k, v) for k, v in keys if _plain(OmegaConf.select(cfg, k)) != v]
+    return " ".join(combination.groups + [f"{k}={override_value(v)}" for k, v in changed])
+
+
+def _plain(value):
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def plan_combination(combination: Combination) -> list[dict]:
+    cfg = combination.cfg
+    hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+    return [
+        {"point": point_name(combination, keys), **plan_point(point_config(cfg, keys), hw)} for keys in combination.keys
+    ]
+
+
+def combinations(configs: list[tuple[list[str], DictConfig]], axes: dict) -> list[Combination]:
+    return [Combination(groups, cfg, key_points(cfg, axes)) for groups, cfg in configs]
+
+
+def workers(asked: int | None) -> int:
+    return asked or min(4, os.cpu_count() or 1)
+
+
+def plan_all(combos: list[Combination], processes: int, progress: bool = True) -> list[dict]:
+    """Every point's row, in the space's order (group combinations, then key values, as the axes are listed)."""
+    total = sum(c.size for c in combos)
+    bar = tqdm(total=total, desc="points planned", unit="point", disable=not progress)
+    results: list[list[dict]] = [[] for _ in combos]
+    if processes == 1 or len(combos) == 1:
+        for i, combo in enumerate(combos):
+            results[i] = plan_combination(combo)
+            bar.update(combo.size)
+    else:
+        # fork: the workers start with the parent's imports (torch, the planner) instead of importing them again
+        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+            futures = {pool.submit(plan_combination, combo): i for i, combo in enumerate(combos)}
+            for future in concurrent.futures.as_completed(futures):
+                results[futures[future]] = future.result()
+                bar.update(combos[futures[future]].size)
+    bar.close()
+    return [row for rows in results for row in rows]
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """The rows with ``rank`` (1 = the highest planned tokens/s/GPU among those that fit; ties by the lower peak,
+    then the space's order) and ``same_plan_as`` (the rank of an earlier point with the very same plan: only the
+    first of such points is a candidate). Fitting rows first, by rank; then the rest, faster first."""
+    order = sorted(
+        (i for i, r in enumerate(rows) if r["fits"]),
+        key=lambda i: (-rows[i]["planned_tokens_per_s_per_gpu"], rows[i]["planned_peak_gpu_mem_gib"], i),
+    )
+    ranked = []
+    for n, i in enumerate(order, start=1):
+        row = dict(rows[i], rank=n, same_plan_as=None)
+        for earlier in reversed(ranked):
+            if not _same_plan(earlier, row):
+                break
+            row["same_plan_as"] = earlier["same_plan_as"] or earlier["rank"]
+        ranked.append(row)
+    rest = sorted(
+        (dict(r, rank=None, same_plan_as=None) for r in rows if not r["fits"]),
+        key=lambda r: -(r.get("planned_tokens_per_s_per_gpu") or 0),
+    )
+    return ranked + rest
+
+
+def _same_plan(a: dict, b: dict) -> bool:
+    return all(abs(a[k] - b[k]) <= TIE * abs(a[k]) for k in ("planned_s_per_step", "planned_peak_gpu_mem_gib"))
+
+
+def candidates(ranked: list[dict], k: int) -> list[dict]:
+    """The best ``k`` fitting points with plans of their own."""
+    return [r for r in ranked if r["rank"] is not None and r["same_plan_as"] is None][:k]
