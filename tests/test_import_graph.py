@@ -36,7 +36,7 @@ LAYERS = (
     ("results",),
     ("plan",),
     ("job",),
-    ("train", "export", "compare", "report"),
+    ("train", "export", "compare", "report", "tune"),
 )
 LAYER_OF = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 
