@@ -81,7 +81,8 @@ def one_rank_step(dispatcher: str, ep: int) -> dict:
     """Build the tiny model on this rank's mesh as the trainer does, run one forward + backward and the loss's
     mean over ranks; -> this rank's parameter and buffer shapes, the fused op's receive rows per layer, and the
     collectives it issued."""
-    from moe_lab.job.trainer import lm_loss, mean_over_ranks
+    from moe_lab.job.trainer import mean_over_ranks
+    from moe_lab.models.loss import ChunkedLoss
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
     from moe_lab.moe import dispatcher as dispatchers
     from moe_lab.moe.fused import reference
@@ -115,7 +116,7 @@ def one_rank_step(dispatcher: str, ep: int) -> dict:
         buffers = {n: tuple(b.shape) for n, b in model.named_buffers()}
         generator = torch.Generator().manual_seed(dist.get_rank())
         tokens = torch.randint(0, cfg.vocab_size, (1, 17), generator=generator)
-        loss = lm_loss(model(tokens[:, :-1]).logits, tokens[:, 1:])
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:], loss=ChunkedLoss(chunk_tokens=5)).loss
         loss.backward()
         mean_over_ranks(loss.detach(), dist.get_world_size())
         return {"params": shapes, "buffers": buffers, "received": received, "collectives": calls}

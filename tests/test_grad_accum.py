@@ -28,7 +28,7 @@ from hydra.utils import instantiate
 
 from moe_lab import config
 from moe_lab.data.synthetic import SyntheticData
-from moe_lab.job.trainer import accumulate_gradients, build_model, lm_loss
+from moe_lab.job.trainer import accumulate_gradients, build_model
 from moe_lab.optim.offload import FullOffload
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
@@ -135,8 +135,8 @@ def accumulated_run(overrides: list[str]) -> dict:
         return options.data.batch(step, rank, world, micro_batch, cfg.trainer.grad_accum)
 
     def micro_batch_loss(batch):
-        out = model(batch.inputs, batch.documents)
-        return lm_loss(out.logits, batch.labels), out.router_stats
+        out = model(batch.inputs, batch.documents, labels=batch.labels, loss=options.loss)  # as the trainer calls it
+        return out.loss, out.router_stats
 
     def before_micro_batch(final):  # what moe_lab.job.trainer.train does
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
@@ -273,8 +273,8 @@ def _collectives_per_step() -> dict:
             return options.data.batch(0, dist.get_rank(), 2, micro_batch, 2)
 
         def micro_batch_loss(batch):
-            out = model(batch.inputs, batch.documents)
-            return lm_loss(out.logits, batch.labels), out.router_stats
+            out = model(batch.inputs, batch.documents, labels=batch.labels, loss=options.loss)
+            return out.loss, out.router_stats
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             accumulate_gradients(

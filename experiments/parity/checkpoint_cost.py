@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from moe_lab import config
 from moe_lab.checkpoint.checkpointer import Progress, state_bytes
-from moe_lab.job.trainer import build_checkpointer, build_model, lm_loss
+from moe_lab.job.trainer import build_checkpointer, build_model
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.results.record import environment, write_json_atomic
 from moe_lab.runtime.paths import CONF_DIR
@@ -61,8 +61,8 @@ def main() -> None:
     scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
     batch = options.data.batch(0, 0, 1).to(device)
     with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-        out = model(batch.inputs, batch.documents)
-    lm_loss(out.logits, batch.labels).backward()
+        out = model(batch.inputs, batch.documents, labels=batch.labels, loss=options.loss)
+    out.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":

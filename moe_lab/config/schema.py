@@ -123,6 +123,7 @@ GROUPS = {
     "ac": "activation checkpointing per decoder block",
     "offload": "where weights and optimizer state live",
     "optimizer": "the optimizer (a torch.optim class, built per parameter chunk by the offload mode)",
+    "loss": "the LM head and the cross-entropy: all logits at once, or in chunks of tokens",
     "data": "training batches and the held-out ones trainer.eval_every reads",
     "logger": "experiment logger on rank 0, beside metrics.jsonl and result.json",
 }
@@ -135,6 +136,7 @@ class TrainConfig:
     ac: Any = None
     offload: Any = None
     optimizer: Any = None
+    loss: Any = None
     data: Any = None
     logger: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

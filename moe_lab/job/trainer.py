@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 
@@ -69,7 +68,7 @@ def train(
     optimizer = options.offload.build(model, options.make_optimizer, compute_dtype)
     scheduler = warmup_cosine(optimizer, t.steps, t.warmup_steps, t.min_lr_ratio)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if bf16 and world == 1 else nullcontext()
-    loss_fn = compile_loss(lm_loss) if t.compile else lm_loss
+    loss_fn = compile_loss(options.loss) if t.compile else options.loss
     data = options.data
     dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
     balance = options.model.balance()
@@ -89,8 +88,8 @@ def train(
 
     def micro_batch_forward(batch):
         with autocast:
-            out = model(batch.inputs, batch.documents)
-        return loss_fn(out.logits, batch.labels), out.router_stats
+            out = model(batch.inputs, batch.documents, labels=batch.labels, loss=loss_fn)
+        return out.loss, out.router_stats
 
     def before_micro_batch(final: bool) -> None:
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
@@ -292,14 +291,13 @@ def check_cpu_memory(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def evaluate(model, data, batches: int, device, dp_rank: int, world: int, autocast, loss_fn) -> float:
-    """Mean next-token loss over ``batches`` held-out batches (``data.eval_batch``) of the global batch size, over
-    every rank."""
+    """Mean next-token loss (``loss_fn``, the training loss) over ``batches`` held-out batches
+    (``data.eval_batch``) of the global batch size, over every rank."""
     losses = []
     for index in range(batches):
         batch = data.eval_batch(index, dp_rank, world).to(device)
         with autocast:
-            logits = model(batch.inputs, batch.documents).logits
-        losses.append(loss_fn(logits, batch.labels))
+            losses.append(model(batch.inputs, batch.documents, labels=batch.labels, loss=loss_fn).loss)
     return to_host(mean_over_ranks(torch.stack(losses).mean(), world)).item()
 
 
@@ -309,11 +307,6 @@ def mean_over_ranks(value: torch.Tensor, world: int) -> torch.Tensor:
         dist.all_reduce(value)
         value = value / world
     return value
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from moe_lab.models.hf_config import check_agrees
 from moe_lab.models.init import fill_normal_rows
+from moe_lab.models.loss import LanguageModelLoss
 from moe_lab.moe.dispatcher import TokenDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
 from moe_lab.moe.router import AuxLoss, ExpertBias, NoBalance, Router, RouterBalance
@@ -146,8 +147,9 @@ class Documents(NamedTuple):
 
 
 class CausalLMOutput(NamedTuple):
-    logits: torch.Tensor  # [B, S, vocab]
+    logits: torch.Tensor | None  # [B, S, vocab]; None where the forward was given a loss
     router_stats: torch.Tensor  # [L, 2E + 1]: each layer's routing statistics (moe_lab.moe.router.routing_stats)
+    loss: torch.Tensor | None = None  # the loss's value of the labels (a forward given labels and a loss)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,16 +286,40 @@ class Qwen3MoeModel(nn.Module):
         return self.norm(x), torch.stack(stats)
 
 
+class LMHead(nn.Linear):
+    """The LM head: the logits of the hidden states, or, given labels and a loss (``moe_lab.models.loss``), the
+    loss, which computes the logits as it sees fit (a chunked loss never holds them all). Either way the head's
+    weight is read in its own call, where hooks on the head (FSDP2's gather) have run."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, loss: LanguageModelLoss | None = None
+    ) -> torch.Tensor:
+        return super().forward(hidden) if loss is None else loss(hidden, self.weight, labels)
+
+
 class Qwen3MoeForCausalLM(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         self.config = cfg
         self.model = Qwen3MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, documents: Documents | None = None) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        documents: Documents | None = None,
+        labels: torch.Tensor | None = None,
+        loss: LanguageModelLoss | None = None,
+    ) -> CausalLMOutput:
+        """-> the logits, or given ``labels`` and a ``loss``, the loss's value of them (no logits), and the
+        layers' routing statistics."""
         hidden, router_stats = self.model(input_ids, documents)
-        return CausalLMOutput(self.lm_head(hidden), router_stats)
+        if loss is None:
+            return CausalLMOutput(self.lm_head(hidden), router_stats)
+        return CausalLMOutput(None, router_stats, self.lm_head(hidden, labels, loss))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, shards: dict[str, tuple[torch.Tensor, int]] | None = None) -> None:

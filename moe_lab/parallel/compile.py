@@ -34,8 +34,9 @@ def _without_runtime_asserts(compiled):
     return forward
 
 
-def compile_loss(loss_fn):
-    """The loss as one graph (torchtitan compiles it too): the upcast of the logits and the log-softmax over the
-    vocabulary fuse, so no fp32 copy of the [tokens, vocab] logits is materialised (10 GB and about 25 ms of copies
-    and softmax kernels per step at seq 16384 with Qwen3's 151,936-token vocabulary on an H200)."""
-    return torch.compile(loss_fn, fullgraph=True)
+def compile_loss(loss):
+    """The loss (a ``moe_lab.models.loss`` option) with its work over the vocabulary compiled, as torchtitan
+    compiles its loss: the upcast of the logits and the log-softmax fuse, so no fp32 copy of the logits is
+    materialised (10 GB and about 25 ms of copies and softmax kernels per step at seq 16384 with Qwen3's 151,936-token
+    vocabulary on an H200, when every token's logits are at once)."""
+    return loss.compiled()
