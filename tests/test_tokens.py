@@ -388,3 +388,26 @@ def test_damaged_token_files_fail_validation_naming_the_file(damage, tmp_path, m
     with pytest.raises(config.ConfigError, match=f"{named} (is missing|holds|lists)") as e:
         config.validate(cfg)
     assert e.value.key == "data.path"
+
+
+@pytest.mark.parametrize(
+    "name, content, problem",
+    [
+        ("empty.txt", b"", "the file is empty"),
+        ("empty.jsonl", b"", "the file is empty"),
+        ("noise.txt", bytes(random.Random(0).randrange(128, 256) for _ in range(2000)), "cannot be read as UTF-8 text"),
+        ("cut.jsonl", b'{"text": "the cat"}\n{"text": "the d', "cannot be read as JSON lines or a JSON file"),
+        ("blank.txt", b"\n\n  \n", "none of its 1 texts held for training has a token"),
+    ],
+)
+def test_prepare_refuses_a_corpus_that_makes_no_dataset_naming_the_file(name, content, problem, tmp_path):
+    """Refused with a message naming the file and what is wrong (no traceback), and no output directory left that
+    looks like a dataset."""
+    train_test_tokenizer(corpus(10), tmp_path / "tokenizer")
+    (tmp_path / name).write_bytes(content)
+    out = tmp_path / "out"
+    args = ["--dataset", str(tmp_path / name), "--tokenizer", str(tmp_path / "tokenizer"), "--out", str(out)]
+    with pytest.raises(SystemExit) as refused:
+        prepare_main(args)
+    assert str(refused.value).startswith(f"--dataset {tmp_path / name}: {problem}"), refused.value
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

@@ -11,7 +11,10 @@ one document, or one per paragraph or line with ``--text-unit``). Each document 
 instead trains a byte-level BPE tokenizer of that vocabulary size on the training documents (``tokenizers``) and
 saves it in ``<out>/tokenizer``: a corpus with no tokenizer of its own can be prepared offline.
 
-Everything is written beside ``--out`` first and moved there at the end: a directory is complete or absent.
+A corpus that cannot make a dataset is refused, naming the file and what is wrong, before anything is written: an
+empty file, one that is not of its kind (bytes that are not UTF-8 text, a line that is not JSON), a dataset with no
+document or none with a token. Everything is written beside ``--out`` first and moved there at the end: a directory
+is complete or absent.
 """
 
 from __future__ import annotations
@@ -99,15 +102,42 @@ def load_texts(sources: list[str], text_field: str, text_unit: str, cache_dir: s
         missing = [s for s in sources if not Path(s).is_file()]
         if missing:
             raise SystemExit(f"--dataset: no such file: {', '.join(missing)}")
+        empty = [s for s in sources if Path(s).stat().st_size == 0]
+        if empty:
+            raise SystemExit(f"--dataset {empty[0]}: the file is empty")
         kind = kinds.pop()
         options = {"sample_by": text_unit} if kind == "text" else {}
-        dataset = datasets.load_dataset(kind, data_files=sources, split="train", cache_dir=cache_dir, **options)
+
+        def load(files: list[str]):
+            return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir, **options)
+
+        try:
+            dataset = load(sources)
+        except Exception as e:  # the datasets library names no file: find the one that fails alone
+            raise SystemExit(_why_unreadable(load, sources, kind, e)) from None
         if kind == "text":
             text_field = "text"
+    if len(dataset) == 0:
+        raise SystemExit(f"--dataset {' '.join(sources)}: holds no document")
     if text_field not in dataset.column_names:
         raise SystemExit(f"--text-field {text_field}: the dataset's columns are {dataset.column_names}")
     dataset = dataset.select_columns([text_field])
     return dataset if text_field == "text" else dataset.rename_column(text_field, "text")
+
+
+def _why_unreadable(load, sources: list[str], kind: str, error: Exception) -> str:
+    """What to say of files ``load`` failed on: the first that fails alone, and its root cause."""
+    for source in sources if len(sources) > 1 else []:
+        try:
+            load([source])
+        except Exception as e:
+            error, sources = e, [source]
+            break
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    what = {"text": "UTF-8 text", "json": "JSON lines or a JSON file", "parquet": "parquet"}[kind]
+    return f"--dataset {' '.join(sources)}: cannot be read as {what} ({cause})"
 
 
 def train_tokenizer(texts: Iterator[str], vocab_size: int, directory: Path):
@@ -150,14 +180,14 @@ def prepare(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"--out {out} exists and is not empty; choose a new directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)  # as a plain mkdir would make it (mkdtemp's is owner-only)
-    try:
-        with tempfile.TemporaryDirectory() as cache:  # the datasets library's arrow copies of the files
-            texts = load_texts(sources, text_field, text_unit, cache)
+    with tempfile.TemporaryDirectory() as cache:  # the datasets library's arrow copies of the files
+        texts = load_texts(sources, text_field, text_unit, cache)  # refuses a corpus it cannot read, writing nothing
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        work.chmod(0o777 & ~umask)  # as a plain mkdir would make it (mkdtemp's is owner-only)
+        try:
             count = len(texts)
             held_out = np.zeros(count, dtype=bool)
             if eval_fraction > 0 and count > 1:
@@ -196,12 +226,16 @@ def prepare(
                 "seed": seed,
             }
             meta = write_token_dir(work, documents(), meta, shard_tokens)
-        if out.exists():
-            out.rmdir()
-        os.replace(work, out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+            if meta["splits"]["train"]["documents"] == 0:
+                raise SystemExit(
+                    f"--dataset {' '.join(sources)}: none of its {count} texts held for training has a token"
+                )
+            if out.exists():
+                out.rmdir()
+            os.replace(work, out)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     return meta
 
 
