@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from moe_lab.config import ConfigError, validate
 from moe_lab.parallel.emulate import EmulatedProcessGroup, init_emulated_world
 from tests import cli
 from tests.distributed import run_world
+from tests.interpreted import interpreted
 from tests.test_train_cpu import ROOT, result
 
 COLLECTIVES = (
@@ -216,16 +215,7 @@ def loopback_fused_check(ep: int) -> dict:
 def test_fused_receive_buffer_holds_the_mirrored_rows():
     """The receive buffer of emulated rank 0 has the rows real rank 0 of a world routing like it receives, in the
     gpu backend (the group's loopback symmetric memory) and the reference backend (its collectives)."""
-    code = "from tests.test_emulate import loopback_fused_check as f; print(repr(f(4)))"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for kind, r in eval(done.stdout.strip().splitlines()[-1]).items():
+    for kind, r in interpreted("tests.test_emulate:loopback_fused_check", 4).items():
         assert [r["gpu_rows"], r["reference_rows"]] == r["mirrored_rows"], kind
         assert r["finite"], kind
 

@@ -17,7 +17,6 @@ GPU tests (``gpu`` marker): DeepGEMM's path against the reference op on the same
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 import moe_lab.moe.fused  # noqa: F401  (registers the ops)
 from moe_lab.moe.fp8 import quant, weights
+from tests.interpreted import interpreted
 
 E, H, I, K, T = 4, 256, 256, 2, 48
 
@@ -157,19 +157,6 @@ def test_fp8_blocks_compile_fullgraph_under_every_ac_mode(tmp_path):
 # --- the Triton kernels, interpreted -------------------------------------------------------------------------------
 
 
-def _interpreted(function: str) -> str:
-    code = f"from tests.test_fp8 import {function} as f; print(f())"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
-
-
 def quantizer_kernels_check() -> str:
     from moe_lab.moe.fused import fp8_gpu
 
@@ -201,7 +188,7 @@ def quantizer_kernels_check() -> str:
 
 
 def test_quantizer_kernels_interpreted_match_reference():
-    assert _interpreted("quantizer_kernels_check") == "ok"
+    assert interpreted("tests.test_fp8:quantizer_kernels_check") == "ok"
 
 
 def emulated_gemm_nt(m_indices, a_q, a_scale, w):
@@ -229,7 +216,7 @@ def gpu_fp8_path_check() -> str:
 
 @pytest.mark.slow
 def test_gpu_fp8_path_interpreted_matches_reference():
-    assert float(_interpreted("gpu_fp8_path_check")) < 1e-2
+    assert float(interpreted("tests.test_fp8:gpu_fp8_path_check")) < 1e-2
 
 
 # --- validation ----------------------------------------------------------------------------------------------------

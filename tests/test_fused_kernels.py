@@ -11,13 +11,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.interpreted import interpreted
 
 pytest.importorskip("triton")
 
@@ -44,11 +43,7 @@ def compare_backends() -> list[float]:
 
 @pytest.mark.slow
 def test_gpu_backend_interpreted_matches_reference():
-    code = "from tests.test_fused_kernels import compare_backends; print(max(compare_backends()))"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    assert max(interpreted("tests.test_fused_kernels:compare_backends")) < 1e-5
 
 
 def zero_idle_experts_check() -> bool:
@@ -64,16 +59,7 @@ def zero_idle_experts_check() -> bool:
 
 @pytest.mark.slow
 def test_zero_idle_experts_interpreted():
-    code = "from tests.test_fused_kernels import zero_idle_experts_check as f; print(f())"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "True"
+    assert interpreted("tests.test_fused_kernels:zero_idle_experts_check", timeout=120) is True
 
 
 def layout_kernels_check() -> str:
@@ -114,16 +100,7 @@ def layout_kernels_check() -> str:
 
 @pytest.mark.slow
 def test_layout_kernels_interpreted_match_torch_layout():
-    code = "from tests.test_fused_kernels import layout_kernels_check as f; print(f())"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "ok"
+    assert interpreted("tests.test_fused_kernels:layout_kernels_check") == "ok"
 
 
 class FileSymmetricMemory:
@@ -220,16 +197,7 @@ def compare_ep(ep: int, directory: str) -> list:
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.slow
 def test_gpu_backend_peer_paths_interpreted_match_reference(ep, tmp_path):
-    code = f"from tests.test_fused_kernels import compare_ep; print(repr(compare_ep({ep}, {str(tmp_path)!r})))"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    per_rank = eval(done.stdout.strip().splitlines()[-1])
+    per_rank = interpreted("tests.test_fused_kernels:compare_ep", ep, str(tmp_path), timeout=600)
     for rank, results in enumerate(per_rank):
         for step, r in enumerate(results):
             case = f"rank {rank} step {step} ({r['kind']})"

@@ -10,9 +10,6 @@ What autograd saves shrinks accordingly: no tensor of the received rows with ``g
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,6 +23,7 @@ from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoin
 from moe_lab.parallel.expert_parallel import apply_expert_parallel, keep_local_experts
 from tests.distributed import run_world
 from tests.fused_cases import received_rows, routing, saved_shapes
+from tests.interpreted import interpreted
 from tests.test_fused_reference import E, H, I, T, forward_backward, make_experts, make_problem
 
 SAVES = ("rows", "rows_only", "gate_up", "inputs")
@@ -180,26 +178,12 @@ def gpu_saves_ep(directory: str) -> list:
     return run_world(2, gpu_saves_ep_rank, directory)
 
 
-def _interpreted(code: str) -> str:
-    pytest.importorskip("triton")
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
-
-
 @pytest.mark.slow
 def test_gpu_backend_saves_interpreted_equal_rows():
-    assert _interpreted("from tests.test_fused_save import gpu_saves_check as f; print(repr(f()))") == "[]"
+    assert interpreted("tests.test_fused_save:gpu_saves_check", timeout=600) == []
 
 
 @pytest.mark.slow
 def test_gpu_backend_saves_interpreted_equal_rows_peer_paths(tmp_path):
     """At EP=2 save=inputs pulls the rows again from the peers' (file-mapped) x buffers in backward."""
-    out = _interpreted(f"from tests.test_fused_save import gpu_saves_ep as f; print(repr(f({str(tmp_path)!r})))")
-    assert out == "[[], []]"
+    assert interpreted("tests.test_fused_save:gpu_saves_ep", str(tmp_path), timeout=600) == [[], []]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from moe_lab.runtime.host_read import to_host
+from tests.interpreted import interpreted
 
 
 def store_bytes_cases() -> list:
@@ -43,17 +40,7 @@ def store_bytes_cases() -> list:
 
 
 def test_store_bytes_interpreted_equals_copy():
-    pytest.importorskip("triton")
-    code = "from tests.test_host_read import store_bytes_cases; print(store_bytes_cases())"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert interpreted("tests.test_host_read:store_bytes_cases") == []
 
 
 def test_to_host_of_a_host_tensor_is_its_values():
