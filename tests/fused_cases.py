@@ -1,9 +1,15 @@
-"""Routings and size probes shared by the fused op's tests (reference backend, interpreted kernels, GPU)."""
+"""Routings, size probes and validation targets shared by the fused op's tests (reference backend, interpreted
+kernels, GPU, FP8)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_lab.runtime.device import Target
 
 ROUTINGS = ("random", "balanced", "zipf", "same_experts", "half_idle")
 
@@ -58,15 +64,15 @@ class RowCounter(TorchDispatchMode):
 
 
 def buffer_rows(backend: str, x, ids, weights, gate_up_proj, down_proj, grad_out, num_experts: int, group) -> int:
-    """The most rows any tensor made by one forward and backward of the op's ``backend`` holds."""
-    from moe_lab.moe.fused.ops import ALIGN, _impl
+    """The most rows any tensor made by one forward and backward of the op's ``backend`` (bf16, save=rows) holds."""
+    from moe_lab.moe.fused.ops import BACKENDS, SAVES
 
-    impl = _impl(backend)
+    impl = BACKENDS[backend]
     with RowCounter() as counter:
         _, *residuals = impl.forward(
-            x, ids, weights, gate_up_proj, down_proj, num_experts, group, ALIGN[backend], backend
+            x, ids, weights, gate_up_proj, down_proj, [], num_experts, group, SAVES["rows"], "bf16"
         )
-        impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, backend)
+        impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, [], group, "bf16")
     return counter.max_rows
 
 
@@ -76,3 +82,37 @@ def saved_shapes(fn) -> set[tuple[int, ...]]:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.add(tuple(t.shape)) or t, lambda t: t):
         fn()
     return shapes
+
+
+CPU = Target(world_size=1, ranks_per_node=1, device_type="cpu", compute_capability=None, deep_gemm_error=None)
+HOPPER = dataclasses.replace(CPU, device_type="cuda", compute_capability=(9, 0))
+
+
+def validation_error(dispatcher, target: Target = CPU, hidden=64, inter=32, device="auto", ep=1) -> str | None:
+    """The key ``dispatcher.validate`` names for a config of these expert shapes on ``target``; None if it passes."""
+    from omegaconf import OmegaConf
+
+    from moe_lab.runtime.errors import ConfigError
+
+    cfg = OmegaConf.create(
+        {
+            "trainer": {"device": device, "nproc_per_node": target.world_size, "precision": "auto", "compile": False},
+            "parallel": {"ep": ep},
+            "model": {"hidden_size": hidden, "moe_intermediate_size": inter},
+        }
+    )
+    try:
+        dispatcher.validate(cfg, target)
+    except ConfigError as e:
+        return e.key
+    return None
+
+
+def count_forwards(monkeypatch, backend: str = "reference") -> list:
+    """Record a call per forward of the op's ``backend`` (the list it returns grows by one each)."""
+    from moe_lab.moe.fused.ops import BACKENDS
+
+    calls, impl = [], BACKENDS[backend]
+    forward = functools.partial(lambda f, *a: calls.append(1) or f(*a), impl.forward)
+    monkeypatch.setitem(BACKENDS, backend, dataclasses.replace(impl, forward=forward))
+    return calls

@@ -10,14 +10,13 @@ every source's rows inside it.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import moe_lab.moe.fused.reference as reference
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.moe.experts import GroupedExperts
@@ -25,7 +24,16 @@ from moe_lab.moe.router import Router
 from moe_lab.parallel.ac import FullCheckpoint, SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel, keep_local_experts
 from tests.distributed import run_world
-from tests.fused_cases import ROUTINGS, buffer_rows, received_rows, routing, saved_shapes
+from tests.fused_cases import (
+    HOPPER,
+    ROUTINGS,
+    buffer_rows,
+    count_forwards,
+    received_rows,
+    routing,
+    saved_shapes,
+    validation_error,
+)
 
 E, H, I, K, T = 8, 16, 12, 3, 10
 
@@ -135,7 +143,8 @@ def assert_sizes_follow_received_rows(kind: str, sizes: dict) -> None:
     rows than that or the T x K slots this rank sends."""
     rows, local = sizes["rows"], sizes["local"]
     assert rows == max(1, sizes["received"]), kind
-    allowed = {(rows, H), (rows, 2 * I), (rows,), (T, K), (local,), (local, 2 * I, H), (local, H, I)}
+    # (rows, 0): the received rows' scales, 0 wide at bf16
+    allowed = {(rows, H), (rows, 0), (rows, 2 * I), (rows,), (T, K), (local,), (local, 2 * I, H), (local, H, I)}
     assert sizes["saved"] <= allowed, f"{kind}: saved {sizes['saved'] - allowed}"
     assert {(rows, H), (rows, 2 * I), (rows,)} <= sizes["saved"], kind
     assert sizes["held"] <= max(rows, T * K), f"{kind}: a tensor of {sizes['held']} rows, {rows} received, {T * K} sent"
@@ -170,10 +179,7 @@ def _tiny_model(ac):
 @pytest.mark.parametrize("ac", [FullCheckpoint, SelectiveCheckpoint])
 @pytest.mark.slow
 def test_block_compiles_fullgraph_under_ac(ac, monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        reference, "forward", functools.partial(lambda f, *a: calls.append(1) or f(*a), reference.forward)
-    )
+    calls = count_forwards(monkeypatch)
     tokens = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
     eager = _tiny_model(None)
     eager(tokens).logits.square().mean().backward()
@@ -188,40 +194,27 @@ def test_block_compiles_fullgraph_under_ac(ac, monkeypatch):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _validation_error(dispatcher) -> str | None:
-    from omegaconf import OmegaConf
-
-    from moe_lab.runtime.errors import ConfigError
-
-    cfg = OmegaConf.create(
-        {
-            "trainer": {"device": "auto", "nproc_per_node": 1},
-            "parallel": {"ep": 1},
-            "model": {"hidden_size": 64, "moe_intermediate_size": 32},
-        }
-    )
-    try:
-        dispatcher.validate(cfg)
-    except ConfigError as e:
-        return e.key
-    return None
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure")
 def test_validate_rejects_gpu_backend_without_cuda():
-    assert _validation_error(FusedDispatcher(backend="gpu")) == "dispatcher.backend"
-    assert _validation_error(FusedDispatcher(backend="auto")) is None
-    experts = make_experts()
-    with pytest.raises(RuntimeError, match="needs CUDA"):
-        FusedDispatcher(backend="gpu")(*make_problem(0)[:3], experts.gate_up_proj, experts.down_proj)
+    assert validation_error(FusedDispatcher(backend="gpu")) == "dispatcher.backend"
+    assert validation_error(FusedDispatcher(backend="auto")) is None
+    assert validation_error(FusedDispatcher(backend="gpu"), HOPPER, hidden=128, inter=128) is None
+    if not torch.cuda.is_available():
+        experts = make_experts()
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            FusedDispatcher(backend="gpu")(*make_problem(0)[:3], experts.gate_up_proj, experts.down_proj)
 
 
-def test_validate_rejects_deep_gemm_when_absent():
-    import moe_lab.moe.fused as fused
-
-    if fused.deep_gemm_available():
-        pytest.skip("deep_gemm is importable here")
-    assert _validation_error(FusedDispatcher(gemm="deep_gemm")) == "dispatcher.gemm"
+def test_validate_follows_its_target():
+    """The same config against targets that differ in one fact: deep_gemm's import, the ranks per node, the GEMMs'
+    multiple on a GPU (DeepGEMM's 128 at EP 1 where it imports, torch's 8 where it does not)."""
+    absent = dataclasses.replace(HOPPER, deep_gemm_error="ImportError: no deep_gemm")
+    assert validation_error(FusedDispatcher(gemm="deep_gemm"), absent) == "dispatcher.gemm"
+    assert validation_error(FusedDispatcher(gemm="deep_gemm"), HOPPER, hidden=128, inter=128) is None
+    assert validation_error(FusedDispatcher(), HOPPER) == "model.hidden_size"  # 64: not a multiple of 128
+    assert validation_error(FusedDispatcher(), absent) is None  # torch._grouped_mm: 8 will do
+    two_nodes = dataclasses.replace(HOPPER, world_size=4, ranks_per_node=2)
+    assert validation_error(FusedDispatcher(), two_nodes, hidden=128, inter=128, ep=4) == "parallel.ep"
+    assert validation_error(FusedDispatcher(backend="reference"), two_nodes, ep=4) is None
 
 
 def test_layout_is_expert_contiguous_and_aligned():
@@ -282,12 +275,14 @@ def test_fake_op_gives_the_residuals_one_unbacked_size():
     with FakeTensorMode(shape_env=ShapeEnv()):
         x, ids, weights = torch.empty(T, H), torch.zeros(T, K, dtype=torch.int64), torch.empty(T, K)
         local = E // 8  # the stacks of one of eight ranks
-        y, x_routed, gate_up, row_weight, row_src, pos, offs = torch.ops.moe_lab.fused_moe(
-            x, ids, weights, torch.empty(local, 2 * I, H), torch.empty(local, H, I), E, "", "gpu_deep_gemm"
+        stacks = torch.empty(local, 2 * I, H), torch.empty(local, H, I)
+        y, x_routed, x_scales, gate_up, row_weight, row_src, pos, offs = torch.ops.moe_lab.fused_moe(
+            x, ids, weights, *stacks, [], E, "", "gpu_deep_gemm", "rows", "bf16"
         )
     rows = x_routed.shape[0]
     assert isinstance(rows, torch.SymInt)
     assert row_weight.shape == row_src.shape == (rows,) and gate_up.shape == (rows, 2 * I) and y.shape == (T, H)
+    assert x_scales.shape == (rows, 0)
     assert pos.shape == (T, K) and offs.shape == (local,)
     assert rows.node.shape_env.var_to_range[rows.node.expr].lower == 0
 
