@@ -149,6 +149,7 @@ def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path):
     assert proc.returncode != 0
     record = json.loads((run_dir / "result.json").read_text())
     assert record["status"] == "oom" and "host memory" in record["error"]["message"], record["error"]
+    assert "wants a GPU" in record["error"]["message"] and "model=tiny" in proc.stdout  # and how to shrink it
 
 
 def test_out_of_memory_reads_as_oom_however_it_arrives():
@@ -251,3 +252,109 @@ def test_a_run_directory_in_use_is_refused(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == [".moe_lab.lock"]
     proc = train_cli(*SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)  # released: it runs
     assert proc.returncode == 0 and (run_dir / "result.json").exists(), proc.stderr[-3000:]
+
+
+def test_a_finished_run_trains_longer_in_its_own_directory(tmp_path):
+    """trainer.steps=2, then 4: refused (nothing lost), and the way the refusal offers works in the same directory:
+    trainer.resume=<its checkpoint> continues it, its record replaced by the longer run's (which holds its steps).
+    A resume that would run no step is refused naming trainer.steps, and the record stays; trainer.resume=never
+    starts the directory afresh."""
+    run_dir = tmp_path / "run"
+    args = ["trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1", "trainer.checkpoint.every=2"]
+    args.append(f"hydra.run.dir={run_dir}")
+    assert train_cli("trainer.steps=2", *args, cwd=tmp_path).returncode == 0
+    short = json.loads((run_dir / "result.json").read_text())
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+
+    refused = train_cli("trainer.steps=4", *args, cwd=tmp_path)
+    assert refused.returncode != 0 and "trainer.resume=<that checkpoint>" in refused.stderr, refused.stderr[-2000:]
+    assert json.loads((run_dir / "result.json").read_text()) == short
+
+    longer = train_cli("trainer.steps=4", f"trainer.resume={checkpoint}", *args, cwd=tmp_path)
+    assert longer.returncode == 0, longer.stdout[-2000:] + longer.stderr[-2000:]
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "ok" and record["config"]["trainer"]["steps"] == 4
+    assert record["metrics"]["resumed_from"] == str(checkpoint)
+    assert record["metrics"]["losses"][:2] == short["metrics"]["losses"] and len(record["metrics"]["losses"]) == 4
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in rows] == [0, 1, 2, 3]
+
+    nothing_to_run = train_cli(
+        "trainer.steps=3", f"trainer.resume={run_dir / 'checkpoints' / 'step_00000004'}", *args, cwd=tmp_path
+    )
+    assert nothing_to_run.returncode == 1
+    assert "invalid config: trainer.steps: is 3, but trainer.resume=" in nothing_to_run.stderr
+    assert (
+        "is at step 4: no step would run" in nothing_to_run.stderr
+        and "of the run before is kept" in nothing_to_run.stderr
+    )
+    assert json.loads((run_dir / "result.json").read_text()) == record
+
+    afresh = train_cli("trainer.steps=3", "trainer.resume=never", *args, cwd=tmp_path)
+    assert afresh.returncode == 0, afresh.stderr[-2000:]
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["config"]["trainer"]["steps"] == 3 and record["metrics"]["resumed_from"] is None
+
+
+def test_an_invalid_record_does_not_block_the_corrected_command(tmp_path):
+    run_dir = tmp_path / "run"
+    refused = train_cli(*SMALL, "parallel.ep=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert refused.returncode == 1 and f"(recorded in {run_dir / 'result.json'})" in refused.stderr
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "invalid"
+    corrected = train_cli(*SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert corrected.returncode == 0, corrected.stderr[-2000:]
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "ok"
+
+
+def test_a_failed_run_says_in_one_line_where_it_is_recorded(tmp_path):
+    """As a failed sweep point does: "failed, recorded in <path>: <type>: <message>", exit 1, no traceback (the
+    record holds it)."""
+    from tests.sweep import ROOT as SWEEP_ROOT
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env |= {"PYTHONPATH": str(ROOT), "MOE_LAB_INJECT": json.dumps([["error", {"ac": "none"}]])}
+    proc = cli.train_cli(
+        *SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env, script=str(SWEEP_ROOT / "tests" / "sweep.py")
+    )
+    assert proc.returncode == 1
+    line = f"run failed, recorded in {run_dir / 'result.json'}: RuntimeError: injected by tests/sweep.py"
+    assert line in proc.stdout and "Traceback" not in proc.stdout + proc.stderr, (
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    )
+    assert "injected by tests/sweep.py" in json.loads((run_dir / "result.json").read_text())["error"]["traceback"]
+
+
+def test_a_sweep_ends_naming_its_directory_and_points_and_fails_when_none_is_ok(tmp_path):
+    sweep = tmp_path / "sweep"
+    mixed = train_cli("-m", "parallel.ep=1,3", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert mixed.returncode == 0, mixed.stderr[-2000:]
+    assert f"sweep {sweep}: 2 points: " in mixed.stdout and "1 ok" in mixed.stdout and "1 invalid" in mixed.stdout
+
+    sweep = tmp_path / "none_ok"
+    failed = train_cli("-m", "parallel.ep=3,5", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert failed.returncode == 1
+    assert f"sweep {sweep}: 2 points: 2 invalid" in failed.stdout and "no point ended ok" in failed.stderr
+
+
+def test_a_signal_says_what_running_again_does(tmp_path):
+    """No checkpoint: the same command starts over (not "resumes"); one of this point: it continues from it, unless
+    trainer.resume names something else."""
+    from moe_lab.checkpoint import directory
+    from moe_lab.job.lifecycle import how_to_go_on
+    from moe_lab.results.record import point_config
+    from tests.test_offload import compose_train
+
+    cfg = compose_train(SMALL)
+    assert how_to_go_on(tmp_path, cfg, multirun=False).startswith(
+        "No checkpoint was saved: the same command again starts from step 0"
+    )
+    saved = directory.complete_path(tmp_path / "checkpoints", 1)
+    saved.mkdir(parents=True)
+    (saved / directory.DCP_METADATA).write_bytes(b"")
+    (saved / directory.MARKER).write_text(json.dumps({"step": 1, "config": point_config(cfg)}))
+    assert how_to_go_on(tmp_path, cfg, multirun=False) == f"The same command again continues from {saved}."
+    never = compose_train([*SMALL, "trainer.resume=never"])
+    assert how_to_go_on(tmp_path, never, multirun=True) == (
+        f"Running the same sweep again runs the rest; this point with trainer.resume=auto (not never) continues from {saved}."
+    )

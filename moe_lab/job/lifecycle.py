@@ -1,12 +1,17 @@
 """The lifecycle of one job (a single run or one sweep point): it ends with exactly one result.json, written by rank 0.
 
 - A point whose directory already holds an ok record of the same configuration is skipped (a resumed sweep); a
-  directory holding the record, or the newest checkpoint, of another configuration is never written to. A point
-  that was interrupted or failed after a checkpoint continues from it (``trainer.resume=auto``).
+  directory holding the record, or the newest checkpoint, of another configuration is not written to unless the
+  command says what becomes of that run: ``trainer.resume=<a checkpoint>`` continues from it (a finished run
+  trained longer: its record is replaced by one that holds its steps too), ``trainer.resume=never`` starts the
+  directory afresh. An ``invalid`` record (nothing ran) never stands in the way. A point that was interrupted or
+  failed after a checkpoint continues from it (``trainer.resume=auto``).
 - A job holds its directory's lock for its life (``OutputDirGuard``): a second run or sweep into it is refused.
 - An invalid configuration is recorded as ``invalid`` before anything is built; a failure as ``oom`` / ``error``
-  (when a rank it started died, naming that rank and how, before rank 0's symptom). In a sweep the failed point is
-  returned so Hydra's launcher goes on; a single run exits non-zero. A record that cannot be read is not done.
+  (when a rank it started died, naming that rank and how, before rank 0's symptom); either way the console gets
+  one line naming the record. In a sweep the failed point is returned so Hydra's launcher goes on, and the sweep
+  ends naming its directory and its points by status (exit 1 when none is ok); a single run exits 1. A record that
+  cannot be read is not done.
 - SIGTERM / SIGINT stop every rank at the same step: the point is recorded as ``interrupted`` (after a checkpoint
   with ``trainer.checkpoint.on_signal``) and the job exits with 128 + the signal's number, a sweep included.
 - The job starts its ranks itself (``trainer.nproc_per_node``) or runs as one rank of an outer torchrun / srun.
@@ -23,6 +28,7 @@ import logging
 import os
 import socket
 import sys
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,13 +42,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from moe_lab import config
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config import Options
+from moe_lab.config.validate import job_target
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.job.launcher import (
     RanksFailed,
     adopt_slurm_environment,
     launch_local,
     shared_run_dir,
-from moe_lab.config.validate import job_target
     spawns_ranks,
     started_by_outer_launcher,
 )
@@ -55,12 +61,20 @@ from moe_lab.plan.emulated import emulated_metrics
 from moe_lab.results.record import RESULT, Record, environment, point_config, read_result, write_json_atomic
 from moe_lab.runtime.determinism import set_determinism
 from moe_lab.runtime.device import runs_on_cuda
+from moe_lab.runtime.errors import ConfigError
 
 log = logging.getLogger("moe_lab")
 
 # Keys that say how a point is run, not what it computes: a record made with another value is still this point's
 # (a key here covers the keys under it).
 NOT_PART_OF_THE_POINT = ("trainer.skip_done", "trainer.checkpoint", "trainer.resume", "trainer.resume_fallback")
+
+
+# What a CPU run out of host memory says besides (the README's 30B proxy on a laptop, say).
+CPU_TOO_SMALL = (
+    ". This configuration wants a GPU (trainer.device=auto takes one where there is one); on this CPU machine shrink "
+    "it: model=tiny, fewer model.num_layers, a smaller data.seq_len"
+)
 
 
 class OutputDirGuard(Callback):
@@ -97,7 +111,15 @@ class OutputDirGuard(Callback):
             )
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if self.lock is None:  # a rank other than 0 of an outer launcher
+            return
         self._release()
+        points = sorted(Path(config.hydra.sweep.dir).rglob(RESULT))
+        statuses = [(read_result(path.parent) or {}).get("status", "unreadable") for path in points]
+        counts = ", ".join(f"{n} {status}" for status, n in Counter(statuses).most_common())
+        print(f"sweep {config.hydra.sweep.dir}: {len(statuses)} points: {counts or 'none recorded'}")
+        if "ok" not in statuses:
+            raise SweepFailed(f"sweep {config.hydra.sweep.dir}: no point ended ok")
 
     def _take(self, directory: Path, key: str, job: str) -> bool:
         """Lock ``directory`` for this job, naming this process in the lock file; False on ranks other than 0 of
@@ -131,6 +153,10 @@ class OutputDirInUse(SystemExit):
     """Stops the job with its message (Hydra turns a callback's Exception into a warning and goes on)."""
 
 
+class SweepFailed(SystemExit):
+    """A sweep none of whose points ended ok exits 1 with this message, so that a script can tell."""
+
+
 def _point_overrides(overrides) -> list[str]:
     def part_of_the_point(key: str) -> bool:
         return not any(key == k or key.startswith(k + ".") for k in NOT_PART_OF_THE_POINT)
@@ -161,10 +187,42 @@ def run_job(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool = False) 
     if result is not None and result.get("status") == "interrupted":
         # A single run exits non-zero; a sweep stops here, its later points not run (re-running it resumes).
         log.warning(
-            "%s; recorded in %s. Run the same command again to resume.", result["error"]["message"], run_dir / RESULT
+            "%s; recorded in %s. %s", result["error"]["message"], run_dir / RESULT, how_to_go_on(run_dir, cfg, multirun)
         )
         raise SystemExit(result["error"]["exit_code"])
     return result
+
+
+def how_to_go_on(run_dir: Path, cfg: DictConfig, multirun: bool) -> str:
+    """What running the same command again does after a signal stopped this point: continue from the newest
+    checkpoint ``trainer.resume=auto`` would take, or start over where there is none."""
+    again = "Running the same sweep again runs the rest; this point" if multirun else "The same command again"
+    resumable = resumable_checkpoint(run_dir, cfg)
+    if resumable is None:
+        return (
+            f"No checkpoint was saved: {again.lower()} starts from step 0 (trainer.checkpoint.on_signal=true saves "
+            "one when a signal stops the run, trainer.checkpoint.every=N every N steps)."
+        )
+    if cfg.trainer.resume == "auto":
+        return f"{again} continues from {resumable}."
+    return f"{again} with trainer.resume=auto (not {cfg.trainer.resume}) continues from {resumable}."
+
+
+def resumable_checkpoint(run_dir: Path, cfg: DictConfig) -> Path | None:
+    """The newest complete checkpoint of this point in its checkpoint directory (what ``trainer.resume=auto``
+    continues from), or None."""
+    newest, marker = newest_readable_checkpoint(run_dir, cfg)
+    return newest if newest is not None and same_point(marker, cfg) else None
+
+
+def newest_readable_checkpoint(run_dir: Path, cfg: DictConfig) -> tuple[Path | None, dict | None]:
+    """The newest complete checkpoint of the point's checkpoint directory whose marker reads, and the marker; a
+    damaged one is passed over (restoring it says so, and falls back past it with trainer.resume_fallback)."""
+    directory = checkpoint_directory.checkpoint_dir(cfg.trainer.checkpoint.dir, run_dir)
+    for newest in reversed(checkpoint_directory.complete(directory)):
+        with contextlib.suppress(OSError, ValueError):
+            return newest, checkpoint_directory.read_marker(newest)
+    return None, None
 
 
 def _run_point(
@@ -209,29 +267,45 @@ def _run_point(
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
             base = Record(record) if record is not None else point_record(meta, cfg, device, cfg.trainer.nproc_per_node)
             base.failure(e, base.get("metrics")).write(run_dir)
-        if not multirun:
-            raise
-        log.error("point failed, recorded in %s: %s: %s", run_dir / RESULT, type(e).__name__, e)
-        return read_result(run_dir)
+        record = read_result(run_dir)
+        error = (record or {}).get("error") or {"type": type(e).__name__, "message": str(e)}
+        where = f"recorded in {run_dir / RESULT}" if rank0 else f"rank 0 records it in {run_dir / RESULT}"
+        log.error("%s failed, %s: %s: %s", "point" if multirun else "run", where, error["type"], error["message"])
+        if not multirun:  # one line, as a sweep's point: the traceback is in the record (error.traceback)
+            raise SystemExit(1) from None
+        return record
     finally:
         _free_point_memory()
 
 
 def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | None:
     """The record to return instead of running: this point's own ok record when resuming a sweep. A record of
-    another configuration is never overwritten: the job stops naming it."""
+    another configuration is not overwritten unless ``trainer.resume`` says what becomes of its run (a checkpoint
+    to continue from, or never: start afresh), and then only by this point's own record once it has one (an
+    invalid config leaves it alone, ``_record_invalid``); else the job stops naming it. An ``invalid`` record (the
+    config was refused, nothing ran) is replaced."""
     check_checkpoints(run_dir, cfg)
     record = read_result(run_dir)
+    rank0 = os.environ.get("RANK", "0") == "0"
     if record is None:
-        if (run_dir / RESULT).exists() and os.environ.get("RANK", "0") == "0":
+        if (run_dir / RESULT).exists() and rank0:
             log.warning("%s is no readable record: the point runs again", run_dir / RESULT)
             (run_dir / RESULT).unlink()
         return None
-    if not same_point(record, cfg):
-        raise RunDirInUse(
-            f"{run_dir / RESULT} holds the record of another configuration; a new one would overwrite it. "
-            "Use another hydra.run.dir / hydra.sweep.dir."
+    if not same_point(record, cfg) and record.get("status") != "invalid":
+        if cfg.trainer.resume == "auto":
+            raise RunDirInUse(
+                f"{run_dir / RESULT} holds the record of another configuration; a new one would overwrite it. Use "
+                "another hydra.run.dir / hydra.sweep.dir, trainer.resume=<a checkpoint> to continue that run (its "
+                "record is then replaced by the longer run's), or trainer.resume=never to start this directory afresh."
+            )
+        log.warning(
+            "%s holds the record of another configuration; this run's record replaces it once the run starts "
+            "(trainer.resume=%s)",
+            run_dir / RESULT,
+            cfg.trainer.resume,
         )
+        return None
     if multirun and cfg.trainer.skip_done and record.get("status") == "ok":
         log.info("point already done, skipped: %s", run_dir)
         return record
@@ -240,24 +314,33 @@ def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | Non
     return None
 
 
+def check_resume_step(cfg: DictConfig) -> None:
+    """A checkpoint named by ``trainer.resume`` must leave steps to run: one at trainer.steps or later would end the
+    run at once (an ok record of nothing new)."""
+    if cfg.trainer.resume in ("auto", "never"):
+        return
+    step = checkpoint_directory.read_marker(cfg.trainer.resume)["step"]  # validation found it complete
+    if step >= cfg.trainer.steps:
+        raise ConfigError(
+            "trainer.steps",
+            f"is {cfg.trainer.steps}, but trainer.resume={cfg.trainer.resume} is at step {step}: no step would run. "
+            f"Set trainer.steps above {step} to train on from it.",
+        )
+
+
 def check_checkpoints(run_dir: Path, cfg: DictConfig) -> None:
     """``trainer.resume=auto`` continues from the newest checkpoint of the checkpoint directory: refuse when that is
     a checkpoint of another configuration (the record it would overwrite may be gone: a killed run leaves none). A
     point interrupted or failed after a checkpoint resumes from it."""
     if cfg.trainer.resume != "auto":
         return
-    directory = checkpoint_directory.checkpoint_dir(cfg.trainer.checkpoint.dir, run_dir)
-    for newest in reversed(checkpoint_directory.complete(directory)):
-        try:
-            marker = checkpoint_directory.read_marker(newest)
-        except (OSError, ValueError):
-            continue  # a damaged checkpoint: restoring it says so (and falls back past it with trainer.resume_fallback)
-        if same_point(marker, cfg):
-            return
+    newest, marker = newest_readable_checkpoint(run_dir, cfg)
+    if newest is not None and not same_point(marker, cfg):
         raise RunDirInUse(
             f"{newest} is a checkpoint of another configuration; trainer.resume=auto would continue from it. Use "
             "another hydra.run.dir / hydra.sweep.dir or trainer.checkpoint.dir, trainer.resume=never to start afresh "
-            "(its checkpoints are then replaced), or trainer.resume=<that checkpoint> to continue from it on purpose."
+            "(its checkpoints are then replaced), or trainer.resume=<that checkpoint> to continue from it on purpose (a "
+            "finished run trained longer: its record is replaced by the longer run's)."
         )
 
 
@@ -266,13 +349,18 @@ class RunDirInUse(RuntimeError):
 
 
 def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool, e: Exception) -> None:
+    """Record the refused config, unless the directory holds the record of another run (``earlier_record`` let a
+    ``trainer.resume`` of it through): a config that never ran does not replace a run."""
     record = Record.point(meta, cfg).invalid(e)
-    if rank0:
+    earlier = read_result(run_dir) if rank0 else None
+    keep = earlier is not None and earlier.get("status") != "invalid" and not same_point(earlier, cfg)
+    where = f"not recorded: {run_dir / RESULT} of the run before is kept" if keep else f"recorded in {run_dir / RESULT}"
+    if rank0 and not keep:
         record.write(run_dir)
     if multirun:
-        log.error("invalid config, point recorded and skipped: %s", record["error"]["message"])
+        log.error("invalid config, point skipped: %s (%s)", record["error"]["message"], where)
         return None
-    sys.exit(f"invalid config: {record['error']['message']}")
+    sys.exit(f"invalid config: {record['error']['message']} ({where})")
 
 
 def dry_run(cfg: DictConfig, options: Options) -> dict:
@@ -355,6 +443,8 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
         result = record.interrupted(e.signal_name, e.step, e.checkpoint, e.metrics)
     except Exception as e:
         result = record.failure(e, {"peak_gpu_mem_gib": peak_gpu_gib(device)})
+        if result["status"] == "oom" and device.type == "cpu":  # the host check refused it before allocating
+            result["error"]["message"] += CPU_TOO_SMALL
         if emulated is not None:  # what the plan expected of the rank that failed (an OOM's planned memory)
             result["metrics"] |= emulated_metrics(cfg, result["metrics"])
         if writer:
