@@ -139,7 +139,7 @@ def accumulated_run(overrides: list[str]) -> dict:
         return out.loss, out.router_stats
 
     def before_micro_batch(final):  # what moe_lab.job.trainer.train does
-        set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
+        set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.reshard_after_forward)
         options.offload.before_micro_batch(optimizer, final)
 
     losses = []
@@ -229,12 +229,12 @@ WORLD2 = {  # name: overrides on 2 ranks (EP 2), batch 1 x accumulation 2
     "optimizer": ["offload=optimizer", *SMALL_CHUNKS],
     "full": ["offload=full", *MODES["full"]],
     "none_reduce_each_micro_batch": ["offload=none", "parallel.grad_sync=micro_batch"],
-    "full_keep_unsharded": ["offload=full", *MODES["full"], "parallel.keep_unsharded=true"],
-    "full_reduce_each_keep_unsharded": [
+    "full_kept_gathered": ["offload=full", *MODES["full"], "parallel.reshard_after_forward=false"],
+    "full_reduce_each_kept_gathered": [
         "offload=full",
         *MODES["full"],
         "parallel.grad_sync=micro_batch",
-        "parallel.keep_unsharded=true",
+        "parallel.reshard_after_forward=false",
     ],
 }
 
@@ -253,9 +253,10 @@ def test_accumulation_matches_one_big_batch_world2_fsdp_ep2(monkeypatch):
 
 
 def _collectives_per_step() -> dict:
-    """FSDP2's all-gathers and reduce-scatters in one step of two micro-batches, per (grad_sync, keep_unsharded)."""
+    """FSDP2's all-gathers and reduce-scatters in one step of two micro-batches, per (grad_sync,
+    reshard_after_forward)."""
     counts = {}
-    for sync, keep in [("step", False), ("micro_batch", False), ("step", True)]:
+    for sync, reshard in [("step", True), ("micro_batch", True), ("step", False)]:
         cfg = compose_train(
             COMMON
             + [
@@ -263,7 +264,7 @@ def _collectives_per_step() -> dict:
                 "parallel.ep=2",
                 "data.batch_size=1",
                 f"parallel.grad_sync={sync}",
-                f"parallel.keep_unsharded={str(keep).lower()}",
+                f"parallel.reshard_after_forward={str(reshard).lower()}",
             ]
         )
         options = config.validate(cfg)
@@ -282,10 +283,10 @@ def _collectives_per_step() -> dict:
                 micro_batch_loss,
                 options.model.balance().loss,
                 2,
-                lambda final: set_micro_batch(model, final, sync, keep),
+                lambda final: set_micro_batch(model, final, sync, reshard),
             )
         names = [e.name for e in prof.events()]
-        counts[f"{sync}, keep_unsharded={keep}"] = (
+        counts[f"{sync}, reshard_after_forward={reshard}"] = (
             names.count("c10d::_allgather_base_"),
             names.count("c10d::_reduce_scatter_base_"),
         )
@@ -296,15 +297,15 @@ def _collectives_per_step() -> dict:
 def test_fsdp_reduces_once_per_step_and_keeps_blocks_gathered(monkeypatch):
     """The tiny model at world 2, EP 2 has four FSDP2 groups over both ranks (embedding, two blocks, norm + head;
     the experts' shard group is one rank: no collective). Per micro-batch, forward gathers all four and backward
-    the three that resharded after forward (not the head); keep_unsharded gathers each once per step. grad_sync=step
-    reduce-scatters each group once per step, micro_batch once per micro-batch."""
+    the three that resharded after forward (not the head); reshard_after_forward=false gathers each once per
+    step. grad_sync=step reduce-scatters each group once per step, micro_batch once per micro-batch."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     groups, micro_batches = 4, 2
     counts = run_world(2, _collectives_per_step)[0]  # (all-gathers, reduce-scatters)
     assert counts == {
-        "step, keep_unsharded=False": (micro_batches * (2 * groups - 1), groups),
-        "micro_batch, keep_unsharded=False": (micro_batches * (2 * groups - 1), micro_batches * groups),
-        "step, keep_unsharded=True": (groups, groups),
+        "step, reshard_after_forward=True": (micro_batches * (2 * groups - 1), groups),
+        "micro_batch, reshard_after_forward=True": (micro_batches * (2 * groups - 1), micro_batches * groups),
+        "step, reshard_after_forward=False": (groups, groups),
     }
 
 

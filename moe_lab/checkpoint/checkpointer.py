@@ -3,7 +3,8 @@ and any mesh shape reads them back (DCP reshards by each tensor's place in the w
 
 A checkpoint's DCP keys:
 
-    model/<name>              each parameter, as this rank's piece of the whole parameter (``GlobalLayout``)
+    model/<name>              each parameter, as this rank's piece of the whole parameter (``GlobalLayout``; the
+                              replicas of HSDP hold the same pieces, written once)
     buffer/<name>             each persistent buffer (the routers' ``expert_bias`` under router_balance=bias): the
                               same on every rank (not sharded), written once and read whole by every rank
     optimizer/<name>/<key>    each parameter's optimizer state tensors: per-element ones laid out like the
@@ -13,7 +14,8 @@ A checkpoint's DCP keys:
                               pickled, as are the objects below
     scheduler                 the LR scheduler's state
     progress                  steps done and the loss of each
-    rng/rank<r>, data/rank<r> each rank's random generators and data position (read back at the same world size)
+    rng/rank<r>, data/rank<r> each rank's random generators and data position (read back at the same world size,
+                              whatever parallel.dp_replicate: rank r reads the same data at any)
 
 The optimizer is read and restored through ``state_dict`` / ``load_state_dict`` in torch's format over the model's
 parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode. On disk a
@@ -31,6 +33,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import pickle
 import random
 import shutil
@@ -433,9 +436,16 @@ DISK_HEADROOM = 64 * 2**20  # DCP's metadata file, the marker, file-system block
 
 
 def state_bytes(state: dict) -> int:
-    """Bytes of this rank's tensors in a state to save (a DTensor's local piece)."""
-    pieces = (v.to_local() if isinstance(v, DTensor) else v for v in state.values())
-    return sum(t.numel() * t.element_size() for t in pieces if torch.is_tensor(t))
+    """Bytes of this rank's share of the tensors in a state to save: a DTensor's local piece, over the ranks that
+    hold the same piece (HSDP's replicas: DCP writes a replicated piece once, spreading the pieces over them)."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, DTensor):
+            copies = math.prod(value.device_mesh.size(d) for d, p in enumerate(value.placements) if p.is_replicate())
+            total += value.to_local().numel() * value.to_local().element_size() // copies
+        elif torch.is_tensor(value):
+            total += value.numel() * value.element_size()
+    return total
 
 
 def _gathered(value: int) -> list[int]:

@@ -79,19 +79,29 @@ class TrainerConfig:
 @dataclass
 class ParallelConfig:
     ep: int = _key(
-        1, "expert-parallel degree: EP groups are consecutive ranks; FSDP2 shards dense weights over all ranks"
+        1,
+        "expert-parallel degree: EP groups are consecutive ranks inside a node and inside a replica; FSDP2 shards "
+        "dense weights over a replica's ranks and experts over the replica's ranks outside their EP group",
+    )
+    dp_replicate: int = _key(
+        1,
+        "replicas (HSDP: FSDP2 on a (dp_replicate, dp_shard) mesh): the ranks form dp_replicate groups of "
+        "world / dp_replicate consecutive ranks, each holding a whole sharded copy; gradients are reduce-scattered "
+        "inside a group and all-reduced across groups; 1: plain FSDP2 over all ranks",
     )
     grad_sync: str = _key(
         "step",
         "with trainer.grad_accum > 1, when FSDP2 reduce-scatters gradients: step (once, after the last micro-batch; "
         "the others accumulate unsharded in fp32, 4 bytes per parameter of the unsharded model per rank) | "
-        "micro_batch (after each; sharded accumulation, no unsharded gradients kept)",
+        "micro_batch (after each; sharded accumulation, no unsharded gradients kept; the replicas' all-reduce "
+        "still once, after the last)",
     )
-    keep_unsharded: bool = _key(
-        False,
-        "FSDP2 blocks keep their gathered compute-dtype weights from forward through backward and, with "
-        "trainer.grad_accum > 1, across the step's micro-batches (one all-gather per block per step instead of two "
-        "per micro-batch), at the memory of the whole unsharded model per rank",
+    reshard_after_forward: bool = _key(
+        True,
+        "FSDP2's reshard_after_forward for the embedding and every block; false: they keep their gathered "
+        "compute-dtype weights from forward through backward and, with trainer.grad_accum > 1, across the step's "
+        "micro-batches (one all-gather per block per step instead of two per micro-batch), at the memory of the "
+        "whole unsharded model (its EP share of experts) per rank",
     )
     emulate: bool = _key(
         False,

@@ -244,16 +244,37 @@ def check_rules(cfg: DictConfig, target: Target) -> None:
     )
 
     check_emulation(cfg, target)
-    world = target.world_size  # FSDP2 shards the dense weights over all of them
-    _require(
-        p.ep >= 1 and world % p.ep == 0,
-        "parallel.ep",
-        f"must be >= 1 and divide the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
-    )
+    check_mesh(p, target.world_size, target.ranks_per_node)
     _require(
         p.grad_sync in GRAD_SYNCS, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {p.grad_sync!r}"
     )
     _require(m.num_experts % p.ep == 0, "parallel.ep", f"must divide model.num_experts={m.num_experts}, got {p.ep}")
+
+
+def check_mesh(p: DictConfig, world: int, node: int) -> None:
+    """The (dp_replicate, dp_shard) mesh of ``world`` ranks, ``node`` on each node, and EP inside it (``p``: the
+    parallel section): replicas of world / dp_replicate ranks each; EP groups split a replica's ranks and, with
+    replicas, stay inside a node (consecutive ranks: an EP group never spans replicas or nodes)."""
+    _require(
+        p.dp_replicate >= 1 and world % p.dp_replicate == 0,
+        "parallel.dp_replicate",
+        f"must be >= 1 and divide the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE, x "
+        f"parallel.emulate_nodes when emulated), got {p.dp_replicate}",
+    )
+    shard = world // p.dp_replicate  # FSDP2 shards the dense weights over a replica's ranks
+    replica = f"the {shard} ranks of a replica (world {world} / parallel.dp_replicate={p.dp_replicate})"
+    _require(
+        p.ep >= 1 and shard % p.ep == 0,
+        "parallel.ep",
+        f"must be >= 1 and divide {replica}, got {p.ep}"
+        if p.dp_replicate > 1
+        else f"must be >= 1 and divide the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
+    )
+    _require(
+        p.dp_replicate == 1 or node % p.ep == 0,
+        "parallel.ep",
+        f"with parallel.dp_replicate > 1 must divide a node's {node} ranks (EP inside a node), got {p.ep}",
+    )
 
 
 def check_emulation(cfg: DictConfig, target: Target) -> None:

@@ -35,7 +35,7 @@ from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.hf_weights import load_hf_checkpoint
 from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.schedule import warmup_cosine
-from moe_lab.parallel import compile_loss, parallelize, set_micro_batch
+from moe_lab.parallel import compile_loss, parallelize, replica_group, set_micro_batch
 from moe_lab.parallel.emulate import is_emulated
 from moe_lab.parallel.sharding import local_rows, local_shard
 from moe_lab.results.record import MetricsLog, point_config
@@ -70,7 +70,9 @@ def train(
     autocast = torch.autocast(device.type, dtype=compute_dtype) if bf16 and world == 1 else nullcontext()
     loss_fn = compile_loss(options.loss) if t.compile else options.loss
     data = options.data
-    dp_rank = rank  # every rank is a data-parallel rank (EP borrows from dp_shard)
+    # Every rank is a data-parallel rank of its own data (EP borrows from dp_shard; replica q's ranks are
+    # q * world / dp_replicate onwards): each replica reads its own share of the global batch.
+    dp_rank = rank
     balance = options.model.balance()
     expert_load = ExpertLoad(options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps)
     checkpointer = build_checkpointer(cfg, options, run_dir, model, optimizer, scheduler, device)
@@ -92,7 +94,7 @@ def train(
         return out.loss, out.router_stats
 
     def before_micro_batch(final: bool) -> None:
-        set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.keep_unsharded)
+        set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.reshard_after_forward)
         options.offload.before_micro_batch(optimizer, final)
 
     bar = tqdm(
@@ -267,7 +269,8 @@ def build_model(cfg: DictConfig, options: Options, device: torch.device, compute
         compile=cfg.trainer.compile,
         device=device,
         compute_dtype=compute_dtype,
-        keep_unsharded=cfg.parallel.keep_unsharded,
+        dp_replicate=cfg.parallel.dp_replicate,
+        reshard_after_forward=cfg.parallel.reshard_after_forward,
     )
     if device.type == "cpu":
         check_cpu_memory(model)
@@ -311,13 +314,13 @@ def mean_over_ranks(value: torch.Tensor, world: int) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Global-norm clipping across every mesh: each gradient element lives on exactly one rank (dense weights are
-    sharded over all ranks, experts split by EP and sharded over the rest), so local squared norms sum to the
-    global one."""
+    """Global-norm clipping across every mesh: each gradient element lives on exactly one rank of each replica
+    (dense weights are sharded over a replica's ranks, experts split by EP and sharded over the rest; the replicas
+    hold the same averaged gradients), so local squared norms summed over the replica give the global one."""
     shards = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
     total = torch.stack([g.float().pow(2).sum() for g in shards]).sum()
-    if dist.is_initialized():
-        dist.all_reduce(total)
+    if (group := replica_group(model)) is not None:
+        dist.all_reduce(total, group=group)
     norm = total.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(shards, scale)

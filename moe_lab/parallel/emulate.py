@@ -2,7 +2,8 @@
 stand-in peers mirror this rank.
 
 Every peer holds what this rank holds and sends what this rank sends, so each collective's output has the size, and
-each kernel after it the work, it has on the real mesh: an all-gather returns this rank's input once per peer, a
+each kernel after it the work, it has on the real mesh, on every group of it (``world`` below is the group's size:
+an HSDP mesh's replicas all-reduce what its shards reduce-scattered, each mirrored): an all-gather returns this rank's input once per peer, a
 reduce-scatter this rank's own chunk reduced over ``world`` equal contributions (a sum is ``world`` times it, a mean
 or max the chunk itself), an all-to-all delivers from every peer the rows this rank sends to itself, so the counts a
 dispatcher exchanges are this rank's counts and the rows it receives are what it would receive if every rank routed
@@ -27,22 +28,22 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
 from torch.futures import Future
 
-BACKEND = "emulated"
 from moe_lab.runtime.device import Target, machine_target
 
+BACKEND = "emulated"
 NOTE = (
     "emulated: one process as one rank of the mesh, stand-in peers mirror it; losses are not a model's, collectives "
     "move nothing on a wire (planned_exposed_comm_s adds the planner's)"
 )
 
 
-def _done(result=None):
 def emulated_target(nproc_per_node: int, nodes: int, outer_launcher: bool = False) -> Target:
     """What an emulated rank is validated for: the layout's ranks (``nodes`` x ``nproc_per_node``) on this machine's
     device, as the real job would see them."""
     return machine_target(nproc_per_node * nodes, nproc_per_node, outer_launcher=outer_launcher)
 
 
+def _done(result=None):
     future = Future()
     future.set_result(result)
     return _create_work_from_future(future)
@@ -211,17 +212,20 @@ def register() -> None:
 
 def emulated_layout(cfg) -> dict | None:
     """What the record says of an emulated point (``emulated``): the layout's world, this process's rank in it, its
-    mesh; None when ``parallel.emulate`` is off."""
+    mesh (replicas, shards per replica, EP, FSDP2's reshard choice); None when ``parallel.emulate`` is off."""
     p, nproc = cfg.parallel, cfg.trainer.nproc_per_node
     if not p.emulate:
         return None
     world = nproc * p.emulate_nodes
+    shard = world // p.dp_replicate
     mesh = {
         "nodes": p.emulate_nodes,
         "gpus_per_node": nproc,
-        "dp_shard": world,
+        "dp_replicate": p.dp_replicate,
+        "dp_shard": shard,
         "ep": p.ep,
-        "expert_shard": world // p.ep,
+        "expert_shard": shard // p.ep,
+        "reshard_after_forward": p.reshard_after_forward,
     }
     return {"world": world, "rank": p.emulate_rank, "mesh": mesh, "hardware": p.emulate_hardware, "note": NOTE}
 

@@ -4,36 +4,41 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from moe_lab.parallel.mesh import Meshes
 
 
-def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype, keep_unsharded: bool = False) -> None:
-    """Dense weights are sharded over all ranks and averaged over all ranks. Expert weights are sharded over the
-    ``expert_shard`` ranks only; their gradients already sum the tokens of every EP peer, so they are summed over
-    ``expert_shard`` and divided by the whole world to give the same mean-over-the-global-batch as dense weights.
+def apply_fsdp(model, meshes: Meshes, compute_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
+    """Dense weights are sharded over a replica's ranks and averaged over all ranks. Expert weights are sharded over
+    the replica's ``expert_shard`` ranks only; their gradients already sum the tokens of every EP peer, so they are
+    summed over ``expert_shard`` (and the replicas) and divided by the whole world to give the same
+    mean-over-the-global-batch as dense weights. With ``parallel.dp_replicate`` > 1 the meshes are 2-D and FSDP2
+    runs HSDP: each gradient is reduce-scattered inside the replica, then all-reduced across replicas.
 
     The experts' FSDP hooks fire at the block's boundary: the experts module is never called (the block reads its
     weights and hands them to the dispatcher), and a compiled block has no FSDP hook inside it and compiles as one
     graph. The experts are gathered when their block starts and resharded when it ends (the block's pre-backward
     hook gathers them again before recompute and backward).
 
-    ``keep_unsharded`` (``parallel.keep_unsharded``): no group reshards after forward, so backward gathers nothing
-    again (and, with ``set_micro_batch``, nothing is gathered again until the step's last backward).
+    ``reshard_after_forward`` (``parallel.reshard_after_forward``, FSDP2's own) false: no group reshards after
+    forward, so backward gathers nothing again (and, with ``set_micro_batch``, nothing is gathered again until the
+    step's last backward).
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # Embedding, blocks, and final norm + LM head each their own group (as torchtitan does): the head's gradient
     # (1.2 GB fp32 for Qwen3's vocabulary) is reduce-scattered while the blocks' backward runs, not after it, and
     # the head stays gathered from its forward into backward, which starts with it.
-    reshard = not keep_unsharded
+    reshard = reshard_after_forward
     fully_shard(model.model.embed_tokens, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=reshard)
     for layer in model.model.layers:
         experts = layer.mlp.experts
         fully_shard(experts, mesh=meshes.expert_shard, mp_policy=policy, reshard_after_forward=reshard)
         experts.set_gradient_divide_factor(float(meshes.world_size))
-        if meshes.expert_shard.size() > 1:
+        if meshes.expert_shard.size(meshes.expert_shard.ndim - 1) > 1:
             # Sum, then divide the shard: gloo has no PREMUL_SUM, and on NCCL the divide is one small kernel.
-            # (Not on one rank: FSDP2 then skips the collective and would divide twice.)
+            # (Not on a shard of one rank: FSDP2 then skips the reduce-scatter, divides as it copies, and would
+            # divide again after the replicas' all-reduce.)
             experts.set_force_sum_reduction_for_comms(True)
         _hook_at(layer, fully_shard.state(experts))
         fully_shard(layer, mesh=meshes.dense, mp_policy=policy, reshard_after_forward=reshard)
@@ -59,17 +64,28 @@ def _prefetch_explicitly(model) -> None:
         current[0].set_modules_to_backward_prefetch(preceding)
 
 
-def set_micro_batch(model: torch.nn.Module, final: bool, grad_sync: str, keep_unsharded: bool) -> None:
+def set_micro_batch(model: torch.nn.Module, final: bool, grad_sync: str, reshard_after_forward: bool) -> None:
     """Before each micro-batch of an optimizer step (``trainer.grad_accum``). ``grad_sync="step"``: FSDP2
-    reduce-scatters the gradients in the final micro-batch's backward only; before it they accumulate unsharded (in
-    the fp32 reduce dtype), so a step reduces once. ``"micro_batch"``: every backward reduce-scatters, and the
-    sharded gradients accumulate. ``keep_unsharded``: the blocks stay gathered after every backward but the final
-    one. A model without FSDP2 (one rank) accumulates in ``.grad`` as autograd does: nothing to set."""
+    reduces the gradients in the final micro-batch's backward only; before it they accumulate unsharded (in the fp32
+    reduce dtype), so a step reduces once. ``"micro_batch"``: every backward reduce-scatters, and the sharded
+    gradients accumulate; across replicas (HSDP) they are all-reduced in the final backward only. With
+    ``reshard_after_forward`` false the blocks stay gathered after every backward but the final one. A model
+    without FSDP2 (one rank) accumulates in ``.grad`` as autograd does: nothing to set."""
     if not isinstance(model, FSDPModule):
         return
     model.set_requires_gradient_sync(final or grad_sync == "micro_batch")
-    if keep_unsharded:
+    model.set_requires_all_reduce(final)  # a no-op without replicas
+    if not reshard_after_forward:
         model.set_reshard_after_backward(final)
+
+
+def replica_group(model: torch.nn.Module):
+    """The process group of this rank's replica (every gradient element lives once on its ranks: the group a global
+    gradient norm sums over), or None for a model without FSDP2."""
+    if not isinstance(model, FSDPModule):
+        return None
+    mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+    return mesh.get_group(mesh.ndim - 1)
 
 
 def _hook_at(module: torch.nn.Module, state) -> None:

@@ -1,4 +1,5 @@
-"""Device meshes: dense weights sharded over all ranks; experts split over ``ep`` ranks and sharded over the rest."""
+"""Device meshes: ``dp_replicate`` replicas (HSDP), each an FSDP group of ``world / dp_replicate`` ranks; inside a
+replica dense weights are sharded over all its ranks, experts split over ``ep`` of them and sharded over the rest."""
 
 from __future__ import annotations
 
@@ -11,25 +12,43 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass
 class Meshes:
-    dense: DeviceMesh  # 1-D over all dp_shard ranks (FSDP of dense weights)
-    expert_shard: DeviceMesh  # 1-D over the dp_shard / ep ranks that hold the same experts (FSDP of experts)
+    # FSDP of dense weights: 1-D (dp_shard) over the replica's ranks, or 2-D (dp_replicate, dp_shard) with replicas
+    dense: DeviceMesh
+    # FSDP of experts: 1-D (expert_shard) over the replica's ranks that hold the same experts, or 2-D
+    # (dp_replicate, expert_shard)
+    expert_shard: DeviceMesh
     ep: DeviceMesh  # 1-D over the ranks that split the experts between them
+    replica: DeviceMesh  # 1-D over this rank's replica: every gradient element lives once on its ranks
 
     @property
     def world_size(self) -> int:
         return self.dense.size()
 
+    @property
+    def replicas(self) -> int:
+        return self.dense.size(0) if self.dense.ndim == 2 else 1
 
-def build_meshes(device_type: str, ep: int) -> Meshes:
-    """Rank r sits at (r // ep, r % ep) of an (expert_shard, ep) grid, so EP groups are consecutive ranks (one
-    node's NVLink domain) as in torchtitan, where EP borrows its ranks from the sharding dimension."""
+
+def build_meshes(device_type: str, ep: int, dp_replicate: int = 1) -> Meshes:
+    """Rank r is shard r % S of replica r // S (S = world / dp_replicate: a replica is consecutive ranks, one or more
+    nodes), and inside its replica at (s // ep, s % ep) of an (expert_shard, ep) grid, so EP groups are consecutive
+    ranks (one node's NVLink domain) as in torchtitan, where EP borrows its ranks from the sharding dimension. With
+    one replica the meshes are 1-D: plain FSDP2, no all-reduce over a replica dimension of one rank."""
     world = dist.get_world_size()
-    grid = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_shard", "ep"))
-    dense = grid._flatten("dp_shard")
-    return Meshes(dense=dense, expert_shard=grid["expert_shard"], ep=grid["ep"])
+    shard = world // dp_replicate
+    ranks = init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
+    dense = ranks._unflatten(0, (dp_replicate, shard), ("dp_replicate", "dp_shard"))
+    grid = ranks._unflatten(0, (dp_replicate, shard // ep, ep), ("dp_replicate", "expert_shard", "ep"))
+    replicated = dp_replicate > 1
+    return Meshes(
+        dense=dense if replicated else dense["dp_shard"],
+        expert_shard=grid["dp_replicate", "expert_shard"] if replicated else grid["expert_shard"],
+        ep=grid["ep"],
+        replica=dense["dp_shard"],
+    )
 
 
-def grid_ranks(world: int, ep: int) -> torch.Tensor:
-    """The ranks of the (expert_shard, ep) grid as ``build_meshes`` lays them out (init_device_mesh fills it row by
-    row): rank r at (r // ep, r % ep)."""
-    return torch.arange(world).reshape(world // ep, ep)
+def grid_ranks(world: int, ep: int, dp_replicate: int = 1) -> torch.Tensor:
+    """The ranks of the (dp_replicate, expert_shard, ep) grid as ``build_meshes`` lays them out (filled row by
+    row): rank r at (r // S, (r % S) // ep, r % ep), S = world / dp_replicate."""
+    return torch.arange(world).reshape(dp_replicate, world // dp_replicate // ep, ep)

@@ -66,10 +66,12 @@ class GlobalLayout:
     """Where each parameter's piece on this rank sits in the whole parameter, for checkpoints that any mesh shape
     reads back (``torch.distributed.checkpoint`` reshards by it).
 
-    Dense parameters are FSDP2's DTensors already. An expert stack is a DTensor of the EP-local stack over the
-    expert_shard ranks; in the whole [num_experts, ...] stack its rows are first split over the EP ranks, then
-    sharded over expert_shard, which is a DTensor over the (ep, expert_shard) grid with Shard(0) on both. At one
-    rank every parameter is whole.
+    Dense parameters are FSDP2's DTensors already (with replicas, Replicate() over dp_replicate: DCP writes one
+    replica's pieces and every replica reads them). An expert stack is a DTensor of the EP-local stack over the
+    expert_shard ranks (and dp_replicate); in the whole [num_experts, ...] stack its rows are first split over the
+    EP ranks, then sharded over expert_shard, which is a DTensor over the ([dp_replicate,] ep, expert_shard) grid
+    with Shard(0) on both. At one rank every parameter is whole. So the layout on disk is the whole model's,
+    whatever the world, EP degree or number of replicas that wrote it.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -86,9 +88,16 @@ class GlobalLayout:
                     continue
                 if isinstance(module, GroupedExperts):
                     ep = module.num_experts // module.num_local_experts
-                    ranks = grid_ranks(p.device_mesh.size() * ep, ep).T
+                    mesh = p.device_mesh
+                    replicas = mesh.size(0) if mesh.ndim == 2 else 1
+                    ranks = grid_ranks(mesh.size() * ep, ep, replicas).transpose(1, 2)  # (replica, ep, shard)
+                    names, placements = ("ep", "expert_shard"), (Shard(0), p.placements[-1])
+                    if mesh.ndim == 2:
+                        names, placements = ("dp_replicate", *names), (p.placements[0], *placements)
+                    else:
+                        ranks = ranks[0]
                     shape = torch.Size((module.num_experts, *p.shape[1:]))
-                    self._placement[name] = (ranks, ("ep", "expert_shard"), (Shard(0), *p.placements), shape)
+                    self._placement[name] = (ranks, names, placements, shape)
                 else:
                     self._placement[name] = (p.device_mesh.mesh, p.device_mesh.mesh_dim_names, p.placements, p.shape)
         rows = local_rows(model)

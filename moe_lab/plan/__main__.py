@@ -63,7 +63,8 @@ def summary(record: dict) -> str:
     mesh, memory = p["mesh"], p["memory"]
     lines = [
         f"plan: {mesh['world']} x {p['hardware']['name']} ({mesh['nodes']} node(s) x {mesh['gpus_per_node']}), "
-        f"dp_shard {mesh['dp_shard']}, ep {mesh['ep']}{' (across nodes)' if mesh['ep_across_nodes'] else ''}, "
+        f"{mesh['dp_replicate']} replica(s) x dp_shard {mesh['dp_shard']}, "
+        f"ep {mesh['ep']}{' (across nodes)' if mesh['ep_across_nodes'] else ''}, "
         f"{p['params_per_gpu'] / 1e9:.2f} B parameters per GPU",
         f"step: {m['s_per_step']:.3f} s, {m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * m['mfu']:.1f} % "
         f"(executed {100 * m['mfu_executed']:.1f} %); communication exposed {100 * p['exposed_communication_fraction']:.0f} %",

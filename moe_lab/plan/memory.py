@@ -60,6 +60,7 @@ class Step:
     ac: Any
     offload: Any
     optimizer: Any
+    precision: Any
     compile: bool
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     foreach: bool = False  # AdamW without fused=true: torch's foreach path
@@ -70,10 +71,11 @@ class Step:
     max_inflight: int = 3
     device_share: float = 0.0  # offload=full: the share of the parameters stepped on the device
     grad_sync: str = "step"
-    keep_unsharded: bool = False
+    reshard_after_forward: bool = True
     keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
     fused_save: str = "rows"  # dispatcher.save: rows | rows_only | gate_up | inputs
     offload_activations: bool = False
+    fp8_linears: tuple = ()  # precision=fp8: the attention projections in FP8
 
     @property
     def tokens(self) -> int:
@@ -267,7 +269,7 @@ def parameter_sizes(step: Step) -> list[float]:
         s.expert_layer_params / 3,
     ]
     params = [s.embedding_params] + layer * c.num_layers + [c.hidden_size, s.embedding_params]
-    return [p / step.mesh.world for p in params]
+    return [p / step.mesh.shard for p in params]
 
 
 def chunks(step: Step, reverse: bool = False, split: bool = False) -> list[float]:
@@ -320,8 +322,8 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     s, mesh, c = step.shapes, step.mesh, step.cfg
     n = s.local_params(mesh)
     layers = c.num_layers
-    layer_local = (s.dense_layer_params + s.expert_layer_params) / mesh.world
-    head_local = s.embedding_params / mesh.world
+    layer_local = (s.dense_layer_params + s.expert_layer_params) / mesh.shard
+    head_local = s.embedding_params / mesh.shard
     fsdp = step.fsdp
 
     # Model state on the device, per parameter of this rank, as the offload mode keeps it.
@@ -349,7 +351,7 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     block = s.layer_params_unsharded(mesh)
     gathered_fwd = (2 * 2 * block + 2 * s.embedding_params) if fsdp else 0.0
     gathered_bwd = (2 * 2 * block + 6 * block + 2 * s.embedding_params) if fsdp else 0.0
-    if fsdp and step.keep_unsharded:
+    if fsdp and not step.reshard_after_forward:  # every block stays gathered from forward into backward
         gathered_fwd = gathered_bwd = 2 * (s.outside_params + layers * block) + 6 * block
     # One rank: autocast's bf16 copies of the LM head (saved for its backward) and of the current block.
     casts = 2 * (s.embedding_params + block) if not fsdp and step.offload.fp32_weights_on_device else 0.0

@@ -25,7 +25,13 @@ from moe_lab.plan.shapes import Mesh, Shapes
 from moe_lab.plan.step_time import offload_pace, plan_time
 from moe_lab.runtime.device import Target
 
-OPTION_FIELD = {"dispatcher": "dispatcher", "ac": "ac", "offload": "offload", "optimizer": "make_optimizer"}  # Options
+OPTION_FIELD = {  # Options
+    "dispatcher": "dispatcher",
+    "precision": "precision",
+    "ac": "ac",
+    "offload": "offload",
+    "optimizer": "make_optimizer",
+}
 
 
 def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
@@ -83,7 +89,12 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
     fields = {k: v for group, option in built.items() for k, v in models[group].step_fields(option, train).items()}
     step = Step(
         shapes=Shapes(model),
-        mesh=Mesh(world=hw.gpus, gpus_per_node=hw.gpus_per_node, ep=train.parallel.ep),
+        mesh=Mesh(
+            world=hw.gpus,
+            gpus_per_node=hw.gpus_per_node,
+            ep=train.parallel.ep,
+            dp_replicate=train.parallel.dp_replicate,
+        ),
         seq_len=train.data.seq_len,
         batch_size=train.data.batch_size,
         grad_accum=train.trainer.grad_accum,
@@ -91,7 +102,7 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         compile=train.trainer.compile,
         saved_ops=kept_ops(fields.get("keep", KEEP_SETS), declared_ops(models["dispatcher"])),
         grad_sync=train.parallel.grad_sync,
-        keep_unsharded=train.parallel.keep_unsharded,
+        reshard_after_forward=train.parallel.reshard_after_forward,
         **fields,
     )
     return dataclasses.replace(step, **changes)
@@ -305,10 +316,14 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
             "world": step.mesh.world,
             "nodes": step.mesh.nodes,
             "gpus_per_node": step.mesh.gpus_per_node,
-            "dp_shard": step.mesh.world,
+            "dp_replicate": step.mesh.dp_replicate,
+            "dp_shard": step.mesh.shard,
             "ep": step.mesh.ep,
             "expert_shard": step.mesh.expert_shard,
             "ep_across_nodes": step.mesh.ep_across_nodes,
+            "dense_across_nodes": step.mesh.dense_across_nodes,
+            "replicate_across_nodes": step.mesh.replicate_across_nodes,
+            "reshard_after_forward": step.reshard_after_forward,
         },
         "fits": ok,
         "fits_why": why,

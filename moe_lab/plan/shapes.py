@@ -10,16 +10,23 @@ from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 
 @dataclass(frozen=True)
 class Mesh:
-    """Ranks and how the model is split over them (``moe_lab.parallel.mesh``): dense weights sharded over all
-    ``world`` ranks, experts split over ``ep`` consecutive ranks and sharded over ``world // ep``."""
+    """Ranks and how the model is split over them (``moe_lab.parallel.mesh``): ``dp_replicate`` replicas of
+    ``shard`` consecutive ranks each; inside a replica dense weights sharded over its ``shard`` ranks, experts split
+    over ``ep`` consecutive ranks and sharded over ``shard // ep``."""
 
     world: int
     gpus_per_node: int
     ep: int
+    dp_replicate: int = 1
+
+    @property
+    def shard(self) -> int:
+        """A replica's ranks (``dp_shard``): what FSDP2 shards over."""
+        return self.world // self.dp_replicate
 
     @property
     def expert_shard(self) -> int:
-        return self.world // self.ep
+        return self.shard // self.ep
 
     @property
     def nodes(self) -> int:
@@ -32,12 +39,18 @@ class Mesh:
 
     @property
     def expert_shard_across_nodes(self) -> bool:
-        """The ranks that shard the same experts sit ``ep`` apart: on other nodes unless ``ep`` x them fits a node."""
-        return self.expert_shard > 1 and self.world > self.gpus_per_node
+        """The ranks that shard the same experts sit ``ep`` apart in a replica: on other nodes unless the replica
+        fits a node."""
+        return self.expert_shard > 1 and self.shard > self.gpus_per_node
 
     @property
     def dense_across_nodes(self) -> bool:
-        return self.world > self.gpus_per_node
+        return self.shard > self.gpus_per_node
+
+    @property
+    def replicate_across_nodes(self) -> bool:
+        """The ranks that hold the same shard sit ``shard`` apart: on other nodes whenever the job spans nodes."""
+        return self.dp_replicate > 1 and self.world > self.gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -80,8 +93,8 @@ class Shapes:
         return self.outside_params + self.cfg.num_layers * (self.dense_layer_params + self.expert_layer_params)
 
     def local_params(self, mesh: Mesh) -> float:
-        """Parameters one rank holds: every weight is split over all ranks (experts by EP, then sharded)."""
-        return self.total_params / mesh.world
+        """Parameters one rank holds: every weight is split over a replica's ranks (experts by EP, then sharded)."""
+        return self.total_params / mesh.shard
 
     def layer_params_unsharded(self, mesh: Mesh) -> int:
         """One decoder block as FSDP gathers it on a rank: its dense weights and the rank's EP share of experts."""

@@ -3,7 +3,8 @@ the communication is exposed.
 
 Each category's time is its work over the rate the hardware profile gives for that kind of work:
 - dense_gemm, expert_gemm, attention: FLOPs (forward, backward at twice the GEMMs' and 2.5x attention's, and the
-  forward again where ac=full recomputes) over the achieved FLOP/s of each kind;
+  forward again where ac=full recomputes) over the achieved FLOP/s of each kind (precision=fp8's attention
+  projections at the FP8 dense rate, the experts' FP8 passes at the FP8 grouped rate);
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
 - pcie: offload=optimizer's moments beyond what its device ring holds (8 bytes per parameter), which the compute
   stream waits for beyond the last micro-batch's backward; ``ac.offload_activations``' copies out and back (one
@@ -18,8 +19,10 @@ Each category's time is its work over the rate the hardware profile gives for th
 - ep_all_to_all: the torch dispatcher's NCCL all-to-alls (on the compute stream: exposed);
 - dispatch_glue: the dispatchers' routing, permutations and, for the fused op at EP>1, the rows it pulls and pushes
   over NVLink inside its kernels (not overlapped with its GEMMs);
-- fsdp_all_gather / fsdp_reduce_scatter: FSDP2's collectives, exposed where a block's collective outlasts the
-  block's compute it overlaps with, and the first gather and last reduce-scatter of a step, which have nothing to
+- fsdp_all_gather / fsdp_reduce_scatter: FSDP2's collectives inside a replica (``parallel.dp_replicate``), and
+  in fsdp_reduce_scatter with replicas (HSDP) the all-reduce of each rank's gradient shard across them, over the
+  inter-node links where the ranks of a collective span nodes; exposed where a block's collectives outlast the
+  block's compute they overlap with, and the first gather and last reduction of a step, which have nothing to
   overlap;
 - other: memory-bound elementwise work (norms, RoPE, casts, the loss), in bytes per token over HBM bandwidth;
 - idle: the compute stream's launch gaps, a fixed time per step (``hardware.step_overhead_ms``).
@@ -96,17 +99,19 @@ def exchange_seconds(step: Step, hw: Hardware) -> float:
 
 
 def fsdp_bytes(step: Step) -> dict[str, tuple[float, bool]]:
-    """Bytes each rank receives (all-gather) and sends (reduce-scatter) per step, each with whether it crosses
-    nodes. Dense weights gather over all ranks; experts over the ``world // ep`` ranks that shard them."""
+    """Bytes each rank receives (all-gather) and sends (reduce-scatter, all-reduce) per step, each with whether it
+    crosses nodes. Dense weights gather over a replica's ranks; experts over the replica's ``shard // ep`` ranks
+    that shard them; with replicas (HSDP) each rank's reduced shard of the gradients is all-reduced (a ring: twice
+    its fp32 bytes) with the ranks holding the same shard in the other replicas, once per step."""
     s, mesh = step.shapes, step.mesh
     if mesh.world == 1:
         return {}
     dense = s.outside_params + s.cfg.num_layers * s.dense_layer_params
     experts = s.cfg.num_layers * s.expert_layer_params / mesh.ep
     micro = step.grad_accum
-    gathers = 1 if step.keep_unsharded else 2 * micro  # forward, and again for backward (the LM head stays gathered)
+    gathers = 2 * micro if step.reshard_after_forward else 1  # forward, and again for backward (not the LM head)
     reduces = 1 if step.grad_sync == "step" else micro
-    frac_dense = (mesh.world - 1) / mesh.world
+    frac_dense = (mesh.shard - 1) / mesh.shard
     frac_experts = (mesh.expert_shard - 1) / mesh.expert_shard
     out = {
         "dense all_gather": (2 * dense * frac_dense * gathers, mesh.dense_across_nodes),
@@ -114,6 +119,10 @@ def fsdp_bytes(step: Step) -> dict[str, tuple[float, bool]]:
         "expert all_gather": (2 * experts * frac_experts * gathers, mesh.expert_shard_across_nodes),
         "expert reduce_scatter": (4 * experts * frac_experts * reduces, mesh.expert_shard_across_nodes),
     }
+    if mesh.dp_replicate > 1:
+        frac_replicas = (mesh.dp_replicate - 1) / mesh.dp_replicate
+        held = (dense / mesh.shard + experts / mesh.expert_shard) * 4  # this rank's fp32 gradient shard
+        out["replicate all_reduce"] = (2 * held * frac_replicas, mesh.replicate_across_nodes)
     return out
 
 
@@ -155,7 +164,11 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     layer_dense = s.layer_dense_flops(t)
     head = s.dense_flops(t) - layer_dense
     seconds = dict.fromkeys(CATEGORIES, 0.0)
-    seconds["dense_gemm"] = micro * (passes(step, "dense") * layer_dense + 3 * head) / hw.flops("dense_gemm")
+    fp8_dense = step.precision.fp8_dense_flops(step)  # precision=fp8: the attention projections at the FP8 rate
+    bf16_dense = passes(step, "dense") * (layer_dense - fp8_dense) + 3 * head
+    seconds["dense_gemm"] = micro * bf16_dense / hw.flops("dense_gemm")
+    if fp8_dense:
+        seconds["dense_gemm"] += micro * passes(step, "dense") * fp8_dense / hw.flops("fp8_dense_gemm")
     attention_flops = passes(step, "attention") * s.attention_flops(t, step.seq_len)
     seconds["attention"] = micro * attention_flops / hw.flops("attention")
     for category, value in moe_seconds(step, hw).items():
@@ -185,7 +198,7 @@ def plan_time(step: Step, hw: Hardware) -> dict:
             )
             seconds["dispatch_glue"] += micro * GRAD_CAST_BYTES_PER_PARAM * fp8 / hw.hbm_bytes_per_s
     else:
-        gathers = 1 if step.keep_unsharded else 2 * micro
+        gathers = 2 * micro if step.reshard_after_forward else 1
         casts["fsdp_all_gather"] = gathers * 6 * n / hw.hbm_bytes_per_s
         casts["fsdp_reduce_scatter"] = (
             (1 if step.grad_sync == "step" else micro) * GRAD_CAST_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
@@ -216,26 +229,35 @@ def plan_time(step: Step, hw: Hardware) -> dict:
 
 def fsdp_exposed(step: Step, hw: Hardware, compute: float) -> tuple[dict, dict]:
     """FSDP2's collectives run on their own streams while blocks compute. A block's gather (and in backward its
-    reduce-scatter) overlaps the neighbouring block's compute; what a block's collectives take beyond that is
-    exposed, and so are the step's first gather (embedding and first block, nothing before them) and its last
-    reduce-scatter (the embedding's, nothing after it)."""
+    reduce-scatter, and with replicas its all-reduce after it) overlaps the neighbouring block's compute; what a
+    block's collectives take beyond that is exposed, and so are the step's first gather (embedding and first block,
+    nothing before them) and its last reduction (the embedding's, nothing after it)."""
     parts = fsdp_bytes(step)
     if not parts:
         return {"fsdp_all_gather": 0.0, "fsdp_reduce_scatter": 0.0}, {
             "fsdp_all_gather": 0.0,
             "fsdp_reduce_scatter": 0.0,
         }
-    gather = sum(b / hw.link_bytes_per_s(x) for k, (b, x) in parts.items() if "all_gather" in k)
-    reduce = sum(b / hw.link_bytes_per_s(x) for k, (b, x) in parts.items() if "reduce_scatter" in k)
+    # Seconds on each link (NVLink: False, the NICs: True) by kind; one link's collectives queue behind each other.
+    seconds = {(kind, across): 0.0 for kind in ("gather", "reduce") for across in (False, True)}
+    for k, (b, across) in parts.items():
+        seconds["gather" if "all_gather" in k else "reduce", across] += b / hw.link_bytes_per_s(across)
+    gather = seconds["gather", False] + seconds["gather", True]
+    reduce = seconds["reduce", False] + seconds["reduce", True]
+    # in backward: the reductions and half the gathers, each link its own (HSDP's all-reduce on the NICs beside the
+    # replica's reduce-scatters on NVLink)
+    backward = max(seconds["reduce", x] + seconds["gather", x] / 2 for x in (False, True))
     layers = step.cfg.num_layers + 2  # blocks, embedding, head
     per_group_compute = compute / layers
     s, mesh = step.shapes, step.mesh
-    first = 2 * (s.embedding_params + s.layer_params_unsharded(mesh)) * (mesh.world - 1) / mesh.world
-    last = 4 * s.embedding_params * (mesh.world - 1) / mesh.world
+    first = 2 * (s.embedding_params + s.layer_params_unsharded(mesh)) * (mesh.shard - 1) / mesh.shard
     across = mesh.dense_across_nodes
-    # Backward holds the reduce-scatters and half the gathers; both share the links with each other.
+    last = 4 * s.embedding_params * (mesh.shard - 1) / mesh.shard / hw.link_bytes_per_s(across)
+    if mesh.dp_replicate > 1:  # the embedding's shard all-reduced across replicas after its reduce-scatter
+        replicas = (mesh.dp_replicate - 1) / mesh.dp_replicate
+        last += 8 * s.embedding_params / mesh.shard * replicas / hw.link_bytes_per_s(mesh.replicate_across_nodes)
     exposed_gather = max(0.0, gather - (compute - per_group_compute)) + first / hw.link_bytes_per_s(across)
-    exposed_reduce = max(0.0, reduce + gather / 2 - compute * 2 / 3) + last / hw.link_bytes_per_s(across)
+    exposed_reduce = max(0.0, backward - compute * 2 / 3) + last
     return (
         {"fsdp_all_gather": min(gather, exposed_gather), "fsdp_reduce_scatter": min(reduce, exposed_reduce)},
         {"fsdp_all_gather": gather, "fsdp_reduce_scatter": reduce},

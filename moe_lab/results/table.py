@@ -3,7 +3,8 @@
 Columns: ``run_dir``, ``status``, ``error_type``, ``error_message``, then the axes: one column per group choice
 (``model``, ``dispatcher``, ``ac``, ..., and ``experiment``: the preset, such as ``grid_30b`` or
 ``grid_30b/two_gpu``), one per other overridden key (``parallel.ep``, ``model.routing_skew``: its resolved value,
-typed); then ``overrides``, environment fields as ``env.<key>``, an emulated point's layout (``emulated``,
+typed), and FSDP2's layout whether overridden or not (``parallel.dp_replicate``, ``parallel.reshard_after_forward``:
+``layout_columns``); then ``overrides``, environment fields as ``env.<key>``, an emulated point's layout (``emulated``,
 ``emulated.<key>``: ``emulated_columns``; its planned communication per category as ``planned_comm.<category>``),
 the scalar metrics, the trace breakdown as
 ``time.<category>`` (seconds per step) and ``time.step_s``. Per-step lists (losses) stay in ``metrics.jsonl``:
@@ -64,6 +65,8 @@ def flatten(record: dict, run_dir: Path) -> dict:
         if key not in choices and not key.startswith("hydra."):
             resolved = _lookup(record.get("config") or {}, key)
             row[key] = value if resolved is None else resolved
+    if record.get("config"):
+        row.update(layout_columns(record["config"]))
     row["overrides"] = " ".join(record.get("overrides") or [])
     row.update({f"env.{k}": v for k, v in (record.get("environment") or {}).items()})
     if emulated := record.get("emulated"):
@@ -78,11 +81,24 @@ def flatten(record: dict, run_dir: Path) -> dict:
     return row
 
 
+def layout_columns(config: dict) -> dict:
+    """FSDP2's layout, which every point has, overridden or not (so a sweep over presets shows it where it varies):
+    ``parallel.dp_replicate``, the HSDP replicas (1 in records from before the key), and
+    ``parallel.reshard_after_forward`` (in records from before it, not ``parallel.keep_unsharded``, its old name)."""
+    p = config.get("parallel") or {}
+    return {
+        "parallel.dp_replicate": p.get("dp_replicate", 1),
+        "parallel.reshard_after_forward": p.get("reshard_after_forward", not p.get("keep_unsharded", False)),
+    }
+
+
 def emulated_columns(emulated: dict) -> dict:
     """An emulated point (``parallel.emulate``): ``emulated`` names the rank and layout it stood for, and
     ``emulated.<key>`` holds each of its fields (``emulated.world``, ``emulated.mesh.ep``, ...)."""
     mesh = emulated.get("mesh") or {}
-    layout = f"{mesh.get('nodes')} x {mesh.get('gpus_per_node')}, ep {mesh.get('ep')}"
+    replicas = mesh.get("dp_replicate", 1)
+    layout = f"{mesh.get('nodes')} x {mesh.get('gpus_per_node')}{f', {replicas} replicas' if replicas > 1 else ''}"
+    layout += f", ep {mesh.get('ep')}"
     label = f"rank {emulated.get('rank')} of {emulated.get('world')} ({layout})"
     columns = {"emulated": label}
     columns.update({f"emulated.{k}": v for k, v in emulated.items() if k not in ("mesh", "note")})
