@@ -12,12 +12,12 @@ from omegaconf import DictConfig
 from moe_lab.data.batch import DataSource
 from moe_lab.metrics.logger import ExperimentLogger
 from moe_lab.models.loss import LanguageModelLoss
+from moe_lab.models.loss import LanguageModelLoss
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import TokenDispatcher
 from moe_lab.optim.offload import Offload
 from moe_lab.optim.optimizers import OptimizerFactory
 from moe_lab.parallel.ac import Checkpointing
-from moe_lab.parallel.precision import Precision
 from moe_lab.runtime.errors import ConfigError
 
 
@@ -27,17 +27,17 @@ class Options:
 
     model: Qwen3MoeConfig  # ``.build()`` makes the module
     dispatcher: TokenDispatcher
-    precision: Precision  # applied to the model before the parallelisms
     ac: Checkpointing
     offload: Offload
     make_optimizer: OptimizerFactory  # params -> torch.optim.Optimizer (a partial of the optimizer class)
+    loss: LanguageModelLoss  # (hidden, head weight, labels) -> the loss; called in the model's forward
     loss: LanguageModelLoss  # (hidden, head weight, labels) -> the loss; called in the model's forward
     data: DataSource
     logger: ExperimentLogger  # used on rank 0 only
 
     def with_rules(self) -> list:
         """The options that own cross-group rules (their ``validate(cfg, target)``), in the order validation runs them."""
-        return [self.dispatcher, self.precision, self.ac, self.offload, self.data, self.logger]
+        return [self.dispatcher, self.ac, self.offload, self.data, self.logger]
 
 
 def build_options(cfg: DictConfig) -> Options:
@@ -47,10 +47,10 @@ def build_options(cfg: DictConfig) -> Options:
 _GROUP_OF = {
     "model": "model",
     "dispatcher": "dispatcher",
-    "precision": "precision",
     "ac": "ac",
     "offload": "offload",
     "make_optimizer": "optimizer",
+    "loss": "loss",
     "loss": "loss",
     "data": "data",
     "logger": "logger",
@@ -58,10 +58,10 @@ _GROUP_OF = {
 CONTRACTS = {
     "model": Qwen3MoeConfig,
     "dispatcher": TokenDispatcher,
-    "precision": Precision,
     "ac": Checkpointing,
     "offload": Offload,
     "make_optimizer": OptimizerFactory,
+    "loss": LanguageModelLoss,
     "loss": LanguageModelLoss,
     "data": DataSource,
     "logger": ExperimentLogger,
