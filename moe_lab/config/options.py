@@ -12,7 +12,6 @@ from omegaconf import DictConfig
 from moe_lab.data.batch import DataSource
 from moe_lab.metrics.logger import ExperimentLogger
 from moe_lab.models.loss import LanguageModelLoss
-from moe_lab.models.loss import LanguageModelLoss
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from moe_lab.moe.dispatcher import TokenDispatcher
 from moe_lab.optim.offload import Offload
@@ -30,7 +29,6 @@ class Options:
     ac: Checkpointing
     offload: Offload
     make_optimizer: OptimizerFactory  # params -> torch.optim.Optimizer (a partial of the optimizer class)
-    loss: LanguageModelLoss  # (hidden, head weight, labels) -> the loss; called in the model's forward
     loss: LanguageModelLoss  # (hidden, head weight, labels) -> the loss; called in the model's forward
     data: DataSource
     logger: ExperimentLogger  # used on rank 0 only
@@ -51,7 +49,6 @@ _GROUP_OF = {
     "offload": "offload",
     "make_optimizer": "optimizer",
     "loss": "loss",
-    "loss": "loss",
     "data": "data",
     "logger": "logger",
 }
@@ -61,7 +58,6 @@ CONTRACTS = {
     "ac": Checkpointing,
     "offload": Offload,
     "make_optimizer": OptimizerFactory,
-    "loss": LanguageModelLoss,
     "loss": LanguageModelLoss,
     "data": DataSource,
     "logger": ExperimentLogger,
