@@ -18,6 +18,7 @@ import json
 import shlex
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
@@ -28,6 +29,7 @@ from moe_lab.config import ConfigError
 from moe_lab.config.validate import check_target_node
 from moe_lab.plan.hardware import GIB
 from moe_lab.plan.planner import build_hardware, plan, usable_device_bytes
+from moe_lab.results.record import git_state
 from moe_lab.results.tune import PLANS, TUNE
 from moe_lab.tune import config as tune_config
 from moe_lab.tune import measure as measuring
@@ -43,8 +45,7 @@ PLAN_COLUMNS = [
 
 
 def compose_overrides(argv: list[str]) -> list[str]:
-    """The command line without its sweeps (``ac=full,selective`` narrows an axis; the point configs are composed
-    one combination at a time)."""
+    """The command line without its sweeps (``ac=full,selective`` narrows an axis)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     return [o.input_line for o in OverridesParser.create().parse_overrides(argv) if not o.is_sweep_override()]
@@ -72,7 +73,8 @@ def closest(ranked: list[dict], combos, hw) -> ConfigError:
         )
     if fit["num_layers"]:
         return ConfigError(
-            "model.num_layers", f"nothing fits ({where}); {what}; at model.num_layers <= {fit['num_layers']} it fits"
+            "model.num_layers",
+            f"nothing fits ({where}); {what}; at model.num_layers <= {fit['num_layers']} it fits (offload={mode})",
         )
     return ConfigError("hardware", f"nothing fits ({where}), at any length or depth; {what}")
 
@@ -89,12 +91,14 @@ def run(argv: list[str], progress: bool = True) -> Path:
     """The tune of ``argv`` (the command line's overrides); returns its directory."""
     if any(a in ("-m", "--multirun") for a in argv):
         raise ConfigError("-m", "a tune sweeps its own space; narrow an axis with key=a,b, no -m")
-    cfg = tune_config.compose(compose_overrides(argv))
-    check_target_node("tune", cfg.tune)
-    settings = OmegaConf.to_container(cfg.tune, resolve=True)
+    own = [o for o in compose_overrides(argv) if o.lstrip("+~").partition("=")[0].partition(".")[0] == "tune"]
+    tune_node = tune_config.compose(own).tune
+    check_target_node("tune", tune_node)
+    settings = OmegaConf.to_container(tune_node, resolve=True)
     settings.pop("_target_")
     space = Space(**settings)
     n = narrowed(space, argv)
+    cfg = tune_config.compose(n.base + own)  # the model and layout every point shares
     if cfg.parallel.emulate:
         raise ConfigError(
             "parallel.emulate", "the tune measures as an emulated rank where the layout needs it; leave it out"
@@ -108,21 +112,22 @@ def run(argv: list[str], progress: bool = True) -> Path:
         else:
             layout = measuring.layout_of(hw, device, devices, gpu)
             measure_note = f"The best {space.measure} measured as {layout.describe()}."
-    tune_dir = Path(space.dir)
-    tune_dir.mkdir(parents=True, exist_ok=True)
-
     started = time.time()
     configs = [(groups, tune_config.compose(n.base + groups)) for groups in group_combinations(n.axes)]
     check_keys_exist(n.axes, [c for _, c in configs])
+    tune_dir = Path(space.dir)
+    tune_dir.mkdir(parents=True, exist_ok=True)
     combos = combinations(configs, n.axes)
     ranked = rank(plan_all(combos, workers(space.workers), progress))
     plan_seconds = time.time() - started
     pd.DataFrame(ranked, columns=PLAN_COLUMNS).to_csv(tune_dir / PLANS, index=False)
     if not any(r["rank"] for r in ranked):
         raise closest(ranked, combos, hw)
-    chosen = candidates(ranked, space.measure)
+    chosen, passed = candidates(ranked, space.measure, measuring.host_check(layout) if layout else lambda row: None)
     tune = {
         "title": title(cfg, hw),
+        "started_utc": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
+        "git": git_state(),
         "command": shlex.join(["python", "-m", "moe_lab.tune", *argv]),
         "base": n.base,
         "train_overrides": measuring.train_overrides(n.base),
@@ -138,6 +143,7 @@ def run(argv: list[str], progress: bool = True) -> Path:
         "points": len(ranked),
         "plan_seconds": plan_seconds,
         "candidates": [{"candidate": i, "rank": r["rank"], "point": r["point"]} for i, r in enumerate(chosen, 1)],
+        "passed_over": passed,
         "measure_note": measure_note,
         "measured": None,
     }

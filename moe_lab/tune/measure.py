@@ -17,7 +17,9 @@ from tqdm import tqdm
 
 from moe_lab.config import ConfigError
 from moe_lab.metrics.flops import hardware_option
-from moe_lab.plan.hardware import Hardware
+from moe_lab.optim.offload.host import usable_host_bytes
+from moe_lab.plan.hardware import GIB, Hardware
+from moe_lab.plan.planner import HOST_PROCESS
 from moe_lab.results.record import RESULT
 from moe_lab.results.tune import CANDIDATES, MEASURED
 from moe_lab.runtime.paths import CONF_DIR
@@ -52,6 +54,22 @@ class Layout:
     def describe(self) -> str:
         mesh = f"{self.world} x {self.hardware} ({self.nodes} x {self.gpus_per_node})"
         return f"rank 0 of {mesh}, emulated on one {self.device}" if self.emulated else f"{mesh} on real ranks"
+
+
+def host_check(layout: Layout):
+    """``unmeasurable`` for ``planning.candidates``: a point whose node's planned host buffers (offload's state,
+    its ranks' share of this machine: an emulated rank stands for its node's ``gpus_per_node``) exceed the host
+    memory free here would end as an ``oom`` record; it is passed over, saying so."""
+    usable = usable_host_bytes() / GIB
+    ranks = min(layout.world, layout.gpus_per_node)
+
+    def unmeasurable(row: dict) -> str | None:
+        need = (row["planned_peak_host_rss_gib"] - HOST_PROCESS / GIB) * ranks
+        if need > usable:
+            return f"its node's host buffers, {need:.0f} GiB, exceed the {usable:.0f} GiB free on this machine"
+        return None
+
+    return unmeasurable
 
 
 def device_at_hand(asked: str) -> tuple[str | None, int, str]:

@@ -142,6 +142,18 @@ def _same_plan(a: dict, b: dict) -> bool:
     return all(abs(a[k] - b[k]) <= TIE * abs(a[k]) for k in ("planned_s_per_step", "planned_peak_gpu_mem_gib"))
 
 
-def candidates(ranked: list[dict], k: int) -> list[dict]:
-    """The best ``k`` fitting points with plans of their own."""
-    return [r for r in ranked if r["rank"] is not None and r["same_plan_as"] is None][:k]
+def candidates(ranked: list[dict], k: int, unmeasurable=lambda row: None) -> tuple[list[dict], list[dict]]:
+    """The best ``k`` fitting points with plans of their own that this machine can measure, and those passed over
+    on the way (each with ``why``: what ``unmeasurable(row)`` said of it)."""
+    chosen, passed = [], []
+    for row in ranked:
+        if len(chosen) == k or row["rank"] is None:
+            break
+        if row["same_plan_as"] is not None:
+            continue
+        why = unmeasurable(row)
+        if why:
+            passed.append({"rank": row["rank"], "point": row["point"], "why": why})
+        else:
+            chosen.append(row)
+    return chosen, passed

@@ -164,6 +164,8 @@ def report(tune_dir: Path) -> str:
         lines += [markdown(candidates_table(df)), ""]
         if note := order_note(df):
             lines += [note + ".", ""]
+        for row in tune.get("passed_over", []):
+            lines += [f"Not measured here: planned rank {row['rank']}, `{row['point']}`: {row['why']}.", ""]
         best, by = winner(df)
         lines += [f"Winner ({by}): `{best['point']}`", "", "```bash", train_line(tune, best["point"]), "```", ""]
         plot(df, tune, tune_dir / PLOT)

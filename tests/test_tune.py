@@ -1,0 +1,199 @@
+"""``python -m moe_lab.tune``: a planning-only tune of a small layout against the planner's own plans of each point
+(every point planned once, those that fit ranked by the plan's tokens/s/GPU), the default space against the options
+and values that exist, bad input refused before any work naming its key, the stop after planning without a GPU,
+and a measured tune of the tiny model on the CPU (one emulated rank of two) that ``moe_lab.results`` reads and the
+same command resumes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+import moe_lab.results
+from moe_lab.config import ConfigError
+from moe_lab.moe.fused.ops import SAVES
+from moe_lab.parallel.ac import KEEP_SETS
+from moe_lab.plan.config import compose as compose_plan
+from moe_lab.plan.planner import plan
+from moe_lab.results.tune import CANDIDATES, PLANS, TUNE
+from moe_lab.runtime.paths import CONF_DIR
+from moe_lab.tune.__main__ import run
+from moe_lab.tune.space import is_group, options_of
+
+# A 2-layer 30B proxy on two H200 at seq 4096: dispatcher x ac x EP (selective with two keep sets), the rest fixed.
+SMALL = [
+    "model=qwen3_30b",
+    "model.num_layers=2",
+    "data.seq_len=4096",
+    "data.batch_size=1",
+    "trainer.nproc_per_node=2",
+    "dispatcher=torch,fused",
+    "ac=none,full,selective",
+    "ac.keep=[matmul,grouped_mm,attention,router,dispatcher],[attention,router]",
+    "ac.offload_activations=false",
+    "dispatcher.save=rows",
+    "dispatcher.expert_precision=bf16",
+    "offload=none",
+    "parallel.ep=1,2,3",
+    "tune.measure=0",
+]
+
+
+def small_points() -> list[list[str]]:
+    """The SMALL space's points, written out by hand: keep sets only under selective, EP 3 (not dividing 2) too."""
+    points = []
+    for dispatcher, ac, ep in itertools.product(("torch", "fused"), ("none", "full", "selective"), (1, 2, 3)):
+        keeps = [None, "[attention,router]"] if ac == "selective" else [None]
+        for keep in keeps:
+            point = [f"dispatcher={dispatcher}", f"ac={ac}"] + ([f"ac.keep={keep}"] if keep else [])
+            points.append(point + ([f"parallel.ep={ep}"] if ep != 1 else []))
+    return points
+
+
+@pytest.fixture(scope="module")
+def small_tune(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tune") / "small"
+    run(SMALL + [f"tune.dir={directory}", "tune.workers=2"], progress=False)
+    return directory
+
+
+def test_a_planning_only_tune_plans_every_point_once(small_tune):
+    plans = pd.read_csv(small_tune / PLANS)
+    assert sorted(plans["point"]) == sorted(" ".join(p) for p in small_points())
+    invalid = plans[plans["status"] == "invalid"]
+    assert set(invalid["point"]) == {" ".join(p) for p in small_points() if "parallel.ep=3" in p}
+    assert invalid["why"].str.startswith("parallel.ep").all()
+    tune = json.loads((small_tune / TUNE).read_text())
+    assert tune["candidates"] == [] or len(tune["candidates"]) == 0  # tune.measure=0
+    assert tune["measured"] is None and "Plan only" in tune["measure_note"]
+    assert (small_tune / "report.md").exists() and (small_tune / "tune.png").exists()
+    assert not (small_tune / CANDIDATES).exists()
+
+
+def test_the_ranking_is_the_planners_own(small_tune):
+    """Each ranked point planned by ``moe_lab.plan`` on its own (composed from the overrides): the same tokens/s/GPU
+    and peak, the ranks in order of tokens/s/GPU, and the winner's line the best of them."""
+    plans = pd.read_csv(small_tune / PLANS)
+    ranked = plans[plans["rank"].notna()].sort_values("rank")
+    assert len(ranked) == (plans["status"] == "ok").sum() > 0  # everything valid fits here
+    own = {}
+    for point in plans[plans["status"] == "ok"]["point"]:
+        cfg = compose_plan(SMALL[:5] + ["offload=none"] + point.split())  # the fixed keys are at their defaults
+        metrics = plan(cfg, search=False)["metrics"]
+        own[point] = (metrics["tokens_per_s_per_gpu"], metrics["peak_gpu_mem_gib"])
+    for _, row in ranked.iterrows():
+        assert row["planned_tokens_per_s_per_gpu"] == pytest.approx(own[row["point"]][0], rel=1e-9)
+        assert row["planned_peak_gpu_mem_gib"] == pytest.approx(own[row["point"]][1], rel=1e-9)
+    by_plan = sorted(own, key=lambda p: (-own[p][0], own[p][1]))
+    assert [own[p] for p in ranked["point"]] == [own[p] for p in by_plan]
+    report = (small_tune / "report.md").read_text()
+    assert f"Winner (planned): `{ranked.iloc[0]['point']}`" in report
+    assert "python -m moe_lab.train model=qwen3_30b model.num_layers=2" in report
+    assert "tune." not in report.split("```bash")[1].split("```")[0]
+
+
+def test_the_default_space_covers_what_exists():
+    """conf/tune/default.yaml: every option of each group axis, every save mode, precision and keep set it names is
+    one that exists, and the group axes hold all their group's options."""
+    axes = yaml.safe_load((CONF_DIR / "tune" / "default.yaml").read_text())["axes"]
+    for name, values in axes.items():
+        if is_group(name):
+            assert sorted(values) == options_of(name), name
+    assert sorted(axes["dispatcher.save"]) == sorted(SAVES)
+    assert axes["ac.keep"][0] == list(KEEP_SETS) and all(set(k) <= set(KEEP_SETS) for k in axes["ac.keep"])
+    assert sorted(axes["dispatcher.expert_precision"]) == ["bf16", "fp8"]
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["+tune.axes.bogus=[a]"], "tune.axes.bogus"),  # neither a group nor a dotted key
+        (["dispatcher=torch,nope"], "dispatcher"),  # no such option
+        (["trainer.steps=1,2"], "trainer.steps"),  # a sweep of something that is not an axis
+        (["~tune.axes", "+tune.axes={dispatcher:[fused],dispatcher.sav:[rows]}"], "tune.axes.dispatcher.sav"),
+        (["tune.measure=-1"], "tune.measure"),
+        (["tune.device=tpu"], "tune.device"),
+        (["parallel.emulate=true"], "parallel.emulate"),
+        (["-m"], "-m"),
+    ],
+)
+def test_bad_input_is_refused_before_any_work(tmp_path, overrides, key):
+    directory = tmp_path / "tune"
+    with pytest.raises(ConfigError) as refused:
+        run(["model=qwen3_30b", "model.num_layers=2", f"tune.dir={directory}"] + overrides, progress=False)
+    assert refused.value.key == key
+    assert not directory.exists()
+
+
+def test_a_layout_that_fits_nowhere_names_what_is_closest(tmp_path):
+    overrides = ["+experiment=reference_30b", "trainer.nproc_per_node=1", "dispatcher=fused", "ac=none,full"]
+    overrides += ["offload=none", "parallel.ep=1", "dispatcher.expert_precision=bf16", "ac.offload_activations=false"]
+    with pytest.raises(ConfigError) as refused:
+        run(overrides + ["dispatcher.save=rows", f"tune.dir={tmp_path}", "tune.measure=0"], progress=False)
+    key, message = refused.value.key, str(refused.value)
+    assert key in ("data.seq_len", "model.num_layers") and "the closest, ac=" in message
+    assert f"at {key} <= " in message and "it fits (offload=" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the stop is of a machine without a GPU")
+def test_without_a_gpu_it_stops_after_planning(tmp_path):
+    directory = tmp_path / "tune"
+    narrow = [o for o in SMALL if o != "tune.measure=0"] + ["parallel.ep=1", "ac=full"]
+    run(narrow + [f"tune.dir={directory}", "tune.measure=2"], progress=False)
+    tune = json.loads((directory / TUNE).read_text())
+    assert "No GPU on this machine: stopped after planning" in tune["measure_note"]
+    assert tune["measured"] is None and not (directory / "measured").exists()
+    with pytest.raises(ConfigError) as refused:
+        run(narrow + [f"tune.dir={tmp_path / 'cuda'}", "tune.device=cuda"], progress=False)
+    assert refused.value.key == "tune.device"
+
+
+TINY_CPU = [
+    "model=tiny",
+    "trainer.steps=3",
+    "trainer.timing_skip=1",
+    "trainer.nproc_per_node=2",  # a 2-rank layout, measured as one emulated rank on the CPU
+    "dispatcher=torch,fused",
+    "ac=none,full",
+    "offload=none",
+    "dispatcher.expert_precision=bf16",
+    "ac.offload_activations=false",
+    "dispatcher.save=rows,inputs",
+    "parallel.ep=1,2",
+    "tune.device=cpu",
+    "tune.measure=2",
+]
+
+
+@pytest.mark.slow
+def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path):
+    directory = tmp_path / "tune"
+    run(TINY_CPU + [f"tune.dir={directory}"], progress=False)
+    tune = json.loads((directory / TUNE).read_text())
+    assert tune["measured"]["returncode"] == 0 and tune["measured"]["layout"]["emulated"]
+    points = [c["point"] for c in tune["candidates"]]
+    assert len(points) == 2 and yaml.safe_load((directory / CANDIDATES).read_text()) == [p.split() for p in points]
+
+    records = moe_lab.results.load(directory)  # the measured sweep's records, as any sweep's
+    assert list(records["status"]) == ["ok", "ok"] and records["emulated"].notna().all()
+    for point, (_, record) in zip(points, records.iterrows()):
+        assert set(point.split()) <= set(record["overrides"].split())
+    table = moe_lab.results.load_tune(directory)
+    measured = table[table["candidate"].notna()].sort_values("candidate")
+    assert list(measured["point"]) == points and (measured["measured_status"] == "ok").all()
+    assert (measured["measured_s_per_step"] > 0).all() and measured["step_error"].notna().all()
+    report = (directory / "report.md").read_text()
+    assert "Winner (measured)" in report and "emulated on one cpu" in report
+
+    first = {p: os.path.getmtime(p) for p in directory.glob("measured/*/result.json")}
+    run(TINY_CPU + [f"tune.dir={directory}"], progress=False)  # the same command: the sweep resumes, nothing reruns
+    assert {p: os.path.getmtime(p) for p in directory.glob("measured/*/result.json")} == first
+    with pytest.raises(ConfigError) as refused:  # another space into the same directory
+        run([o for o in TINY_CPU if not o.startswith("ac=")] + ["ac=full", f"tune.dir={directory}"], progress=False)
+    assert refused.value.key == "tune.dir"
