@@ -18,9 +18,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from moe_lab import config
+from moe_lab.config.validate import check_override_keys
 from moe_lab.job.launcher import rank_hydra_overrides
 from moe_lab.job.lifecycle import run_job
 from moe_lab.results.record import job_meta
+from moe_lab.runtime.errors import ConfigError
 from moe_lab.runtime.paths import CONF_DIR
 
 config.register()
@@ -39,4 +41,8 @@ if __name__ == "__main__":
     sys.argv += rank_hydra_overrides()  # under torchrun / srun, ranks other than 0 leave no Hydra files
     if "--help" in sys.argv:
         sys.argv.append(config.register_help())
+    try:  # a mistyped key gets moe_lab's message before Hydra's advice to append it with +
+        check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg])
+    except ConfigError as e:
+        sys.exit(f"invalid config: {e}")
     main()

@@ -358,3 +358,24 @@ def test_a_signal_says_what_running_again_does(tmp_path):
     assert how_to_go_on(tmp_path, never, multirun=True) == (
         f"Running the same sweep again runs the rest; this point with trainer.resume=auto (not never) continues from {saved}."
     )
+
+
+def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
+    """Not Hydra's advice to append it with +: the key named, what is allowed, nothing written."""
+    for typo, expected in (
+        ("dispacher=fused", "invalid config: dispacher: unknown top-level key; allowed: model, dispatcher, "),
+        ("trainer.stpes=10", "invalid config: trainer.stpes: unknown key; allowed: steps, "),
+    ):
+        proc = train_cli(typo, cwd=tmp_path)
+        assert proc.returncode == 1 and proc.stderr.startswith(expected), proc.stderr[-2000:]
+        assert "To append" not in proc.stdout + proc.stderr and list(tmp_path.iterdir()) == []
+
+    from moe_lab.config.validate import check_override_keys
+    from moe_lab.runtime.errors import ConfigError
+
+    # Sweeps, appended keys (checked once composed), Hydra's own and group options' keys pass here.
+    check_override_keys(
+        ["ac=none,full", "+trainer.extra=1", "hydra/launcher=basic", "hydra.run.dir=x", "dispatcher.x=1"]
+    )
+    with pytest.raises(ConfigError, match="trainer.checkpoint.evry: unknown key; allowed: every, dir"):
+        check_override_keys(["trainer.steps=4", "trainer.checkpoint.evry=2"])

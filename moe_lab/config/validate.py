@@ -76,7 +76,7 @@ def check_known_keys(cfg: DictConfig) -> None:
         if key == "hydra":  # present when composed with return_hydra_config
             continue
         if key not in hints:
-            raise ConfigError(key, f"unknown top-level key; allowed: {', '.join(hints)}")
+            raise _unknown_key(key, hints)
         if dataclasses.is_dataclass(hints[key]):
             _check_section(key, cfg[key], hints[key])
 
@@ -85,10 +85,41 @@ def _check_section(prefix: str, node, schema) -> None:
     hints = typing.get_type_hints(schema)
     unknown = [k for k in node if k not in hints]
     if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]}", f"unknown key; allowed: {', '.join(hints)}")
+        raise _unknown_key(f"{prefix}.{unknown[0]}", hints)
     for key, hint in hints.items():
         if dataclasses.is_dataclass(hint) and isinstance(node.get(key), DictConfig):
             _check_section(f"{prefix}.{key}", node[key], hint)
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """The command line's keys, before Hydra composes them: a mistyped top-level or schema-section key
+    (``dispacher=fused``, ``trainer.stpes=10``) is refused with ``check_known_keys``' message rather than Hydra's
+    advice to append it with ``+``. Appending overrides and the keys of group options are checked once composed
+    (``check_known_keys``, ``check_target_node``); a line Hydra cannot parse is left to Hydra to explain."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_add() or override.is_force_add() or key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        parts, schema = key.split("."), TrainConfig
+        for depth in range(len(parts)):
+            if not dataclasses.is_dataclass(schema):
+                break  # a group option's own key, or a key under a value
+            hints = typing.get_type_hints(schema)
+            if parts[depth] not in hints:
+                raise _unknown_key(".".join(parts[: depth + 1]), hints)
+            schema = hints[parts[depth]]
+
+
+def _unknown_key(key: str, allowed) -> ConfigError:
+    where = "top-level key" if "." not in key else "key"
+    return ConfigError(key, f"unknown {where}; allowed: {', '.join(allowed)}")
 
 
 def check_resolves(cfg: DictConfig) -> None:
