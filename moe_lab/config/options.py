@@ -17,6 +17,7 @@ from moe_lab.moe.dispatcher import TokenDispatcher
 from moe_lab.optim.offload import Offload
 from moe_lab.optim.optimizers import OptimizerFactory
 from moe_lab.parallel.ac import Checkpointing
+from moe_lab.parallel.precision import Precision
 from moe_lab.runtime.errors import ConfigError
 
 
@@ -26,6 +27,7 @@ class Options:
 
     model: Qwen3MoeConfig  # ``.build()`` makes the module
     dispatcher: TokenDispatcher
+    precision: Precision  # applied to the model before the parallelisms
     ac: Checkpointing
     offload: Offload
     make_optimizer: OptimizerFactory  # params -> torch.optim.Optimizer (a partial of the optimizer class)
@@ -35,7 +37,7 @@ class Options:
 
     def with_rules(self) -> list:
         """The options that own cross-group rules (their ``validate(cfg, target)``), in the order validation runs them."""
-        return [self.dispatcher, self.ac, self.offload, self.data, self.logger]
+        return [self.dispatcher, self.precision, self.ac, self.offload, self.data, self.logger]
 
 
 def build_options(cfg: DictConfig) -> Options:
@@ -45,6 +47,7 @@ def build_options(cfg: DictConfig) -> Options:
 _GROUP_OF = {
     "model": "model",
     "dispatcher": "dispatcher",
+    "precision": "precision",
     "ac": "ac",
     "offload": "offload",
     "make_optimizer": "optimizer",
@@ -55,6 +58,7 @@ _GROUP_OF = {
 CONTRACTS = {
     "model": Qwen3MoeConfig,
     "dispatcher": TokenDispatcher,
+    "precision": Precision,
     "ac": Checkpointing,
     "offload": Offload,
     "make_optimizer": OptimizerFactory,

@@ -130,6 +130,7 @@ class ProfileConfig:
 GROUPS = {
     "model": "the Qwen3-MoE shape (model.num_layers cuts a proxy of the published depth; hf reads a config.json)",
     "dispatcher": "how tokens reach their experts and come back",
+    "precision": "which GEMMs run in FP8: none, the routed experts', or theirs and the attention projections'",
     "ac": "activation checkpointing per decoder block",
     "offload": "where weights and optimizer state live",
     "optimizer": "the optimizer (a torch.optim class, built per parameter chunk by the offload mode)",
@@ -143,6 +144,7 @@ GROUPS = {
 class TrainConfig:
     model: Any = None
     dispatcher: Any = None
+    precision: Any = None
     ac: Any = None
     offload: Any = None
     optimizer: Any = None

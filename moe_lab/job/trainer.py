@@ -265,6 +265,7 @@ def build_model(cfg: DictConfig, options: Options, device: torch.device, compute
         model,
         options.dispatcher,
         options.ac,
+        precision=options.precision,
         ep=cfg.parallel.ep,
         compile=cfg.trainer.compile,
         device=device,

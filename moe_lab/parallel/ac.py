@@ -50,8 +50,8 @@ KEEP_SETS: tuple[str, ...] = (*GENERIC_SETS, *DECLARED_SETS)
 
 def kept_ops(keep, saved_ops: Mapping[str, frozenset]) -> frozenset:
     """The ops whose outputs ac=selective keeps under ``keep`` (names of ``KEEP_SETS``), the declared sets from
-    ``saved_ops``."""
-    sets = (GENERIC_SETS[name] if name in GENERIC_SETS else saved_ops.get(name, frozenset()) for name in keep)
+    ``saved_ops`` (which may add to a generic one: a precision option's FP8 GEMMs to ``matmul``)."""
+    sets = (GENERIC_SETS.get(name, frozenset()) | saved_ops.get(name, frozenset()) for name in keep)
     return frozenset().union(*sets)
 
 

@@ -48,6 +48,10 @@ class Hardware:
     # DeepGEMM's blockwise-FP8 m-grouped GEMMs, of peak_fp8_tflops (experiments/fp8/: 1300 of 1979 TFLOP/s at the 30B
     # experts' gate/up shape, 131k rows, on the H200)
     fp8_grouped_gemm_efficiency: float = 0.66
+    # precision=fp8's attention projections, forward and backward through torchao's float8 training with its casts,
+    # of peak_fp8_tflops: an estimate (torchao's float8 linears at about 1.2x bf16's 0.77 of the bf16 peak at
+    # these shapes) until experiments/fp8/kernel_probe.py's dense section or ``calibrate`` measures it
+    fp8_dense_gemm_efficiency: float = 0.46
     attention_efficiency: float = 0.55  # causal flash attention, executed FLOPs, forward and backward
     hbm_efficiency: float = 0.73  # streaming kernels (AdamW, casts, norms)
     nvlink_efficiency: float = 0.70  # all-to-all and FSDP collectives inside a node
@@ -103,7 +107,8 @@ class Hardware:
         if peak is None:  # FP8 GEMMs planned on a profile without an FP8 peak
             raise ConfigError(
                 "hardware.peak_fp8_tflops",
-                f"dispatcher.expert_precision=fp8 is planned at the FP8 peak, which hardware={self.name} does not set",
+                f"FP8 GEMMs (dispatcher.expert_precision=fp8, precision=fp8) are planned at the FP8 peak, which "
+                f"hardware={self.name} does not set",
             )
         return peak * 1e12 * getattr(self, f"{kind}_efficiency")
 

@@ -1,5 +1,5 @@
 """The planner's model of each option: what a dispatcher, an activation checkpointing mode, an offload mode or an
-optimizer does to one rank's step memory and time, registered under the option's class (``planner_model``) and
+optimizer (or a precision recipe) does to one rank's step memory and time, registered under the option's class (``planner_model``) and
 found for a built option by ``model_of``. ``memory`` and ``step_time`` hold what every step shares and ask the
 step's models for the rest, so a new option is planned by registering its model here (a test fails when a yaml
 of conf/<group>/ names a class without one).
@@ -20,6 +20,7 @@ from moe_lab.moe.fused.ops import SAVES, align
 from moe_lab.optim.offload import FullOffload, NoOffload, OptimizerOffload
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.parallel.ac import FullCheckpoint, NoCheckpoint, SelectiveCheckpoint
+from moe_lab.parallel.precision import Bf16Dense, Fp8Dense
 from moe_lab.plan.hardware import Hardware
 from moe_lab.plan.memory import (
     Step,
@@ -36,7 +37,7 @@ from moe_lab.plan.memory import (
 from moe_lab.runtime.errors import ConfigError
 
 # group -> option class -> its model, in registration order
-MODELS: dict[str, dict[type, object]] = {"dispatcher": {}, "ac": {}, "offload": {}, "optimizer": {}}
+MODELS: dict[str, dict[type, object]] = {"dispatcher": {}, "precision": {}, "ac": {}, "offload": {}, "optimizer": {}}
 PLANNED_GROUPS = tuple(MODELS)  # the groups whose options a plan depends on
 
 
@@ -291,6 +292,37 @@ class FusedDispatcherPlan(Fp8ExpertsPlan):
 
     def index_adds(self, step: Step) -> int:
         return 0
+
+
+# --- precision ----------------------------------------------------------------------------------------------------
+# The experts' precision is the dispatchers' (expert_precision, above); a precision option's model says which dense
+# GEMMs run in FP8: their forward and backward at ``hardware.fp8_dense_gemm_efficiency`` of the FP8 peak, a rate
+# that holds the FP8 casts of their inputs, weights and gradients (calibrate measures it so). Memory as at bf16:
+# torchao's float8 linears keep the same high-precision input for backward.
+@planner_model("precision", Bf16Dense)
+class Bf16DensePlan:
+    name = "bf16"
+
+    def step_fields(self, option, train) -> dict:
+        return {}
+
+    def fp8_dense_flops(self, step: Step) -> float:
+        """One micro-batch's forward FLOPs of the dense linears in FP8 (a part of ``Shapes.layer_dense_flops``)."""
+        return 0.0
+
+
+@planner_model("precision", Fp8Dense)
+class Fp8DensePlan(Bf16DensePlan):
+    name = "fp8"
+
+    def step_fields(self, option: Fp8Dense, train) -> dict:
+        return {"fp8_linears": option.linears}
+
+    def fp8_dense_flops(self, step: Step) -> float:
+        c = step.cfg
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q}
+        return c.num_layers * 2 * step.tokens * c.hidden_size * sum(sizes[name] for name in step.fp8_linears)
 
 
 # --- activation checkpointing -----------------------------------------------------------------------------------
