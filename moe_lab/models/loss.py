@@ -13,7 +13,8 @@ gathered; the loss knows nothing of process groups.
   gradient, and from that the chunk's hidden-state gradient and its share of the head's weight gradient (summed over
   the chunks in fp32), then drops the chunk. Backward only scales the two gradients by the loss's own gradient. No
   GEMM runs twice (the head's three, as with ``full``), and only one chunk's logits exist at a time, beside the
-  weight gradient's fp32 sum (4 bytes per head parameter) and each chunk's share of it in the compute dtype (2).
+  weight gradient's fp32 sum (4 bytes per head parameter) and each chunk's share of it in the compute dtype (2); at
+  ``chunk_tokens`` or fewer tokens it holds what ``full`` holds.
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ def chunk_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's summed fp32 cross-entropy and the gradient of ``scale`` times it in its logits [C, V]:
     ``scale * (softmax - onehot(labels))`` computed in fp32, returned in the logits' dtype (as autograd gives the
-    gradient of ``lm_loss``'s upcast)."""
-    dtype, logits = logits.dtype, logits.float()
+    gradient of ``lm_loss``'s upcast). All of it element-wise but the row reduction, so that compiled it is a
+    reduction and one kernel that reads the logits and writes their gradient, with no [C, V] buffer in between."""
+    dtype, logits, labels = logits.dtype, logits.float(), labels.unsqueeze(-1)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    loss = (lse.squeeze(-1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)).sum()
-    grad = (logits - lse).exp_()
-    grad.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(lse, -1.0))
-    return loss, grad.mul_(scale).to(dtype)
+    loss = (lse - logits.gather(-1, labels)).sum()
+    probs = (logits - lse).exp()
+    is_label = torch.arange(logits.shape[-1], device=logits.device) == labels
+    return loss, (torch.where(is_label, probs - 1, probs) * scale).to(dtype)
 
 
 class ChunkedLoss(LanguageModelLoss):
@@ -125,9 +127,11 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         needs_tokens_grad, needs_weight_grad = ctx.needs_input_grad[:2]
         scale = 1.0 / tokens.shape[0]
         grad_tokens = torch.empty_like(tokens) if needs_tokens_grad else None
-        # fp32 as the one GEMM over every token accumulates it (a bf16 weight's gradient rounded once, at the end)
-        accumulated = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = torch.zeros_like(weight, dtype=accumulated) if needs_weight_grad else None
+        # The weight's gradient summed over several chunks in fp32, as the one GEMM over every token sums it (a bf16
+        # gradient then rounded once, at the end); over one chunk that GEMM is the chunk's.
+        several = tokens.shape[0] > chunk_tokens
+        summed = torch.promote_types(weight.dtype, torch.float32) if several else weight.dtype
+        grad_weight = torch.zeros_like(weight, dtype=summed) if needs_weight_grad else None
         total = torch.zeros((), dtype=torch.float32, device=tokens.device)
         for start in range(0, tokens.shape[0], chunk_tokens):
             h, y = tokens[start : start + chunk_tokens], labels[start : start + chunk_tokens]
@@ -140,6 +144,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.t(), h)
                 else:  # the chunk's share in the compute dtype (fp32 inside the GEMM), summed in fp32
                     grad_weight += grad_logits.t() @ h
+            del grad_logits  # before the next chunk's logits exist
         ctx.save_for_backward(grad_tokens, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total * scale
