@@ -12,7 +12,6 @@ from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from moe_lab.parallel.fsdp import apply_fsdp, replica_group, set_micro_batch
 from moe_lab.parallel.mesh import build_meshes
 from moe_lab.parallel.precision import Precision
-from moe_lab.parallel.precision import Precision
 
 __all__ = ["compile_loss", "parallelize", "replica_group", "set_micro_batch"]
 
@@ -26,7 +25,6 @@ def parallelize(
     compile: bool,
     device: torch.device,
     compute_dtype: torch.dtype,
-    precision: Precision | None = None,
     precision: Precision | None = None,
     dp_replicate: int = 1,
     reshard_after_forward: bool = True,

@@ -61,7 +61,6 @@ class Step:
     offload: Any
     optimizer: Any
     precision: Any
-    precision: Any
     compile: bool
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     foreach: bool = False  # AdamW without fused=true: torch's foreach path
@@ -76,7 +75,6 @@ class Step:
     keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
     fused_save: str = "rows"  # dispatcher.save: rows | rows_only | gate_up | inputs
     offload_activations: bool = False
-    fp8_linears: tuple = ()  # precision=fp8: the attention projections in FP8
     fp8_linears: tuple = ()  # precision=fp8: the attention projections in FP8
 
     @property
