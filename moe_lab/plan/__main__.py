@@ -3,8 +3,10 @@
 Takes what ``python -m moe_lab.train`` takes (groups, presets, keys) plus the ``hardware`` group (h200, h100, b200,
 b300, or ``hardware=<profile.yaml>`` written by ``python -m moe_lab.plan.calibrate``) and the mesh it runs on
 (``hardware.nodes``, ``hardware.gpus_per_node``), validates it as train does (a layout that cannot run fails naming
-its key), prints the plan and writes it as a result record (``result.json``, ``kind: plan``) that
-``moe_lab.results.load`` and the notebook read like a run's:
+its key), prints the plan and writes it as a result record (``result.json``, ``kind: plan``; its path printed
+last) that ``moe_lab.results.load`` and the notebook read like a run's. The exit status is 0 for every plan made, one
+that does not fit its GPUs included (``fits: false`` in the plan, its reason printed); 1 for a config train would
+refuse:
 
     python -m moe_lab.plan model=qwen3_30b model.num_layers=4 +experiment=grid_30b dispatcher=fused ac=selective
     python -m moe_lab.plan +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8
@@ -26,7 +28,7 @@ from omegaconf import DictConfig
 from moe_lab.config import ConfigError
 from moe_lab.plan import config as plan_config
 from moe_lab.plan.planner import build_hardware, plan
-from moe_lab.results.record import Record, git_state, job_meta
+from moe_lab.results.record import RESULT, Record, git_state, job_meta
 from moe_lab.runtime.paths import CONF_DIR
 
 log = logging.getLogger("moe_lab.plan")
@@ -50,11 +52,11 @@ def run(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool) -> dict:
     except ConfigError as e:
         record = record.invalid(e).write(run_dir)
         if not multirun:
-            sys.exit(f"invalid config: {e}")
-        log.error("invalid config, point recorded: %s", e)
+            sys.exit(f"invalid config: {e} (recorded in {run_dir / RESULT})")
+        log.error("invalid config, point recorded in %s: %s", run_dir / RESULT, e)
         return record
     record = record.ok(result["metrics"], plan=result["plan"]).write(run_dir)
-    log.info("\n%s", summary(record))
+    log.info("\n%s\nrecorded in %s", summary(record), run_dir / RESULT)
     return record
 
 
