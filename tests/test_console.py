@@ -28,3 +28,21 @@ def test_plan_prints_its_record_and_exits_0_for_a_plan_that_fits_nowhere(tmp_pat
     refused = plan_cli("parallel.ep=3", f"hydra.run.dir={tmp_path / 'invalid'}", cwd=tmp_path)
     assert refused.returncode == 1
     assert f"(recorded in {tmp_path / 'invalid' / 'result.json'})" in refused.stderr
+
+
+def test_the_docs_list_every_study_preset():
+    """docs/config-and-groups.md's experiment row and docs/sweeps-and-records.md's preset list name every preset
+    and variant under experiments/ (a new study's preset is listed where a user looks for it)."""
+    from moe_lab.runtime.paths import EXPERIMENTS_DIR
+
+    presets = [p.parent.name for p in EXPERIMENTS_DIR.glob("*/preset.yaml")]
+    presets += [f"{p.parent.name}/{p.stem}" for p in EXPERIMENTS_DIR.glob("*/*.yaml") if p.name != "preset.yaml"]
+    groups = next(
+        line
+        for line in (ROOT / "docs" / "config-and-groups.md").read_text().splitlines()
+        if line.startswith("| `experiment` |")
+    )
+    sweeps = (ROOT / "docs" / "sweeps-and-records.md").read_text()
+    for preset in presets:
+        assert f"`{preset}`" in groups, f"docs/config-and-groups.md lacks {preset}"
+        assert f"`{preset}`" in sweeps, f"docs/sweeps-and-records.md lacks {preset}"
