@@ -1,0 +1,191 @@
+"""The precision group (moe_lab/parallel/precision.py): precision=bf16 | fp8_experts | fp8. The dispatchers'
+expert_precision follows it; fp8 converts exactly the attention projections to torchao's float8 linears (names and
+values unchanged) and is refused, naming the key, where its GEMMs cannot run; the planner puts those projections at
+the FP8 dense rate; on a GPU (``gpu`` marker) the converted model trains like the bf16 one within FP8's error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_lab.config.validate import validate
+from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from moe_lab.parallel.ac import kept_ops
+from moe_lab.parallel.precision import FP8_MATMULS, PROJECTIONS, Bf16Dense, Fp8Dense
+from moe_lab.runtime.device import Target
+from moe_lab.runtime.errors import ConfigError
+
+# The tiny model with the FP8 experts' 128-wide tiles: q and o 128 wide, k and v 64.
+SHAPE = ("model.hidden_size=128", "model.moe_intermediate_size=128", "model.head_dim=32")
+
+
+def gpu_target(capability):
+    return Target(
+        world_size=1, ranks_per_node=1, device_type="cuda", compute_capability=capability, deep_gemm_error=None
+    )
+
+
+@pytest.mark.parametrize("dispatcher", ["torch", "fused"])
+def test_the_dispatchers_expert_precision_follows_the_group(compose_train, dispatcher):
+    for precision, experts in (("bf16", "bf16"), ("fp8_experts", "fp8"), ("fp8", "fp8")):
+        cfg = compose_train(f"precision={precision}", f"dispatcher={dispatcher}")
+        assert cfg.precision.experts == experts and cfg.dispatcher.expert_precision == experts
+    overridden = compose_train("precision=fp8_experts", f"dispatcher={dispatcher}", "dispatcher.expert_precision=bf16")
+    assert overridden.dispatcher.expert_precision == "bf16"  # a command line's key still wins
+
+
+@pytest.mark.parametrize("precision, experts", [("bf16", "bf16"), ("fp8_experts", "fp8")])
+def test_bf16_and_fp8_experts_validate_on_cpu(compose_train, precision, experts):
+    options = validate(compose_train(f"precision={precision}", *SHAPE))
+    assert type(options.precision) is Bf16Dense and options.precision.experts == experts
+    assert options.dispatcher.expert_precision == experts  # the torch dispatcher emulates FP8 on CPU
+
+
+def test_fp8_is_refused_where_its_gemms_cannot_run(compose_train):
+    pytest.importorskip("torchao")
+    with pytest.raises(ConfigError) as error:
+        validate(compose_train("precision=fp8", *SHAPE))  # this machine: no GPU
+    assert error.value.key == "precision" and "fp8_experts" in str(error.value)
+    # the dense FP8 alone (its experts in bf16: their own check wants SM90, tests/test_fp8.py)
+    cfg = compose_train("precision=fp8", "precision.experts=bf16", *SHAPE, "trainer.device=auto")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, gpu_target((8, 0)))  # Ampere: no FP8 tensor cores
+    assert error.value.key == "precision" and "8.9" in str(error.value)
+    assert type(validate(cfg, gpu_target((8, 9))).precision) is Fp8Dense  # Ada: rowwise runs
+    assert type(validate(cfg, gpu_target(None)).precision) is Fp8Dense  # a planned GPU: its profile decides
+    blockwise = compose_train(
+        "precision=fp8", "precision.experts=bf16", "precision.recipe=blockwise", *SHAPE, "trainer.device=auto"
+    )
+    with pytest.raises(ConfigError) as error:
+        validate(blockwise, gpu_target((8, 9)))
+    assert error.value.key == "precision" and "9.0" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        validate(blockwise, gpu_target((9, 0)))  # 128x128 tiles: k and v are 64 wide here
+    assert error.value.key == "model.num_kv_heads"
+    with pytest.raises(ConfigError) as error:
+        validate(compose_train("precision=fp8", "precision.linears=[]"))
+    assert error.value.key == "precision.linears"
+    with pytest.raises(ConfigError) as error:
+        validate(compose_train("precision=fp8", "precision.linears=[q_proj,gate]"))
+    assert error.value.key == "precision.linears"
+
+
+def tiny_model(device="cpu"):
+    cfg = Qwen3MoeConfig.preset("tiny", hidden_size=128, moe_intermediate_size=128, head_dim=32)
+    with torch.device(device):
+        model = cfg.build()
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_converts_exactly_the_attention_projections(recipe):
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = tiny_model()
+    model.init_weights(seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = {name: type(m) for name, m in model.named_modules()}
+    Fp8Dense(recipe=recipe).apply(model)
+    converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    expected = {f"model.layers.{i}.self_attn.{p}" for i in range(len(model.model.layers)) for p in PROJECTIONS}
+    assert converted == expected
+    # the router, the experts, the LM head, the embedding and the norms stay what they were
+    assert all(type(m) is kinds[name] for name, m in model.named_modules() if name not in expected)
+    scaling = model.model.layers[0].self_attn.q_proj.config.cast_config_input.scaling_granularity.value
+    assert scaling == {"tensorwise": "tensorwise", "rowwise": "axiswise"}[recipe]
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_fp8_converts_the_linears_it_names_on_the_meta_device():
+    """As the trainer builds: on the meta device, before the parallelisms; parameters keep their names and
+    materialise as the bf16 model's."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = tiny_model("meta")
+    Fp8Dense(linears=["q_proj", "o_proj"]).apply(model)
+    attn = model.model.layers[1].self_attn
+    assert isinstance(attn.q_proj, Float8Linear) and isinstance(attn.o_proj, Float8Linear)
+    assert not isinstance(attn.k_proj, Float8Linear) and not isinstance(attn.v_proj, Float8Linear)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    reference = tiny_model()
+    reference.init_weights(seed=0)
+    assert all(torch.equal(p, dict(reference.named_parameters())[n]) for n, p in model.named_parameters())
+
+
+def test_selective_ac_keeps_the_fp8_gemms_as_matmuls():
+    kept = kept_ops(["matmul"], {"matmul": Fp8Dense.matmul_ops})
+    assert torch.ops.aten._scaled_mm.default in kept and torch.ops.aten.mm.default in kept
+    assert kept_ops(["matmul"], {"matmul": Bf16Dense.matmul_ops}) == kept_ops(["matmul"], {})
+    assert FP8_MATMULS <= kept
+
+
+def _planned(*overrides):
+    from moe_lab.plan.config import compose
+    from moe_lab.plan.planner import plan
+
+    base = ["+experiment=full_depth", "data.seq_len=4096", "data.batch_size=4", "ac=selective"]
+    return plan(compose([*base, *overrides]), search=False)["metrics"]["trace_breakdown"]["seconds"]
+
+
+def test_the_planner_runs_the_projections_at_the_fp8_dense_rate():
+    from moe_lab.plan.hardware import Hardware
+
+    experts, fp8 = _planned("precision=fp8_experts"), _planned("precision=fp8")
+    hw = Hardware(**{**_h200(), "name": "h200"})
+    c = Qwen3MoeConfig.preset("qwen3_30b", num_layers=48, num_experts=16)
+    projections = 48 * 2 * 16384 * c.hidden_size * 2 * (c.num_heads + c.num_kv_heads) * c.head_dim
+    saved = 3 * projections * (1 / hw.flops("dense_gemm") - 1 / hw.flops("fp8_dense_gemm"))
+    assert experts["dense_gemm"] - fp8["dense_gemm"] == pytest.approx(saved)
+    assert {k: v for k, v in experts.items() if k != "dense_gemm"} == {
+        k: v for k, v in fp8.items() if k != "dense_gemm"
+    }
+    with pytest.raises(ConfigError) as error:
+        _planned("precision=fp8", "precision.experts=bf16", "hardware=b300")  # no FP8 peak in that profile
+    assert error.value.key == "hardware.peak_fp8_tflops"
+
+
+def _h200() -> dict:
+    import yaml
+
+    from moe_lab.runtime.paths import CONF_DIR
+
+    values = yaml.safe_load((CONF_DIR / "hardware" / "h200.yaml").read_text())
+    values.pop("_target_")
+    return values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_trains_like_bf16_on_a_gpu(recipe):
+    """One forward + backward of the converted model under bf16 autocast against the bf16 model's, same weights and
+    tokens: the loss within 1 %, the projections' weight gradients within FP8's error (e4m3's rounding through a
+    few operands: under 10 %)."""
+    pytest.importorskip("torchao")
+    needs = (9, 0) if recipe == "blockwise" else (8, 9)
+    if torch.cuda.get_device_capability() < needs:
+        pytest.skip(f"{recipe} needs compute capability {needs}")
+    cfg = Qwen3MoeConfig.preset("tiny", hidden_size=256, moe_intermediate_size=256, head_dim=128, num_heads=2)
+    losses, grads = [], []
+    for convert in (False, True):
+        with torch.device("cuda"):
+            model = cfg.build()
+        model.init_weights(seed=0)
+        if convert:
+            Fp8Dense(recipe=recipe).apply(model)
+        tokens = torch.randint(
+            0, cfg.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+        )
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1)[:-1], tokens.flatten()[1:])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.float() for n, p in model.named_parameters() if "self_attn" in n and "proj" in n})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+    for name, reference in grads[0].items():
+        error = (grads[1][name] - reference).norm() / reference.norm()
+        assert error < 0.1, (name, float(error))
