@@ -1,8 +1,8 @@
 """``python -m moe_lab.tune``: a planning-only tune of a small layout against the planner's own plans of each point
 (every point planned once, those that fit ranked by the plan's tokens/s/GPU), the default space against the options
 and values that exist, bad input refused before any work naming its key, the stop after planning without a GPU,
-and a measured tune of the tiny model on the CPU (one emulated rank of two) that ``moe_lab.results`` reads and the
-same command resumes."""
+and a measured tune of the tiny model on the CPU (one emulated rank of two) that ``moe_lab.results`` reads, the
+notebook shows and the same command resumes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from moe_lab.results.tune import CANDIDATES, PLANS, TUNE
 from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune.__main__ import run
 from moe_lab.tune.space import is_group, options_of
+from tests.sweep import ROOT
 
 # A 2-layer 30B proxy on two H200 at seq 4096: dispatcher x ac x EP (selective with two keep sets), the rest fixed.
 SMALL = [
@@ -190,6 +191,15 @@ def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path
     assert (measured["measured_s_per_step"] > 0).all() and measured["step_error"].notna().all()
     report = (directory / "report.md").read_text()
     assert "Winner (measured)" in report and "emulated on one cpu" in report
+
+    papermill = pytest.importorskip("papermill")
+    notebook = tmp_path / "tune.ipynb"  # notebooks/sweep_analysis.ipynb shows the tune beside its records
+    papermill.execute_notebook(
+        ROOT / "notebooks" / "sweep_analysis.ipynb", notebook, parameters={"SWEEP": str(directory)}, cwd=ROOT,
+        kernel_name="python3", progress_bar=False,
+    )  # fmt: skip
+    shown = notebook.read_text()
+    assert '"output_type": "error"' not in shown and "winner (measured): python -m moe_lab.train model=tiny" in shown
 
     first = {p: os.path.getmtime(p) for p in directory.glob("measured/*/result.json")}
     run(TINY_CPU + [f"tune.dir={directory}"], progress=False)  # the same command: the sweep resumes, nothing reruns

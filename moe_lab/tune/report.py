@@ -87,10 +87,9 @@ def train_line(tune: dict, point: str) -> str:
     return shlex.join(["python", "-m", "moe_lab.train", *tune["train_overrides"], *point.split()])
 
 
-def plot(df: pd.DataFrame, tune: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def figure(df: pd.DataFrame, tune: dict):
+    """Tokens/s/GPU against peak memory: every point planned (those that do not fit apart), the fitting frontier,
+    the usable memory, the candidates planned and, measured, beside them."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -131,7 +130,8 @@ def plot(df: pd.DataFrame, tune: dict, path: Path) -> Path:
         if mx is not None and my is not None and not pd.isna(mx) and not pd.isna(my):
             ax.scatter([mx], [my], s=60, c="#e07b00", marker="D")
             ax.plot([x, mx], [y, my], c="#e07b00", lw=0.8)
-    if "measured_tokens_per_s_per_gpu" in cands.columns and cands["measured_tokens_per_s_per_gpu"].notna().any():
+    measured = [c for c in ("measured_tokens_per_s_per_gpu", "measured_peak_gpu_mem_gib") if c in cands.columns]
+    if len(measured) == 2 and cands[measured].notna().all(axis=1).any():
         ax.scatter([], [], s=60, c="#e07b00", marker="D", label="candidate measured (line: from its plan)")
     ax.set_xlabel("peak GPU memory, GiB")
     ax.set_ylabel("tokens/s/GPU")
@@ -139,6 +139,16 @@ def plot(df: pd.DataFrame, tune: dict, path: Path) -> Path:
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot(df: pd.DataFrame, tune: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(df, tune)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
