@@ -1,7 +1,7 @@
 """``python -m moe_lab.plan.calibrate``: measure the rates the planner uses on this machine's GPU (bf16 GEMM, the
 experts' grouped GEMM, causal attention forward + backward, device memory bandwidth, pinned host <-> device copies,
 NCCL all-to-all when started by torchrun with more than one rank, offload=full's host AdamW step; DeepGEMM's FP8
-grouped GEMM where it runs) and write a hardware profile the planner reads (``python -m moe_lab.plan
+grouped GEMM and precision=fp8's attention projection through torchao's float8 training where they run) and write a hardware profile the planner reads (``python -m moe_lab.plan
 hardware=<profile.yaml>``).
 
 Peaks cannot be measured: they come from a base profile (``--base``, by default the hardware group option named
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import time
 from datetime import UTC, datetime
@@ -126,6 +127,29 @@ def fp8_grouped_gemm_flops(device, s) -> float:
     )
 
 
+def fp8_dense_flops(device, s) -> float:
+    """precision=fp8's attention projection as a step runs it: q_proj ([hidden -> heads x head_dim]) converted by
+    ``Fp8Dense`` (its default recipe), compiled, its fp32 weight under bf16 autocast, forward and backward with every
+    FP8 cast: 3 x 2 x tokens x in x out over that time."""
+    from moe_lab.parallel.precision import Fp8Dense
+
+    tokens, fan_in, fan_out = s["seq"], s["hidden"], s["heads"] * s["head_dim"]
+    holder = torch.nn.Module()
+    holder.self_attn = torch.nn.Module()  # the name Fp8Dense converts under
+    holder.self_attn.q_proj = torch.nn.Linear(fan_in, fan_out, bias=False, device=device)
+    Fp8Dense(linears=["q_proj"]).apply(holder)
+    linear = torch.compile(holder.self_attn.q_proj)
+    x = torch.randn(tokens, fan_in, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, fan_out, device=device, dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = linear(x)
+        y.backward(grad)
+
+    return 3 * 2 * tokens * fan_in * fan_out / timed(step, device)
+
+
 def attention_flops(device, dtype, s) -> float:
     """Causal SDPA forward + backward, executed FLOPs as the planner counts them (forward 2 * seq * heads * dim per
     token, backward 2.5x)."""
@@ -212,6 +236,9 @@ def calibrate(size: str, base: str | None) -> tuple[dict, list[str]]:
         if deep_gemm_import_error() is None:
             rate = fp8_grouped_gemm_flops(device, s)
             measured["fp8_grouped_gemm_efficiency"] = share(rate, peak.peak_fp8_tflops * 1e12)
+    if device.type == "cuda" and peak.peak_fp8_tflops and torch.cuda.get_device_capability(device) >= (8, 9):
+        if importlib.util.find_spec("torchao") is not None:
+            measured["fp8_dense_gemm_efficiency"] = share(fp8_dense_flops(device, s), peak.peak_fp8_tflops * 1e12)
     big = torch.empty(s["copy_mib"] * 2**20 // 4, device=device)
     measured["hbm_efficiency"] = share(2 * copy_bytes_per_s(big, torch.empty_like(big), device), peak.hbm_tbps * 1e12)
     if device.type == "cuda":
