@@ -76,7 +76,7 @@ def _recording(calls: list, name: str, fn):
     return wrapper
 
 
-def one_rank_step(dispatcher: str, ep: int) -> dict:
+def one_rank_step(dispatcher: str, ep: int, dp_replicate: int = 1) -> dict:
     """Build the tiny model on this rank's mesh as the trainer does, run one forward + backward and the loss's
     mean over ranks; -> this rank's parameter and buffer shapes, the fused op's receive rows per layer, and the
     collectives it issued."""
@@ -107,7 +107,16 @@ def one_rank_step(dispatcher: str, ep: int) -> dict:
             model = cfg.build()
         chosen = dispatchers.TorchDispatcher() if dispatcher == "torch" else dispatchers.FusedDispatcher("reference")
         device = torch.device("cpu")
-        parallelize(model, chosen, NoCheckpoint(), ep=ep, compile=False, device=device, compute_dtype=torch.float32)
+        parallelize(
+            model,
+            chosen,
+            NoCheckpoint(),
+            ep=ep,
+            compile=False,
+            device=device,
+            compute_dtype=torch.float32,
+            dp_replicate=dp_replicate,
+        )
         model.to_empty(device=device)
         model.init_weights(0, local_rows(model))
         model.init_buffers()
@@ -256,9 +265,11 @@ def test_rank_0_of_large_worlds_trains(tmp_path, layout):
     assert record["emulated"]["mesh"] == {
         "nodes": int(nodes),
         "gpus_per_node": int(nproc),
+        "dp_replicate": 1,
         "dp_shard": world,
         "ep": int(ep),
         "expert_shard": world // int(ep),
+        "reshard_after_forward": True,
     }
     assert "not a model's" in record["emulated"]["note"]
     m = record["metrics"]

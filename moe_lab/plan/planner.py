@@ -31,6 +31,7 @@ OPTION_FIELD = {  # Options
     "ac": "ac",
     "offload": "offload",
     "optimizer": "make_optimizer",
+    "loss": "loss",
 }
 
 
