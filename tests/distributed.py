@@ -9,8 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_lab.job.launcher import free_port
-
 
 def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue, environ: dict, cwd: str) -> None:
     # A forkserver child starts from the server's environment and directory: take the caller's, as spawn would.
@@ -24,7 +22,8 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args, queue, envi
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the caller's, already listening
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         queue.put((rank, "ok", fn(*args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -51,7 +50,10 @@ def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
     # NCCL ranks start as fresh processes: nothing of CUDA may come through a fork.
     ctx = mp.get_context("spawn") if backend == "nccl" else forkserver()
     queue = ctx.Queue()
-    port = free_port()
+    # The world's store listens before any rank starts, on a port the system gave it (port 0): no port is chosen
+    # first and bound later, which another process could take in between. It lives here until the ranks are done.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     environ, cwd = dict(os.environ), os.getcwd()
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue, environ, cwd)) for r in range(world)

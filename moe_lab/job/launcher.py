@@ -5,7 +5,6 @@ submits each sweep point as such an srun job)."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -77,12 +76,6 @@ def shared_run_dir(run_dir: str) -> str:
     return holder[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_local(nproc: int, entrypoint: Callable, *args):
     """Run ``entrypoint(*args)`` on ``nproc`` fresh processes of this host; returns rank 0's return value.
     A failing rank stops all of them and raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
@@ -93,7 +86,10 @@ def launch_local(nproc: int, entrypoint: Callable, *args):
         nproc_per_node=nproc,
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        # The rendezvous store is this process's, bound to a port the system gives it (port 0), not one picked free
+        # first and bound later (another process could take it in between); elastic binds the ranks' store so too.
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_configs={"is_host": True},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
