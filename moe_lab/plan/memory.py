@@ -61,7 +61,6 @@ class Step:
     offload: Any
     optimizer: Any
     precision: Any
-    loss: Any
     compile: bool
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     foreach: bool = False  # AdamW without fused=true: torch's foreach path
@@ -76,7 +75,6 @@ class Step:
     keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
     fused_save: str = "rows"  # dispatcher.save: rows | rows_only | gate_up | inputs
     offload_activations: bool = False
-    loss_chunk_tokens: int | None = None  # loss=chunked: tokens a chunk
     fp8_linears: tuple = ()  # precision=fp8: the attention projections in FP8
 
     @property
@@ -210,9 +208,9 @@ def resident_layers(step: Step, layer: int | None, pace: float) -> float:
 
 
 def loss_workspace(step: Step) -> float:
-    """What the loss holds at its peak (its option's model: all the logits and their gradient, or a chunk's and the
-    head's weight gradient)."""
-    return step.loss.workspace(step)
+    """The logits [T, V] in bf16 and their gradient; uncompiled, the fp32 upcast and log-softmax too."""
+    logits = step.tokens * step.cfg.vocab_size
+    return logits * (2 + 2 if step.compile else 2 + 4 + 4 + 4)
 
 
 @dataclass

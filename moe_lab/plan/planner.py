@@ -31,7 +31,6 @@ OPTION_FIELD = {  # Options
     "ac": "ac",
     "offload": "offload",
     "optimizer": "make_optimizer",
-    "loss": "loss",
 }
 
 
