@@ -27,7 +27,8 @@ from moe_lab.tune.__main__ import run
 from moe_lab.tune.space import is_group, options_of
 from tests.sweep import ROOT
 
-# A 2-layer 30B proxy on two H200 at seq 4096: dispatcher x ac x EP (selective with two keep sets), the rest fixed.
+# A 2-layer 30B proxy on two H200 at seq 4096: dispatcher x ac x EP (selective with two keep sets), the rest fixed
+# (a group axis by its option, a key axis by its value).
 SMALL = [
     "model=qwen3_30b",
     "model.num_layers=2",
@@ -37,11 +38,12 @@ SMALL = [
     "dispatcher=torch,fused",
     "ac=none,full,selective",
     "ac.keep=[matmul,grouped_mm,attention,router,dispatcher],[attention,router]",
-    "ac.offload_activations=false",
     "dispatcher.save=rows",
-    "dispatcher.expert_precision=bf16",
+    "precision=bf16",
     "offload=none",
     "parallel.ep=1,2,3",
+    "parallel.dp_replicate=1",
+    "parallel.reshard_after_forward=true",
     "tune.measure=0",
 ]
 
@@ -100,15 +102,15 @@ def test_the_ranking_is_the_planners_own(small_tune):
 
 
 def test_the_default_space_covers_what_exists():
-    """conf/tune/default.yaml: every option of each group axis, every save mode, precision and keep set it names is
-    one that exists, and the group axes hold all their group's options."""
+    """conf/tune/default.yaml: the group axes hold all their group's options (precision among them), the save modes
+    are the fused op's, the keep sets are sets selective AC has, from all of them down."""
     axes = yaml.safe_load((CONF_DIR / "tune" / "default.yaml").read_text())["axes"]
     for name, values in axes.items():
         if is_group(name):
             assert sorted(values) == options_of(name), name
     assert sorted(axes["dispatcher.save"]) == sorted(SAVES)
     assert axes["ac.keep"][0] == list(KEEP_SETS) and all(set(k) <= set(KEEP_SETS) for k in axes["ac.keep"])
-    assert sorted(axes["dispatcher.expert_precision"]) == ["bf16", "fp8"]
+    assert {"dispatcher", "ac", "offload", "precision"} <= {name for name in axes if is_group(name)}
 
 
 @pytest.mark.parametrize(
@@ -134,9 +136,10 @@ def test_bad_input_is_refused_before_any_work(tmp_path, overrides, key):
 
 def test_a_layout_that_fits_nowhere_names_what_is_closest(tmp_path):
     overrides = ["+experiment=reference_30b", "trainer.nproc_per_node=1", "dispatcher=fused", "ac=none,full"]
-    overrides += ["offload=none", "parallel.ep=1", "dispatcher.expert_precision=bf16", "ac.offload_activations=false"]
+    overrides += ["offload=none", "parallel.ep=1", "precision=bf16", "parallel.dp_replicate=1"]
+    overrides += ["parallel.reshard_after_forward=true", "dispatcher.save=rows", f"tune.dir={tmp_path}"]
     with pytest.raises(ConfigError) as refused:
-        run(overrides + ["dispatcher.save=rows", f"tune.dir={tmp_path}", "tune.measure=0"], progress=False)
+        run(overrides + ["tune.measure=0"], progress=False)
     key, message = refused.value.key, str(refused.value)
     assert key in ("data.seq_len", "model.num_layers") and "the closest, ac=" in message
     assert f"at {key} <= " in message and "it fits (offload=" in message
@@ -163,8 +166,9 @@ TINY_CPU = [
     "dispatcher=torch,fused",
     "ac=none,full",
     "offload=none",
-    "dispatcher.expert_precision=bf16",
-    "ac.offload_activations=false",
+    "precision=bf16",
+    "parallel.dp_replicate=1",
+    "parallel.reshard_after_forward=true",
     "dispatcher.save=rows,inputs",
     "parallel.ep=1,2",
     "tune.device=cpu",

@@ -7,8 +7,9 @@
 #                                         experts), seq 4096 x batch 4: real, one GPU
 #   bash experiments/tune/run.sh b300     Qwen3-235B-A22B on 32 B300 (4 x 8), seq 16384, plan only (no GPU needed)
 # Each of the first three is meant to finish within 10 minutes of one H200, planning included: few steps a
-# candidate (8 timed from 3; 235B's steps are planned near 10 s: 5 from 3), no profiler, and a 570 s cut. Without a
-# GPU they stop after planning (what is committed from the CPU machine: records/cpu_*). Overrides after the parts
+# candidate (8 timed from 3; 235B's steps are planned near 10 s: 5 from 3), no profiler, and a 570 s cut
+# (TUNE_TIMEOUT; 0: none, for planning on a small CPU machine, where the default space takes tens of minutes).
+# Without a GPU they stop after planning (what is committed from the CPU machine: records/cpu_*). Overrides after the parts
 # (key=value) narrow every tune. Records: records/<machine>_<label>/<UTC start>/ (../common.sh): each a tune's
 # directory (tune.json, plans.csv, report.md, tune.png, measured/: the candidates' records).
 source "$(dirname "$0")/../common.sh"
@@ -17,7 +18,7 @@ dirs=()
 tune() {  # tune LABEL OVERRIDES...
   local dir
   dir=$(record "$1")
-  timeout -k 30 570 python3 -m moe_lab.tune tune.dir="$dir" tune.workers=8 "${@:2}"
+  timeout -k 30 "${TUNE_TIMEOUT:-570}" python3 -m moe_lab.tune tune.dir="$dir" tune.workers=8 "${@:2}"
   dirs+=("$dir")
 }
 run_part() {

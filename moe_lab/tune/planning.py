@@ -94,23 +94,28 @@ def workers(asked: int | None) -> int:
     return asked or min(4, os.cpu_count() or 1)
 
 
+CHUNK = 32  # points a worker plans per task: the progress bar moves, the pool stays busy to the end
+
+
 def plan_all(combos: list[Combination], processes: int, progress: bool = True) -> list[dict]:
     """Every point's row, in the space's order (group combinations, then key values, as the axes are listed)."""
-    total = sum(c.size for c in combos)
-    bar = tqdm(total=total, desc="points planned", unit="point", disable=not progress)
-    results: list[list[dict]] = [[] for _ in combos]
-    if processes == 1 or len(combos) == 1:
-        for i, combo in enumerate(combos):
-            results[i] = plan_combination(combo)
-            bar.update(combo.size)
+    tasks = [
+        Combination(c.groups, c.cfg, c.keys[i : i + CHUNK]) for c in combos for i in range(0, max(c.size, 1), CHUNK)
+    ]
+    bar = tqdm(total=sum(c.size for c in combos), desc="points planned", unit="point", disable=not progress)
+    results: list[list[dict]] = [[] for _ in tasks]
+    if processes == 1 or len(tasks) == 1:
+        for i, task in enumerate(tasks):
+            results[i] = plan_combination(task)
+            bar.update(task.size)
     else:
         # fork: the workers start with the parent's imports (torch, the planner) instead of importing them again
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-            futures = {pool.submit(plan_combination, combo): i for i, combo in enumerate(combos)}
+            futures = {pool.submit(plan_combination, task): i for i, task in enumerate(tasks)}
             for future in concurrent.futures.as_completed(futures):
                 results[futures[future]] = future.result()
-                bar.update(combos[futures[future]].size)
+                bar.update(tasks[futures[future]].size)
     bar.close()
     return [row for rows in results for row in rows]
 
