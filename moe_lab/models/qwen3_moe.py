@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
@@ -346,11 +346,18 @@ class Qwen3MoeForCausalLM(nn.Module):
                 module.init_buffers()
 
 
+_COUNTS: dict[tuple, tuple[int, int]] = {}
+
+
 def count_parameters(cfg: Qwen3MoeConfig) -> tuple[int, int]:
-    """(total, active) parameter counts, embeddings included, as model cards report them. Builds on meta."""
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
-    total = sum(p.numel() for p in model.parameters())
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    active = total - expert_params + expert_params * cfg.num_experts_per_tok // cfg.num_experts
-    return total, active
+    """(total, active) parameter counts, embeddings included, as model cards report them. Builds on meta, once per
+    config in a process (``python -m moe_lab.tune`` plans thousands of points of one model: the build was most of
+    each plan's time)."""
+    key = (type(cfg), astuple(cfg))
+    if key not in _COUNTS:
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(cfg)
+        total = sum(p.numel() for p in model.parameters())
+        expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        _COUNTS[key] = total, total - expert_params + expert_params * cfg.num_experts_per_tok // cfg.num_experts
+    return _COUNTS[key]
