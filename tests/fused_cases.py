@@ -65,14 +65,8 @@ class RowCounter(TorchDispatchMode):
 
 def buffer_rows(backend: str, x, ids, weights, gate_up_proj, down_proj, grad_out, num_experts: int, group) -> int:
     """The most rows any tensor made by one forward and backward of the op's ``backend`` (bf16, save=rows) holds."""
-    from moe_lab.moe.fused.ops import BACKENDS, SAVES
-
-    impl = BACKENDS[backend]
     with RowCounter() as counter:
-        _, *residuals = impl.forward(
-            x, ids, weights, gate_up_proj, down_proj, [], num_experts, group, SAVES["rows"], "bf16"
-        )
-        impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, [], group, "bf16")
+        backend_pass(backend, x, ids, weights, gate_up_proj, down_proj, grad_out, num_experts, group)
     return counter.max_rows
 
 
@@ -116,3 +110,20 @@ def count_forwards(monkeypatch, backend: str = "reference") -> list:
     forward = functools.partial(lambda f, *a: calls.append(1) or f(*a), impl.forward)
     monkeypatch.setitem(BACKENDS, backend, dataclasses.replace(impl, forward=forward))
     return calls
+
+
+def bf16_op(x, ids, weights, gate_up_proj, down_proj, num_experts, group_name, backend, save="rows"):
+    """``torch.ops.moe_lab.fused_moe`` at bf16 (the stacks as given, no weight copies)."""
+    return torch.ops.moe_lab.fused_moe(
+        x, ids, weights, gate_up_proj, down_proj, [], num_experts, group_name, backend, save, "bf16"
+    )
+
+
+def backend_pass(backend, x, ids, weights, gate_up_proj, down_proj, grad_out, num_experts, group, save="rows"):
+    """A backend's forward and backward at bf16, called as the op calls them -> (y, residuals, gradients)."""
+    from moe_lab.moe.fused.ops import BACKENDS, SAVES
+
+    impl = BACKENDS[backend]
+    y, *residuals = impl.forward(x, ids, weights, gate_up_proj, down_proj, [], num_experts, group, SAVES[save], "bf16")
+    grads = impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, [], group, "bf16", x)
+    return y, residuals, grads

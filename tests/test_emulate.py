@@ -189,9 +189,8 @@ def test_collectives_mirror_this_rank():
 def loopback_fused_check(ep: int) -> dict:
     """Rank 0 of an emulated EP group: the gpu backend (Triton kernels, interpreted on CPU) over the group's loopback
     symmetric memory, and the reference backend over its collectives, under balanced and skewed routing."""
-    import moe_lab.moe.fused.gpu as gpu
-    from moe_lab.moe.fused.ops import ALIGN
-    from tests.fused_cases import received_rows, routing
+    from moe_lab.moe.fused.ops import align
+    from tests.fused_cases import backend_pass, bf16_op, received_rows, routing
     from tests.test_fused_kernels import E, H, I, K
 
     init_emulated_world(0, ep)
@@ -205,15 +204,12 @@ def loopback_fused_check(ep: int) -> dict:
             ids = routing(kind, 0, 16, E, K)
             x, grad_out = torch.randn(16, H, generator=gen), torch.randn(16, H, generator=gen)
             weights = torch.rand(16, K, generator=gen)
-            y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
-            grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, "gpu")
-            reference = torch.ops.moe_lab.fused_moe(
-                x, ids, weights, gate_up_proj, down_proj, E, group.group_name, "reference"
-            )
+            y, residuals, grads = backend_pass("gpu", x, ids, weights, gate_up_proj, down_proj, grad_out, E, group)
+            reference = bf16_op(x, ids, weights, gate_up_proj, down_proj, E, group.group_name, "reference")
             out[kind] = {
                 "gpu_rows": residuals[0].shape[0],
                 "reference_rows": reference[1].shape[0],
-                "mirrored_rows": [received_rows([ids] * ep, 0, ep, ALIGN[b], E)[1] for b in ("gpu", "reference")],
+                "mirrored_rows": [received_rows([ids] * ep, 0, ep, align(b), E)[1] for b in ("gpu", "reference")],
                 "finite": all(bool(t.isfinite().all()) for t in (y, *grads)),
             }
         return out

@@ -1,18 +1,22 @@
 """Blockwise FP8 experts (``dispatcher.expert_precision=fp8``).
 
 - The quantizers (``moe_lab.moe.fp8.quant``): tiles and scales as specified, error within e4m3's half ulp.
-- The reference FP8 op against the bf16 reference op: close within FP8's expected error, and not equal (it does
-  quantize). Each quantized operand carries a relative rounding error of at most 2**-4 per element (e4m3 keeps 3
-  mantissa bits; the scale maps each tile's largest value to 448, so no value underflows far), whose rms is at most
-  2**-4 / sqrt(3) = 3.6 %; a result that went through n quantized operands independently is off by about
-  sqrt(n) * 3.6 % in norm. y goes through 4 (x, W_gate_up, the activation, W_down), the gradients through up to 6:
-  bound 0.09 (sqrt(6) * 3.6 %).
+- The fused op at fp8 (reference backend) against the bf16 reference op: close within FP8's expected error, and not
+  equal (it does quantize). Each quantized operand carries a relative rounding error of at most 2**-4 per element
+  (e4m3 keeps 3 mantissa bits; the scale maps each tile's largest value to 448, so no value underflows far), whose
+  rms is at most 2**-4 / sqrt(3) = 3.6 %; a result that went through n quantized operands independently is off by
+  about sqrt(n) * 3.6 % in norm. y goes through 4 (x, W_gate_up, the activation, W_down), the gradients through up to
+  6: bound 0.09 (sqrt(6) * 3.6 %). Every ``dispatcher.save`` mode at fp8: tests/test_fused_save.py.
 - The Triton kernels under Triton's interpreter (CPU, a child process) against the torch reference: the quantizers
-  bit for bit, and the whole gpu FP8 path (layout, dispatch in FP8, the SwiGLU kernels that quantize, combine) with
-  DeepGEMM's m-grouped FP8 GEMM emulated from its contract against the reference FP8 op.
+  bit for bit, the whole gpu FP8 path (layout, dispatch in FP8, the SwiGLU kernels that quantize, combine) under
+  every save mode with DeepGEMM's m-grouped FP8 GEMM emulated from its contract against the reference, and the
+  torch dispatcher's FP8 GEMM over its aligned layout.
+- The torch dispatcher's FP8 experts (FP8 at its own grouped GEMMs): within FP8's error of its exact path, the
+  fused op's FP8 math but where the routing weight is applied, EP 2 over gloo equal to EP 1; its aligned layout.
 - The weight cache: one quantization per parameter version; an in-place update makes a new one.
-- Validation: refused where it cannot run, naming the key.
-GPU tests (``gpu`` marker): DeepGEMM's path against the reference op on the same GPU.
+- Validation: refused where it cannot run (told its target), naming the key.
+GPU tests (``gpu`` marker): DeepGEMM's paths against the reference on the same GPU, every save mode, and the torch
+dispatcher's FP8 experts without a host sync.
 """
 
 from __future__ import annotations
@@ -31,28 +35,25 @@ from tests.interpreted import interpreted
 E, H, I, K, T = 4, 256, 256, 2, 48
 
 
-def problem(dtype=torch.float32, seed=0):
+def problem(dtype=torch.float32, seed=0, tokens=T, hidden=H, inter=I):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
     gate_up_proj, down_proj = (
-        torch.randn(E, 2 * I, H, generator=gen) * H**-0.5,
-        torch.randn(E, H, I, generator=gen) * I**-0.5,
+        torch.randn(E, 2 * inter, hidden, generator=gen) * hidden**-0.5,
+        torch.randn(E, hidden, inter, generator=gen) * inter**-0.5,
     )
     law = torch.tensor([4.0, 2.0, 1.0, 0.0])  # skewed; expert 3 gets no token
-    ids = torch.multinomial(law.expand(T, -1), K, generator=gen)
-    weights_ = torch.softmax(torch.randn(T, K, generator=gen), -1)
-    grad_out = torch.randn(T, H, generator=gen)
+    ids = torch.multinomial(law.expand(tokens, -1), K, generator=gen)
+    weights_ = torch.softmax(torch.randn(tokens, K, generator=gen), -1)
+    grad_out = torch.randn(tokens, hidden, generator=gen)
     return [t.to(dtype) if t.is_floating_point() else t for t in (x, ids, weights_, gate_up_proj, down_proj, grad_out)]
 
 
-def run_op(precision, backend, x, ids, w, gate_up_proj, down_proj, grad_out):
-    inputs = [t.clone().requires_grad_() for t in (x, w, gate_up_proj, down_proj)]
-    if precision == "fp8":
-        from moe_lab.moe.fused.fp8_ops import fused_moe_fp8_layer
+def run_op(precision, backend, x, ids, w, gate_up_proj, down_proj, grad_out, save="rows"):
+    from moe_lab.moe.fused.ops import fused_moe_layer
 
-        y = fused_moe_fp8_layer(inputs[0], ids, *inputs[1:], 1, "", backend)
-    else:
-        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0]
+    inputs = [t.clone().requires_grad_() for t in (x, w, gate_up_proj, down_proj)]
+    y = fused_moe_layer(inputs[0], ids, *inputs[1:], E, "", backend, save, precision)
     return [y, *torch.autograd.grad(y, inputs, grad_out)]
 
 
@@ -109,11 +110,15 @@ def test_weight_cache_one_quantization_per_version():
 
 
 def test_fp8_layer_compiles_fullgraph():
-    x, ids, w, gate_up_proj, down_proj, grad_out = problem()
-    from moe_lab.moe.fused.fp8_ops import fused_moe_fp8_layer
+    from moe_lab.moe.fused.ops import fused_moe_layer
 
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem()
     params = [torch.nn.Parameter(t.clone()) for t in (gate_up_proj, down_proj)]
-    fn = torch.compile(lambda x, ids, w, a, b: fused_moe_fp8_layer(x, ids, w, a, b, 1, "", "reference"), fullgraph=True)
+
+    def layer(x, ids, w, a, b):
+        return fused_moe_layer(x, ids, w, a, b, E, "", "reference", "rows", "fp8")
+
+    fn = torch.compile(layer, fullgraph=True)
     xr = x.clone().requires_grad_()
     y = fn(xr, ids, w, *params)
     y.backward(grad_out)
@@ -158,18 +163,16 @@ def test_fp8_blocks_compile_fullgraph_under_every_ac_mode(tmp_path):
 
 
 def quantizer_kernels_check() -> str:
-    from moe_lab.moe.fused import fp8_gpu
+    from moe_lab.moe.fp8 import grouped, kernels
 
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(5, 384, generator=gen) * torch.logspace(-8, 3, 5)[:, None]).to(torch.bfloat16)
     x[2, :128] = 0
-    q, s = fp8_gpu.quantize_rows(x)
+    q, s = grouped.quantize_rows(x)
     rq, rs = quant.quantize_rows(x)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
-    assert torch.equal(fp8_gpu.dequantize_rows(q, s, torch.float32), quant.dequantize_rows(rq, rs))
+    assert torch.equal(grouped.dequantize_rows(q, s, torch.float32), quant.dequantize_rows(rq, rs))
     w = torch.randn(2, 256, 384, generator=gen)
-    from moe_lab.moe.fp8 import kernels
-
     n, k = 256, 384
     out = [
         torch.empty(2, n, k, dtype=quant.FP8),
@@ -203,75 +206,117 @@ def emulated_gemm_nt(m_indices, a_q, a_scale, w):
     return out
 
 
-def gpu_fp8_path_check() -> str:
-    from moe_lab.moe.fused import fp8_gpu
+SAVES = ("rows", "rows_only", "gate_up", "inputs")
 
-    fp8_gpu.gemm_nt = emulated_gemm_nt
-    x, ids, w, gate_up_proj, down_proj, grad_out = problem(torch.bfloat16)
-    got = run_op("fp8", "gpu_deep_gemm", x, ids, w, gate_up_proj, down_proj, grad_out)
+
+def gpu_fp8_path_check() -> list:
+    """The gpu backend at fp8 (DeepGEMM emulated) under every save mode: [its largest relative error against the
+    reference op, then each other save mode's equality to save=rows]. One 128-wide tile, 16 tokens: each interpreted
+    program costs."""
+    from moe_lab.moe.fp8 import grouped
+
+    grouped.deep_gemm_nt = emulated_gemm_nt
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem(torch.bfloat16, tokens=16, hidden=128, inter=128)
+    got = {save: run_op("fp8", "gpu_deep_gemm", x, ids, w, gate_up_proj, down_proj, grad_out, save) for save in SAVES}
     expected = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
-    assert got[3][3].abs().max() == 0 and got[4][3].abs().max() == 0
-    return str(max(rel(a, b) for a, b in zip(got, expected)))
+    assert got["rows"][3][3].abs().max() == 0 and got["rows"][4][3].abs().max() == 0
+    same = [all(torch.equal(a, b) for a, b in zip(got[save], got["rows"])) for save in SAVES[1:]]
+    return [max(rel(a, b) for a, b in zip(got["rows"], expected)), *same]
 
 
 @pytest.mark.slow
-def test_gpu_fp8_path_interpreted_matches_reference():
-    assert float(interpreted("tests.test_fp8:gpu_fp8_path_check")) < 1e-2
+def test_gpu_fp8_path_interpreted_matches_reference_under_every_save():
+    error, *same = interpreted("tests.test_fp8:gpu_fp8_path_check", timeout=600)
+    assert error < 1e-2 and all(same), (error, same)
+
+
+def aligned_gemm_check() -> str:
+    """The torch dispatcher's FP8 GEMM on the GPU's path (quantize kernel, aligned layout, DeepGEMM emulated) matches
+    its CPU emulation, with the forward and the transposed stacks."""
+    from moe_lab.moe.fp8 import grouped
+
+    grouped.deep_gemm_nt = emulated_gemm_nt
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([130, 0, 5, 128])  # across a block boundary, idle, less than a block, exactly one
+    offs = counts.cumsum(0).to(torch.int32)
+    a = torch.randn(int(counts.sum()), 256, generator=gen).to(torch.bfloat16)
+    w = weights.quantize_expert_stack(torch.randn(4, 384, 256, generator=gen) * 256**-0.5)
+    place, m_indices = grouped.aligned_layout(offs, a.shape[0])
+    for operand in ((w[0], w[1]), (w[2], w[3])):
+        b = a if operand[0] is w[0] else torch.randn(a.shape[0], 384, generator=gen).to(torch.bfloat16)
+        aligned = grouped._aligned_nt(b, place, m_indices, operand)
+        emulated = grouped._grouped_nt(b, offs, place, m_indices, operand)
+        assert rel(aligned, emulated) < 1e-3, rel(aligned, emulated)  # the same math, other row blockings
+    return "ok"
+
+
+@pytest.mark.slow
+def test_torch_dispatcher_fp8_gemm_interpreted_matches_emulation():
+    assert interpreted("tests.test_fp8:aligned_gemm_check") == "ok"
+
+
+def test_aligned_layout_is_128_aligned_and_sized_without_counts():
+    """Each expert's rows in order in a segment starting at a multiple of 128, the row map their expert there and -1
+    elsewhere, the layout's size a function of the row and expert counts alone."""
+    from moe_lab.moe.fp8.grouped import aligned_layout
+
+    for counts in ([130, 0, 5, 128], [0, 0, 0, 0], [1, 1, 1, 1], [512, 0, 0, 0]):
+        counts = torch.tensor(counts)
+        offs = counts.cumsum(0).to(torch.int32)
+        rows = int(counts.sum())
+        place, m_indices = aligned_layout(offs, rows)
+        assert m_indices.shape[0] == (rows + 127 * 5) // 128 * 128 and m_indices.shape[0] % 128 == 0
+        expert = torch.repeat_interleave(torch.arange(4), counts)
+        assert torch.equal(m_indices[place], expert.to(torch.int32))
+        assert (m_indices >= 0).sum() == rows and place.unique().numel() == rows
+        for e in range(4):
+            mine = place[expert == e]
+            if mine.numel():
+                assert mine[0] % 128 == 0 and torch.equal(mine, mine[0] + torch.arange(mine.numel()))
 
 
 # --- validation ----------------------------------------------------------------------------------------------------
 
 
-def _validation_error(dispatcher, hidden=256, inter=128, device="auto") -> str | None:
-    from omegaconf import OmegaConf
-
-    from moe_lab.runtime.errors import ConfigError
-
-    cfg = OmegaConf.create(
-        {
-            "trainer": {"device": device, "nproc_per_node": 1},
-            "parallel": {"ep": 1},
-            "model": {"hidden_size": hidden, "moe_intermediate_size": inter},
-        }
-    )
-    try:
-        dispatcher.validate(cfg)
-    except ConfigError as e:
-        return e.key
-    return None
-
-
 def test_validate_fp8():
-    from moe_lab.moe.dispatcher import FusedDispatcher
+    import dataclasses
 
-    assert _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8")) is None
-    assert (
-        _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), inter=96)
-        == "model.moe_intermediate_size"
-    )
-    assert (
-        _validation_error(FusedDispatcher(backend="reference", expert_precision="fp8"), hidden=200)
-        == "model.hidden_size"
-    )
-    assert (
-        _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8"), device="cpu")
-        == "dispatcher.expert_precision"
-    )
-    # the FP8 op keeps its FP8 rows and gate/up: no other dispatcher.save mode
-    fp8_inputs = FusedDispatcher(backend="reference", save="inputs", expert_precision="fp8")
-    assert _validation_error(fp8_inputs) == "dispatcher.save"
-    if not torch.cuda.is_available():
-        assert (
-            _validation_error(FusedDispatcher(backend="auto", expert_precision="fp8")) == "dispatcher.expert_precision"
-        )
+    from moe_lab.moe.dispatcher import FusedDispatcher
+    from tests.fused_cases import HOPPER, validation_error
+
+    def error(dispatcher, target=HOPPER, hidden=256, inter=128, **kwargs):
+        return validation_error(dispatcher, target, hidden=hidden, inter=inter, **kwargs)
+
+    reference = FusedDispatcher(backend="reference", expert_precision="fp8")
+    from tests.fused_cases import CPU
+
+    assert error(reference, CPU) is None
+    assert error(reference, CPU, inter=96) == "model.moe_intermediate_size"
+    assert error(reference, CPU, hidden=200) == "model.hidden_size"
+    gpu = FusedDispatcher(backend="auto", expert_precision="fp8")
+    assert error(gpu, CPU) == "dispatcher.expert_precision"
+    assert error(gpu, HOPPER, device="cpu") == "dispatcher.expert_precision"
+    assert error(gpu) is None
+    assert error(gpu, dataclasses.replace(HOPPER, compute_capability=(8, 0))) == "dispatcher.expert_precision"
+    assert error(gpu, dataclasses.replace(HOPPER, deep_gemm_error="ImportError")) == "dispatcher.expert_precision"
+    assert error(gpu, dataclasses.replace(HOPPER, compute_capability=None)) is None  # a planned GPU: its profile says
+    assert error(FusedDispatcher(gemm="torch", expert_precision="fp8")) == "dispatcher.gemm"
+    for save in SAVES:  # every save mode
+        assert error(FusedDispatcher(save=save, expert_precision="fp8")) is None, save
 
 
 def test_validate_fp8_torch_dispatcher():
     from moe_lab.moe.dispatcher import TorchDispatcher
+    from tests.fused_cases import CPU, HOPPER, validation_error
 
     fp8 = TorchDispatcher(expert_precision="fp8")
-    assert _validation_error(fp8, device="cpu") is None  # the torch dispatcher emulates it on CPU
-    assert _validation_error(fp8, inter=96, device="cpu") == "model.moe_intermediate_size"
+    assert validation_error(fp8, CPU, hidden=256, inter=128) is None  # the torch dispatcher emulates it on CPU
+    assert validation_error(fp8, CPU, hidden=256, inter=96) == "model.moe_intermediate_size"
+    assert validation_error(fp8, HOPPER, hidden=256, inter=128) is None
+    import dataclasses
+
+    absent = dataclasses.replace(HOPPER, deep_gemm_error="ImportError")
+    assert validation_error(fp8, absent, hidden=256, inter=128) == "dispatcher.expert_precision"
 
 
 # --- the torch dispatcher's FP8 experts ----------------------------------------------------------------------------
@@ -288,9 +333,10 @@ def run_torch_dispatcher(precision, x, ids, w, gate_up_proj, down_proj, grad_out
 
 
 def test_torch_dispatcher_fp8_close_to_exact_within_fp8_error():
-    """The torch dispatcher's FP8 experts (the FP8 op on its sorted rows, one choice each) against its own fp32 path:
-    off by FP8's error (not 0, under the bound), the idle expert's gradients zero; and the FP8 experts are the
-    fused dispatcher's: their difference is FP8's rounding of where the routing weight is applied, not an error."""
+    """The torch dispatcher's FP8 experts (FP8 at its own grouped GEMMs) against its own fp32 path: off by FP8's error
+    (not 0, under the bound), the idle expert's gradients zero; and its FP8 math is the fused dispatcher's but for
+    where the routing weight is applied (after its down GEMM here, before it in the fused op) and the SwiGLU output's
+    rounding to the compute dtype before it is quantized."""
     x, ids, w, gate_up_proj, down_proj, grad_out = problem()
     fp8 = run_torch_dispatcher("fp8", x, ids, w, gate_up_proj, down_proj, grad_out)
     exact = run_torch_dispatcher("bf16", x, ids, w, gate_up_proj, down_proj, grad_out)  # fp32 here
@@ -347,20 +393,28 @@ def test_torch_dispatcher_fp8_compiles_fullgraph():
 # --- GPU: DeepGEMM against the reference ---------------------------------------------------------------------------
 
 
+def _needs_deep_gemm():
+    from moe_lab.runtime.device import deep_gemm_import_error
+
+    if deep_gemm_import_error() is not None or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs deep_gemm on an SM90+ GPU")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_deep_gemm_fp8_matches_reference_on_gpu():
-    import moe_lab.moe.fused as fused
-
-    if not fused.deep_gemm_available() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("needs deep_gemm on an SM90+ GPU")
+def test_deep_gemm_fp8_matches_reference_on_gpu_under_every_save():
+    """The gpu backend at fp8 against the reference op on the same GPU, within 1 %; each save mode bit for bit equal
+    to save=rows; within FP8's error of the bf16 DeepGEMM path."""
+    _needs_deep_gemm()
     tensors = [t.cuda() for t in problem(torch.bfloat16)]
-    got = run_op("fp8", "gpu_deep_gemm", *tensors)
+    got = {save: run_op("fp8", "gpu_deep_gemm", *tensors, save=save) for save in SAVES}
     expected = run_op("fp8", "reference", *tensors)
-    errors = [rel(a, b) for a, b in zip(got, expected)]
+    errors = [rel(a, b) for a, b in zip(got["rows"], expected)]
     assert max(errors) < 1e-2, errors
+    for save in SAVES[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[save], got["rows"])), save
     bf16 = run_op("bf16", "gpu_deep_gemm", *tensors)
-    assert max(rel(a, b) for a, b in zip(got, bf16)) < 0.09
+    assert max(rel(a, b) for a, b in zip(got["rows"], bf16)) < 0.09
 
 
 @pytest.mark.gpu
@@ -369,10 +423,7 @@ def test_torch_dispatcher_deep_gemm_fp8_matches_reference_on_gpu():
     """The torch dispatcher's FP8 experts on the GPU (DeepGEMM) against its bf16 path on the GPU (within FP8's error)
     and against the same FP8 math on CPU (the reference emulation; the GPU's GEMMs round differently, and a value
     that lands on the other side of an e4m3 rounding boundary moves by up to 2**-4 of itself)."""
-    import moe_lab.moe.fused as fused
-
-    if not fused.deep_gemm_available() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("needs deep_gemm on an SM90+ GPU")
+    _needs_deep_gemm()
     tensors = problem(torch.bfloat16)
     got = run_torch_dispatcher("fp8", *[t.cuda() for t in tensors])
     bf16 = run_torch_dispatcher("bf16", *[t.cuda() for t in tensors])
@@ -381,6 +432,28 @@ def test_torch_dispatcher_deep_gemm_fp8_matches_reference_on_gpu():
     to_emulated = [rel(a.cpu(), b) for a, b in zip(got, emulated)]
     print("relative to bf16:", to_bf16, "to the CPU emulation:", to_emulated)
     assert max(to_bf16) < 0.09 and max(to_emulated) < 3e-2, (to_bf16, to_emulated)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_dispatchers_fp8_experts_add_no_host_sync():
+    """grouped_swiglu at fp8 on expert-contiguous rows with counts on the device, forward and backward, under CUDA's
+    sync debug mode set to error: nothing reads a device value back (the bf16 path's torch._grouped_mm neither)."""
+    from moe_lab.moe.experts import grouped_swiglu
+
+    _needs_deep_gemm()
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([300, 0, 77, 1024]).cuda()
+    rows = torch.randn(int(counts.sum()), H, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    stacks = [torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=gen).cuda() * H**-0.5)]
+    stacks.append(torch.nn.Parameter(torch.randn(E, H, I, generator=gen).cuda() * I**-0.5))
+    grouped_swiglu(rows, counts, *stacks, "fp8").sum().backward()  # DeepGEMM's kernels built, weight copies made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_swiglu(rows, counts, *stacks, "fp8").float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 # --- the planner ---------------------------------------------------------------------------------------------------
@@ -442,8 +515,8 @@ def test_planner_plans_the_torch_dispatchers_fp8_experts():
     assert seconds(no_experts_kept)["expert_gemm"] > seconds(kept)["expert_gemm"]
 
 
-def test_planner_searches_fp8_with_save_rows_only():
-    """The fastest-fitting search offers FP8 experts no dispatcher.save mode their op lacks (validation refuses it)."""
+def test_planner_searches_fp8_with_every_save_mode():
+    """The fastest-fitting search offers FP8 experts every dispatcher.save mode, as it does bf16's."""
     from moe_lab.plan.config import compose
     from moe_lab.plan.planner import build_hardware, room_settings, step_of, validated
 
@@ -453,8 +526,24 @@ def test_planner_searches_fp8_with_save_rows_only():
         step = step_of(*validated(cfg, hw), hw)
         return {setting["dispatcher.save"] for setting in room_settings(step)}
 
-    assert saves("dispatcher.expert_precision=fp8") == {"rows"}
-    assert saves() == {"rows", "rows_only", "gate_up", "inputs"}
+    assert saves("dispatcher.expert_precision=fp8") == saves() == set(SAVES)
+
+
+def test_planner_plans_fp8_save_modes():
+    """At fp8 the op's kept rows are FP8 with their scales (H * (1 + 4/128) bytes), gate/up bf16 (4I): each save
+    mode's residuals are the bf16 mode's less what FP8 saves on the rows it keeps."""
+    buffers = {}
+    for precision in ("bf16", "fp8"):
+        for save in SAVES:
+            planned, _ = _planned(f"dispatcher.expert_precision={precision}", f"dispatcher.save={save}")
+            buffers[precision, save] = planned["plan"]["memory"]["by_category_gib"]["fused dispatcher buffers"]
+    for precision in ("bf16", "fp8"):
+        kept = {save: buffers[precision, save] for save in SAVES}
+        assert kept["inputs"] < kept["rows_only"] < kept["rows"] and kept["inputs"] < kept["gate_up"] < kept["rows"]
+    # the rows (H = 2048 wide at 30B): bf16 keeps 2H bytes of each, fp8 H (1 + 1/32)
+    row_share = lambda p: buffers[p, "rows"] - buffers[p, "gate_up"]  # noqa: E731
+    assert row_share("fp8") / row_share("bf16") == pytest.approx((1 + 1 / 32) / 2, rel=1e-3)
+    assert buffers["fp8", "gate_up"] == pytest.approx(buffers["bf16", "gate_up"], rel=1e-3)
 
 
 def test_plot_quality_draws_the_committed_record(tmp_path):

@@ -19,8 +19,9 @@ import warnings
 import pytest
 import torch
 
-import moe_lab.moe.fused as fused
 from moe_lab.moe.dispatcher import FusedDispatcher
+from moe_lab.runtime.device import deep_gemm_import_error
+from tests.fused_cases import bf16_op
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,7 @@ def make_problem(hidden, inter, tokens, routing, seed=0, device="cuda"):
 
 def run_op(backend, x, ids, weights, gate_up_proj, down_proj, grad_out, group_name="", dtype=None):
     inputs = [t.to(dtype or t.dtype).clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-    y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group_name, backend)[0]
+    y = bf16_op(inputs[0], ids, *inputs[1:], E, group_name, backend)[0]
     grads = torch.autograd.grad(y, inputs, grad_out.to(y.dtype))
     return [t.float() for t in (y, *grads)]
 
@@ -60,7 +61,7 @@ def rel_errors(got, ref):
 
 def backends():
     names = ["gpu"]
-    if fused.deep_gemm_available():
+    if deep_gemm_import_error() is None:
         names.append("gpu_deep_gemm")
     return names
 
@@ -101,9 +102,7 @@ def test_gpu_backend_syncs_once_per_forward():
         run_op(backend, x, ids, weights, gate_up_proj, down_proj, grad_out)  # first call: kernel compilation
         inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
         outputs = []
-        forward = host_syncs(
-            lambda: outputs.append(torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0])
-        )
+        forward = host_syncs(lambda: outputs.append(bf16_op(inputs[0], ids, *inputs[1:], E, "", backend)[0]))
         backward = host_syncs(lambda: torch.autograd.grad(outputs[0], inputs, grad_out))
         assert (forward, backward) == (1, 0), backend
 
@@ -168,7 +167,7 @@ def _ep_worker(rank, ep, port, queue):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=ep, device_id=torch.device("cuda", rank))
     try:
-        from moe_lab.moe.fused.ops import ALIGN
+        from moe_lab.moe.fused.ops import align
         from tests.fused_cases import received_rows
 
         out, rows = {}, {}
@@ -189,10 +188,8 @@ def _ep_worker(rank, ep, port, queue):
                     for _ in range(2):  # the second call reuses the symmetric buffers
                         got = run_op(backend, *problem, group_name=name)
                     out[f"{shape}/{routing}/{backend}"] = rel_errors(got, ref)
-                    residuals = torch.ops.moe_lab.fused_moe(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[
-                        1:5
-                    ]
-                    expected = received_rows([i.cpu() for i in all_ids], rank, ep, ALIGN[backend], E)[1]
+                    residuals = bf16_op(x, ids, weights, gate_up_proj, down_proj, E, name, backend)[1:6]
+                    expected = received_rows([i.cpu() for i in all_ids], rank, ep, align(backend), E)[1]
                     rows[f"{shape}/{routing}/{backend}"] = ({t.shape[0] for t in residuals}, expected)
         queue.put((rank, {"errors": out, "rows": rows}))
     except BaseException as e:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.fused_cases import bf16_op
 from tests.interpreted import interpreted
 
 pytest.importorskip("triton")
@@ -35,7 +36,7 @@ def compare_backends() -> list[float]:
     results = {}
     for backend in ("reference", "gpu"):
         inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-        y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, "", backend)[0]
+        y = bf16_op(inputs[0], ids, *inputs[1:], E, "", backend)[0]
         results[backend] = [y, *torch.autograd.grad(y, inputs, grad_out)]
     assert results["gpu"][3][7].abs().max() == 0 and results["gpu"][4][7].abs().max() == 0
     return [(g - r).abs().max().item() / r.abs().max().item() for g, r in zip(results["gpu"], results["reference"])]
@@ -138,8 +139,8 @@ def compare_ep_rank(ep: int, directory: str) -> list[dict]:
     its ``row_src`` names, each received slot once (every rank's x drawn again from its seed)."""
     import moe_lab.moe.fused.gpu as gpu
     from moe_lab.moe.fused.layout import workspace_rows
-    from moe_lab.moe.fused.ops import ALIGN
-    from tests.fused_cases import RowCounter, received_rows, routing
+    from moe_lab.moe.fused.ops import align
+    from tests.fused_cases import RowCounter, backend_pass, received_rows, routing
 
     memory = FileSymmetricMemory(directory)
     gpu.symmetric_empty = memory
@@ -156,21 +157,20 @@ def compare_ep_rank(ep: int, directory: str) -> list[dict]:
         all_ids = [routing(kind, r, EP_TOKENS, E, K) for r in range(ep)]
         ids = all_ids[rank]
         inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
-        y, *ref_residuals = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group.group_name, "reference")
+        y, *ref_residuals = bf16_op(inputs[0], ids, *inputs[1:], E, group.group_name, "reference")
         expected = [y, *torch.autograd.grad(y, inputs, grad_out)]
         allocated = len(memory.shapes)
         with RowCounter() as counter:
-            y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, E, group, ALIGN["gpu"], "gpu")
-            grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, group, "gpu")
-        x_routed, gate_up, row_weight, row_src = residuals[:4]
+            y, residuals, grads = backend_pass("gpu", x, ids, weights, gate_up_proj, down_proj, grad_out, E, group)
+        x_routed, _, gate_up, row_weight, row_src = residuals[:5]
         errors = [(g - r).abs().max().item() / (r.abs().max().item() + 1e-6) for g, r in zip([y, *grads], expected)]
-        received, rows = received_rows(all_ids, rank, ep, ALIGN["gpu"], E)
+        received, rows = received_rows(all_ids, rank, ep, align("gpu"), E)
         all_x = torch.cat([torch.randn(EP_TOKENS, H, generator=torch.Generator().manual_seed(r)) for r in range(ep)])
         sources_named = all(
             torch.equal(routed[src >= 0], all_x[src[src >= 0]]) and int((src >= 0).sum()) == received
-            for routed, src in ((x_routed, row_src), (ref_residuals[0].detach(), ref_residuals[3]))
+            for routed, src in ((x_routed, row_src), (ref_residuals[0].detach(), ref_residuals[4]))
         )
-        largest = max(largest, *(received_rows(all_ids, r, ep, ALIGN["gpu"], E)[1] for r in range(ep)))
+        largest = max(largest, *(received_rows(all_ids, r, ep, align("gpu"), E)[1] for r in range(ep)))
         results.append(
             {
                 "kind": kind,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_lab.moe.dispatcher import FusedDispatcher
+from tests.fused_cases import bf16_op
 from tests.test_fused_gpu import SHAPES, E, backends, make_problem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,7 +23,7 @@ def run_save(backend, save, x, ids, weights, gate_up_proj, down_proj, grad_out, 
     inputs = [t.clone().requires_grad_() for t in (x, weights, gate_up_proj, down_proj)]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    y = torch.ops.moe_lab.fused_moe(inputs[0], ids, *inputs[1:], E, group_name, backend, save)[0]
+    y = bf16_op(inputs[0], ids, *inputs[1:], E, group_name, backend, save)[0]
     held = torch.cuda.memory_allocated() - before  # what forward left for backward
     grads = torch.autograd.grad(y, inputs, grad_out)
     return [y.detach(), *grads], held

@@ -118,6 +118,23 @@ def test_rules_within_the_layers():
     assert {"moe_lab.moe.experts", "moe_lab.moe.router", "moe_lab.moe.dispatcher"} <= graph["moe_lab.models.qwen3_moe"]
 
 
+def test_every_package_import_is_a_statement():
+    """No module loads one of the package's modules by name at run time (importlib, __import__), so the graph above
+    holds every tie between them: a backend registers itself where its op sees it, imported like any module."""
+    by_name = []
+    for path in (ROOT / "moe_lab").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name.endswith(("import_module", "__import__")) and not (
+                    node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and not node.args[0].value.startswith("moe_lab")
+                ):
+                    by_name.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not by_name, "modules loaded by name:\n" + "\n".join(by_name)
+
+
 def test_no_import_cycles():
     graph = import_graph()
     state: dict[str, str] = {}

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from moe_lab import config as config_lib
+from moe_lab.config.validate import job_target
 from moe_lab.job.lifecycle import RunDirInUse, earlier_record, point_config
 from moe_lab.results import load
 from moe_lab.results.record import RESULT, write_json_atomic
-from moe_lab.runtime.device import world_size
 from tests.configs import compose_train
 from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
 
@@ -151,7 +151,7 @@ def test_experiment_preset_composes_and_validates(name, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", str(want["world"]))
     cfg = compose_train(f"+experiment={name}", return_hydra_config=True)
     assert cfg.model.name == want["model"] and cfg.data.seq_len == want["seq"] and cfg.data.batch_size == 1
-    assert cfg.parallel.ep == want["ep"] and world_size(cfg) == want["world"]
+    assert cfg.parallel.ep == want["ep"] and job_target(cfg).world_size == want["world"]
     for key, values in (want["sweep"] or {}).items():
         assert cfg.hydra.sweeper.params[key] == values
     config_lib.validate(cfg)

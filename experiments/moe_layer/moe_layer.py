@@ -219,7 +219,7 @@ def main():
             "num_gpus": ep,
             "torch": torch.__version__,
             "host": platform.node(),
-            "fused_gemm": dispatchers["fused"].gpu_backend if "fused" in dispatchers else None,
+            "fused_gemm": dispatchers["fused"].op_backend if "fused" in dispatchers else None,
             "points": points,
             "kernel_breakdown": breakdowns,
         }

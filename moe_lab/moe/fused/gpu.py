@@ -112,24 +112,25 @@ class _Gemms:
         self.offs = offs
         self.deep = deep
         if self.deep:
-            import deep_gemm
-
-            self.dg = deep_gemm
             self.m_indices = row_experts(offs, row_src)
 
     def nt(self, a, w):
         """a [C, K] @ w[e].T for w [L, N, K]: the forward projections, weights as stored."""
         if self.deep:
+            import deep_gemm
+
             out = a.new_empty(a.shape[0], w.shape[1])
-            self.dg.m_grouped_bf16_gemm_nt_contiguous(a, w, out, self.m_indices)
+            deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, w, out, self.m_indices)
             return out
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=self.offs)
 
     def nn(self, a, w):
         """a [C, N] @ w[e] for w [L, N, K]: the input gradients."""
         if self.deep:
+            import deep_gemm
+
             out = a.new_empty(a.shape[0], w.shape[2])
-            self.dg.m_grouped_bf16_gemm_nn_contiguous(a, w, out, self.m_indices)
+            deep_gemm.m_grouped_bf16_gemm_nn_contiguous(a, w, out, self.m_indices)
             return out
         return torch._grouped_mm(a, w, offs=self.offs)
 
