@@ -109,7 +109,7 @@ def test_activation_offload_moves_all_but_the_last_layer_and_pays_pcie_beyond_co
     assert offloaded_bytes(step) == pytest.approx((step.cfg.num_layers - 1) * saved_per_layer(kept))
     memory = plan_memory(step, offload_pace(step, hw))
     assert memory.host["pinned activations"] > offloaded_bytes(step)  # pinned blocks round up
-    assert memory.peak < plan_memory(kept).peak - 10 * GIB
+    assert memory.phases["loss"] < plan_memory(kept).phases["loss"] - 10  # GiB, where every layer's are kept
     # infinitely fast PCIe: nothing exposed, every copy keeps pace; a fast one: the profile's share of the copies
     # shows; a slow one: exposed beyond compute, and memory stays behind
     fast = dataclasses.replace(hw, pcie_gbps=1e6, activation_offload_exposed=0.0)

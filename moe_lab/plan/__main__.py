@@ -71,7 +71,7 @@ def summary(record: dict) -> str:
         f"step: {m['s_per_step']:.3f} s, {m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * m['mfu']:.1f} % "
         f"(executed {100 * m['mfu_executed']:.1f} %); communication exposed {100 * p['exposed_communication_fraction']:.0f} %",
         "  " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in m["trace_breakdown"]["seconds"].items() if v),
-        f"memory: peak {memory['peak_gib']:.1f} GiB allocated at {memory['peak_phase']} ({'fits' if p['fits'] else 'does not fit: ' + p['fits_why']})",
+        f"memory: peak {memory['peak_gib']:.1f} GiB allocated at {memory['peak_phase']} ({p['fits_why'] if p['fits'] else 'does not fit: ' + p['fits_why']})",
         "  "
         + ", ".join(f"{k} {v:.1f}" for k, v in memory["by_category_gib"].items())
         + "".join(f", {k} {v:.1f} (outside the allocator)" for k, v in memory["outside_allocator_gib"].items() if v)

@@ -61,6 +61,7 @@ class Step:
     offload: Any
     optimizer: Any
     precision: Any
+    loss: Any
     compile: bool
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     foreach: bool = False  # AdamW without fused=true: torch's foreach path
@@ -75,6 +76,7 @@ class Step:
     keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
     fused_save: str = "rows"  # dispatcher.save: rows | rows_only | gate_up | inputs
     offload_activations: bool = False
+    loss_chunk_tokens: int | None = None  # loss=chunked: tokens a chunk
     fp8_linears: tuple = ()  # precision=fp8: the attention projections in FP8
 
     @property
@@ -208,9 +210,9 @@ def resident_layers(step: Step, layer: int | None, pace: float) -> float:
 
 
 def loss_workspace(step: Step) -> float:
-    """The logits [T, V] in bf16 and their gradient; uncompiled, the fp32 upcast and log-softmax too."""
-    logits = step.tokens * step.cfg.vocab_size
-    return logits * (2 + 2 if step.compile else 2 + 4 + 4 + 4)
+    """What the loss holds at its peak (its option's model: all the logits and their gradient, or a chunk's and the
+    head's weight gradient)."""
+    return step.loss.workspace(step)
 
 
 @dataclass
@@ -355,6 +357,8 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
         gathered_fwd = gathered_bwd = 2 * (s.outside_params + layers * block) + 6 * block
     # One rank: autocast's bf16 copies of the LM head (saved for its backward) and of the current block.
     casts = 2 * (s.embedding_params + block) if not fsdp and step.offload.fp32_weights_on_device else 0.0
+    # in backward, the head's copy only where the loss saved it (loss=chunked's backward needs no weight)
+    casts_bwd = casts - (0.0 if not casts or step.loss.saves_head_weight else 2 * s.embedding_params)
 
     fused = fused_saved_per_layer(step)
     saved = saved_per_layer(step) - fused
@@ -386,7 +390,7 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
             "grads": grads[layer],
             "activations": resident(layer) * saved + workspace,
             "fused dispatcher buffers": resident(layer) * fused,
-            "bf16 params": base.get("bf16 params", 0.0) + casts,
+            "bf16 params": base.get("bf16 params", 0.0) + casts_bwd,
             "comm buffers (FSDP2)": gathered_bwd,
         }
     after = {**base, "grads": grads["step"], "comm buffers (FSDP2)": 0.0}

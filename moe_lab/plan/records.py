@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import shlex
+import statistics
 import subprocess
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 
-from moe_lab.metrics.flops import hardware_option
+from moe_lab.metrics.flops import HARDWARE_CONF, hardware_option
 from moe_lab.optim.offload.host import HOST_RESERVE
 from moe_lab.plan.config import compose
 from moe_lab.plan.planner import plan
@@ -52,10 +54,15 @@ def made_before(record: dict, commit: str, repo: Path = REPO) -> bool:
     return done.returncode != 0
 
 
+# The commit of the loss group: a record made before it computed every token's logits at once (loss=full).
+LOSS_GROUP = "0661658"
+
+
 def plan_record(record: dict, extra: list[str] = (), search: bool = False) -> dict:
-    cfg = compose(record_overrides(record) + list(extra))
+    before_loss = ["loss=full"] if made_before(record, LOSS_GROUP) else []
+    cfg = compose(record_overrides(record) + before_loss + list(extra))
     measured = OmegaConf.create(record["config"])
-    for section in ("model", "data", "trainer", "parallel", "dispatcher", "ac", "offload", "optimizer"):
+    for section in ("model", "data", "trainer", "parallel", "dispatcher", "ac", "offload", "optimizer", "loss"):
         if section in measured:
             keep = {
                 k: v
@@ -74,6 +81,25 @@ def plan_command(command: str, gpu: str, world: int = 1, extra: list[str] = ()) 
 
 def read(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def allocator_reserve(repo: Path = REPO, edge_share: float = 0.5) -> tuple[float, float]:
+    """The caching allocator's reserved memory over its allocated peak (``peak_gpu_reserved_gib`` over
+    ``peak_gpu_mem_gib``) at memory's edge: over the committed records of runs whose peak reached ``edge_share`` of
+    their GPU's memory, (the median, the largest). A run whose allocator retried (``gpu_alloc_retries``) reserved all
+    it could: its ratio is a lower bound of what it would have reserved, and counts towards the largest only."""
+    ratios, retried = [], []
+    for path in sorted((repo / "experiments").glob("**/result.json")):
+        record = read(path)
+        m, gpu = record.get("metrics") or {}, hardware_option((record.get("environment") or {}).get("gpu"))
+        if record.get("kind") == "plan" or not m.get("peak_gpu_reserved_gib") or gpu is None:
+            continue
+        memory = yaml.safe_load((HARDWARE_CONF / f"{gpu}.yaml").read_text())["hbm_gib"]
+        if m["peak_gpu_mem_gib"] >= edge_share * memory:
+            (retried if m.get("gpu_alloc_retries") else ratios).append(
+                m["peak_gpu_reserved_gib"] / m["peak_gpu_mem_gib"]
+            )
+    return statistics.median(ratios), max(ratios + retried)
 
 
 # The published reference (prime-rl's docs/performance.md, github.com/PrimeIntellect-ai/prime-rl): Qwen3-235B-A22B SFT
@@ -99,6 +125,7 @@ def depth_search_plans(record: dict) -> dict[str, int]:
     total: the available memory as the allowed share of a host with nothing else in use)."""
     env = next(iter(record["environment"].values()))
     extra = ["optimizer.fused=false"] if made_before({"environment": env}, ADAMW_FUSED) else []
+    extra += ["loss=full"] if made_before({"environment": env}, LOSS_GROUP) else []
     host = record["environment"].get("search", env)  # the search phase's host, as it saw it
     if "host_mem_total_gib" in host:
         total = host["host_mem_total_gib"]

@@ -24,7 +24,8 @@ Each category's time is its work over the rate the hardware profile gives for th
   inter-node links where the ranks of a collective span nodes; exposed where a block's collectives outlast the
   block's compute they overlap with, and the first gather and last reduction of a step, which have nothing to
   overlap;
-- other: memory-bound elementwise work (norms, RoPE, casts, the loss), in bytes per token over HBM bandwidth;
+- other: memory-bound elementwise work (norms, RoPE, casts, the loss: its option's model), in bytes per token over
+  HBM bandwidth; the LM head's GEMMs are three passes under either loss (chunked runs backward's two in forward);
 - idle: the compute stream's launch gaps, a fixed time per step (``hardware.step_overhead_ms``).
 
 What an option changes (a dispatcher's rates and exchange, an AC mode's recompute, an offload mode's optimizer step
@@ -46,7 +47,6 @@ INDEX_ADD_BYTES_PER_ELEMENT = 32.0
 GROUPED_REFERENCE_WIDTH = 768
 GROUPED_HALF_WIDTH = 284
 OTHER_BYTES_PER_TOKEN_LAYER = 20_000.0  # norms, RoPE, residual adds: per token, layer and pass
-LOSS_BYTES_PER_LOGIT = 12.0  # the compiled loss: bf16 logits read, fp32 log-softmax forward and backward
 EAGER_OTHER = 3.0  # trainer.compile=false: the elementwise work unfused
 CAST_BYTES_PER_PARAM = 12.0  # fp32 weights read, bf16 copies written (forward; backward reads them again or re-casts)
 GRAD_CAST_BYTES_PER_PARAM = 6.0  # bf16 weight gradients widened to fp32
@@ -179,7 +179,7 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     elementwise = c.num_layers * elementwise_passes * t * OTHER_BYTES_PER_TOKEN_LAYER  # per pass, as the glue
     if not step.compile:
         elementwise *= EAGER_OTHER
-    seconds["other"] += micro * (elementwise + t * LOSS_BYTES_PER_LOGIT * c.vocab_size) / hw.hbm_bytes_per_s
+    seconds["other"] += micro * (elementwise + step.loss.traffic_bytes(step)) / hw.hbm_bytes_per_s
 
     n = s.local_params(mesh)
     seconds.update(step.offload.optimizer_seconds(step, hw, n))
