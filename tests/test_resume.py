@@ -222,6 +222,7 @@ def test_sigint_ends_a_single_run_with_an_interrupted_record(tmp_path):
     assert record["status"] == "interrupted" and record["error"]["step"] == 4 and record["error"]["checkpoint"] is None
     assert record["environment"]["torch"] and len(record["metrics"]["losses"]) == 4
     assert not (run_dir / "checkpoints").exists()  # on_signal is off and no step reached trainer.checkpoint.every
+    assert "No checkpoint was saved: the same command again starts from step 0" in job.output()  # not "resume"
 
 
 def test_a_signalled_sweep_stops_and_resumes_its_point(reference, tmp_path):
@@ -242,6 +243,8 @@ def test_a_signalled_sweep_stops_and_resumes_its_point(reference, tmp_path):
     (pause_dir / "release").touch()
     assert job.wait() == 128 + signal.SIGTERM, job.output()[-5000:]
     assert result(sweep / "0")["status"] == "interrupted" and not (sweep / "1").exists()
+    checkpoint = sweep / "0" / "checkpoints" / "step_00000006"
+    assert f"Running the same sweep again runs the rest; this point continues from {checkpoint}." in job.output()
 
     run(args, tmp_path)
     first, second = result(sweep / "0"), result(sweep / "1")
