@@ -211,3 +211,18 @@ def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path
     with pytest.raises(ConfigError) as refused:  # another space into the same directory
         run([o for o in TINY_CPU if not o.startswith("ac=")] + ["ac=full", f"tune.dir={directory}"], progress=False)
     assert refused.value.key == "tune.dir"
+
+
+@pytest.mark.slow
+def test_a_candidate_this_machine_refuses_is_passed_over(tmp_path):
+    """The planner (an H200's target) takes the fused op's gpu backend; this CPU refuses it: the next point of the
+    same plan (backend auto, the reference here) is measured instead, and the report says why."""
+    space = ["~tune.axes", "+tune.axes={dispatcher:[fused],dispatcher.backend:[gpu,auto]}"]
+    shape = ["model=tiny", "model.hidden_size=128", "model.moe_intermediate_size=128"]  # the gpu backend's tiles
+    run(shape + ["trainer.steps=2", "trainer.timing_skip=0", "tune.device=cpu", "tune.measure=1", f"tune.dir={tmp_path}"]
+        + space, progress=False)  # fmt: skip
+    tune = json.loads((tmp_path / TUNE).read_text())
+    assert [(p["rank"], p["point"]) for p in tune["passed_over"]] == [(1, "dispatcher=fused dispatcher.backend=gpu")]
+    assert "dispatcher.backend: gpu needs a CUDA device" in tune["passed_over"][0]["why"]
+    assert [c["point"] for c in tune["candidates"]] == ["dispatcher=fused"]
+    assert "Not measured here: planned rank 1" in (tmp_path / "report.md").read_text()

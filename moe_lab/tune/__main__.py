@@ -123,7 +123,9 @@ def run(argv: list[str], progress: bool = True) -> Path:
     pd.DataFrame(ranked, columns=PLAN_COLUMNS).to_csv(tune_dir / PLANS, index=False)
     if not any(r["rank"] for r in ranked):
         raise closest(ranked, combos, hw)
-    chosen, passed = candidates(ranked, space.measure, measuring.host_check(layout) if layout else lambda row: None)
+    chosen, passed = candidates(
+        ranked, space.measure, measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None
+    )
     tune = {
         "title": title(cfg, hw),
         "started_utc": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
@@ -148,7 +150,9 @@ def run(argv: list[str], progress: bool = True) -> Path:
         "measured": None,
     }
     (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
-    if layout is not None:
+    if layout is not None and not chosen:
+        tune["measure_note"] = f"Nothing measured: no candidate this machine can measure ({len(passed)} passed over)."
+    elif layout is not None:
         measuring.write_candidates(tune_dir, [c["point"] for c in tune["candidates"]])
         tune["measured"] = measuring.measure(tune_dir, n.base, layout, len(chosen), progress)
         if tune["measured"]["returncode"]:

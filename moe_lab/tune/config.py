@@ -32,11 +32,12 @@ def register() -> None:
     store.store(name="tune", node={"defaults": defaults, "hydra": {"searchpath": train["hydra"]["searchpath"]}})
 
 
-def compose(overrides: list[str]):
-    """The tune config with ``overrides`` (outside a Hydra app: the tune composes every point itself)."""
+def compose(overrides: list[str], config_name: str = "tune"):
+    """The tune config with ``overrides`` (outside a Hydra app: the tune composes every point itself); with
+    ``config_name="train"``, the training config a measured point runs."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose("tune", overrides=overrides)
+        return hydra_compose(config_name, overrides=overrides)

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
+from moe_lab import config
 from moe_lab.config import ConfigError
 from moe_lab.metrics.flops import hardware_option
 from moe_lab.optim.offload.host import usable_host_bytes
@@ -23,6 +24,7 @@ from moe_lab.plan.planner import HOST_PROCESS
 from moe_lab.results.record import RESULT
 from moe_lab.results.tune import CANDIDATES, MEASURED
 from moe_lab.runtime.paths import CONF_DIR
+from moe_lab.tune import config as tune_config
 
 POLL_S = 2.0
 
@@ -56,17 +58,23 @@ class Layout:
         return f"rank 0 of {mesh}, emulated on one {self.device}" if self.emulated else f"{mesh} on real ranks"
 
 
-def host_check(layout: Layout):
-    """``unmeasurable`` for ``planning.candidates``: a point whose node's planned host buffers (offload's state,
-    its ranks' share of this machine: an emulated rank stands for its node's ``gpus_per_node``) exceed the host
-    memory free here would end as an ``oom`` record; it is passed over, saying so."""
+def unmeasurable_here(layout: Layout, base: list[str]):
+    """``unmeasurable`` for ``planning.candidates``: why this machine cannot measure a point, or None. Its training
+    config, as the sweep will run it, must validate here (``precision=fp8`` without torchao, say, is refused on
+    this machine where the plan's GPU allowed it); and its node's planned host buffers (offload's state, times the
+    ranks an emulated rank stands for) must fit the host memory free here, else it would end as an ``oom`` record."""
     usable = usable_host_bytes() / GIB
     ranks = min(layout.world, layout.gpus_per_node)
+    shared = train_overrides(base, layout) + layout.overrides()
 
     def unmeasurable(row: dict) -> str | None:
         need = (row["planned_peak_host_rss_gib"] - HOST_PROCESS / GIB) * ranks
         if need > usable:
             return f"its node's host buffers, {need:.0f} GiB, exceed the {usable:.0f} GiB free on this machine"
+        try:
+            config.validate(tune_config.compose(shared + row["point"].split(), config_name="train"))
+        except ConfigError as e:
+            return f"this machine refuses it: {e}"
         return None
 
     return unmeasurable

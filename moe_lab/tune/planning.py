@@ -148,17 +148,20 @@ def _same_plan(a: dict, b: dict) -> bool:
 
 
 def candidates(ranked: list[dict], k: int, unmeasurable=lambda row: None) -> tuple[list[dict], list[dict]]:
-    """The best ``k`` fitting points with plans of their own that this machine can measure, and those passed over
-    on the way (each with ``why``: what ``unmeasurable(row)`` said of it)."""
-    chosen, passed = [], []
+    """The best ``k`` fitting points of distinct plans that this machine can measure (of points with the very same
+    plan, the first measurable one), and those passed over on the way (each with ``why``: what
+    ``unmeasurable(row)`` said of it)."""
+    chosen, passed, plans = [], [], set()
     for row in ranked:
         if len(chosen) == k or row["rank"] is None:
             break
-        if row["same_plan_as"] is not None:
+        plan_of = row["same_plan_as"] or row["rank"]
+        if plan_of in plans:
             continue
         why = unmeasurable(row)
         if why:
             passed.append({"rank": row["rank"], "point": row["point"], "why": why})
         else:
             chosen.append(row)
+            plans.add(plan_of)
     return chosen, passed
