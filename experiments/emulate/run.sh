@@ -14,6 +14,9 @@
 #     overhead  world 1: a plain one-GPU run and an emulated one (4-layer 30B proxy, fused + selective)
 #   bash experiments/emulate/run.sh plan       python -m moe_lab.plan of the same points and the published 235B table
 #                                              on the B300 profile (no GPU: runs anywhere, a few minutes on CPU)
+#   bash experiments/emulate/run.sh leak_probe the 30b rank at 4 layers, torch dispatcher + full AC, compiled, twice
+#     (plain checkpoint as before issue 43's fix, then ac=full as it is): peak memory and the allocations live at the
+#     peak (leak_probe.py), beside the plan of the same point; about 1.5 min each, under 3 min in all
 # Parts run in the order given; overrides after them (key=value) narrow every sweep.
 # Records: records/<machine>_<label>/<UTC start>_<part>/ (../common.sh), plans records/<hardware>_<label>/.
 source "$(dirname "$0")/../common.sh"
@@ -45,6 +48,16 @@ run_part() {
            dispatcher=fused ac=selective,full "${SHORT[@]}" "$@" ;;
   overhead) sweep 1gpu_overhead +experiment=benchmark model=qwen3_30b model.num_layers=4 dispatcher=fused \
               ac=selective parallel.emulate=false,true "${SHORT[@]}" "$@" ;;
+  leak_probe)
+    local dir variant
+    dir=$(record leak_probe)_$part
+    for variant in plain option; do
+      timeout -k 30 170 python3 experiments/emulate/leak_probe.py --ac "$variant" "$dir/$variant" "${EMULATE_30B[@]}" \
+        dispatcher=torch ac=full model.num_layers=4 trainer.steps=4 trainer.timing_skip=2 profile.enabled=false "$@"
+    done
+    dirs+=("$dir")
+    plan h200_8gpu_4_layers +experiment=reference_30b hardware=h200 hardware.gpus_per_node=8 dispatcher=torch ac=full \
+      model.num_layers=4 trainer.steps=4 trainer.timing_skip=2 profile.enabled=false "$@" ;;
   plan)
     plan h200_8gpu +experiment=reference_30b hardware=h200 hardware.gpus_per_node=8 dispatcher=torch,fused \
       ac=none,selective,full "${SHORT[@]}" "$@"
@@ -54,7 +67,7 @@ run_part() {
       hardware=h200 hardware.gpus_per_node=1 dispatcher=fused ac=selective,full "${SHORT[@]}" "$@"
     plan b300_32gpu +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8 \
       dispatcher=torch,fused ac=full,selective "$@" ;;
-  *) echo "usage: $0 PART... [key=value...]; parts: 30b 235b trace share overhead plan" >&2; exit 2 ;;
+  *) echo "usage: $0 PART... [key=value...]; parts: 30b 235b trace share overhead plan leak_probe" >&2; exit 2 ;;
   esac
 }
 parts=()
