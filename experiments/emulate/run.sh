@@ -17,6 +17,7 @@
 #   bash experiments/emulate/run.sh leak_probe the 30b rank at 4 layers, torch dispatcher + full AC, compiled, twice
 #     (plain checkpoint as before issue 43's fix, then ac=full as it is): peak memory and the allocations live at the
 #     peak (leak_probe.py), beside the plan of the same point; about 1.5 min each, under 3 min in all
+#     (model.num_layers=48 after it: the whole rank, about 2 min each; each run is cut at 280 s)
 # Parts run in the order given; overrides after them (key=value) narrow every sweep.
 # Records: records/<machine>_<label>/<UTC start>_<part>/ (../common.sh), plans records/<hardware>_<label>/.
 source "$(dirname "$0")/../common.sh"
@@ -52,7 +53,7 @@ run_part() {
     local dir variant
     dir=$(record leak_probe)_$part
     for variant in plain option; do
-      timeout -k 30 170 python3 experiments/emulate/leak_probe.py --ac "$variant" "$dir/$variant" "${EMULATE_30B[@]}" \
+      timeout -k 30 280 python3 experiments/emulate/leak_probe.py --ac "$variant" "$dir/$variant" "${EMULATE_30B[@]}" \
         dispatcher=torch ac=full model.num_layers=4 trainer.steps=4 trainer.timing_skip=2 profile.enabled=false "$@"
     done
     dirs+=("$dir")
