@@ -4,6 +4,9 @@
 #   bash experiments/full_depth/run.sh seq32768    the points below at seq 32768 (estimated 10 minutes; stops itself at 9.5)
 #   bash experiments/full_depth/run.sh gpu_tests   the GPU tests of dispatcher.save and ac.offload_activations (1 GPU)
 #   bash experiments/full_depth/run.sh gpu_tests_ep2   dispatcher.save=inputs over symmetric memory (2 GPUs)
+#   bash experiments/full_depth/run.sh loss        loss=chunked (the default) beside loss=full in one sitting: selective
+#                                                  at 16384; at 32768 selective (save=rows) and save=inputs (about 7 min)
+#   bash experiments/full_depth/run.sh gpu_tests_loss  the loss group's GPU test (tests/test_loss.py, 1 GPU)
 # Overrides after a part go to every point (e.g. trainer.steps=5). A point runs once: one already recorded is skipped
 # (delete its folder to run it again), so a part cut short resumes where it stopped when run again with its record's
 # STAMP (e.g. STAMP=2026-12-01_22-36). POINT_NAMES="full save-inputs"
@@ -26,9 +29,15 @@ POINTS=(
   "none_save-inputs_offload|ac=none dispatcher.save=inputs ac.offload_activations=true"
 )
 
+# loss=full beside the points above, which run the default loss=chunked (the loss part; issue 43)
+LOSS_POINTS=(
+  "selective_loss-full|ac=selective loss=full"
+  "save-inputs_loss-full|ac=selective dispatcher.save=inputs loss=full"
+)
+
 overrides_of() {  # overrides_of NAME: the point's overrides, or a failure naming the points when there is none
   local point
-  for point in "${POINTS[@]}"; do [ "${point%%|*}" = "$1" ] && { echo "${point#*|}"; return; }; done
+  for point in "${POINTS[@]}" "${LOSS_POINTS[@]}"; do [ "${point%%|*}" = "$1" ] && { echo "${point#*|}"; return; }; done
   echo "full_depth: no point named '$1' (points: $(printf '%s ' "${POINTS[@]%%|*}"))" >&2; return 1
 }
 
@@ -47,10 +56,10 @@ sweep() {  # sweep PRESET LABEL LIMIT_S OVERRIDES...: the points (POINT_NAMES or
   pack "$dir"
 }
 
-tests() {  # tests LABEL LIMIT_S SELECT: the GPU tests of this study's settings, logged with commit and GPU
+tests() {  # tests LABEL LIMIT_S SELECT [FILES]: GPU tests (by default this study's settings'), logged with commit and GPU
   local log command
   log=$(record "$1").log
-  command="python3 -m pytest -m gpu tests/test_fused_save_gpu.py tests/test_activation_offload.py -q -rs -p no:cacheprovider -k \"$3\""
+  command="python3 -m pytest -m gpu ${4:-tests/test_fused_save_gpu.py tests/test_activation_offload.py} -q -rs -p no:cacheprovider -k \"$3\""
   {
     echo "# moe_lab commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
     echo "# $command"
@@ -64,5 +73,10 @@ seq16384) sweep full_depth 1gpu_seq16384 "${LIMIT:-570}" "${@:2}" ;;
 seq32768) sweep full_depth/seq32768 1gpu_seq32768 "${LIMIT:-570}" "${@:2}" ;;
 gpu_tests) tests 1gpu_tests 400 "not ep2" ;;
 gpu_tests_ep2) tests 2gpu_tests 200 "ep2" ;;
-*) echo "usage: $0 seq16384|seq32768|gpu_tests|gpu_tests_ep2" >&2; exit 2 ;;
+loss)
+  POINT_NAMES="selective selective_loss-full" sweep full_depth 1gpu_seq16384 "${LIMIT16:-220}" "${@:2}"
+  POINT_NAMES="selective selective_loss-full save-inputs save-inputs_loss-full" \
+    sweep full_depth/seq32768 1gpu_seq32768 "${LIMIT32:-340}" "${@:2}" ;;
+gpu_tests_loss) tests 1gpu_tests_loss 300 "" "-s tests/test_loss.py" ;;
+*) echo "usage: $0 seq16384|seq32768|gpu_tests|gpu_tests_ep2|loss|gpu_tests_loss" >&2; exit 2 ;;
 esac
