@@ -247,3 +247,16 @@ def test_plan_of_replicas():
     assert kept["plan"]["communication_s"]["fsdp_all_gather"] == pytest.approx(
         two["plan"]["communication_s"]["fsdp_all_gather"] / 2
     )
+
+
+def test_layout_is_a_column_of_every_record_old_ones_too():
+    from moe_lab.results.table import flatten
+
+    def row(parallel: dict) -> dict:
+        return flatten({"status": "ok", "config": {"parallel": parallel}, "overrides": []}, Path("point"))
+
+    new = row({"dp_replicate": 4, "reshard_after_forward": False})
+    assert (new["parallel.dp_replicate"], new["parallel.reshard_after_forward"]) == (4, False)
+    old = row({"keep_unsharded": True})  # a record from before the keys: one replica, keep_unsharded's old name
+    assert (old["parallel.dp_replicate"], old["parallel.reshard_after_forward"]) == (1, False)
+    assert list(new).index("parallel.dp_replicate") < list(new).index("overrides")  # an axis: varying_axes sees it
