@@ -706,55 +706,6 @@ def replicas(*paths: str) -> str:
     return markdown(rows, header)
 
 
-def replicas(*paths: str) -> str:
-    """Plans of one model on one mesh at each ``parallel.dp_replicate`` x ``parallel.reshard_after_forward``
-    (``python -m moe_lab.plan -m``, one sweep a path): at each layout the fastest setting of AC (with ``ac.keep``,
-    ``dispatcher.save``, activation offload) that fits, its tokens/s/GPU and peak, the exposed FSDP2 communication
-    planned at the sweep's own AC, and the layout's fastest against the fastest with one replica."""
-    rows = []
-    for path in paths:
-        points = [
-            (result.parent.name, json.loads(result.read_text()))
-            for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name))
-        ]
-        points = [(name, record) for name, record in points if record["status"] == "ok"]
-        speed = {name: (r["plan"]["fastest_fitting"] or {}).get("tokens_per_s_per_gpu") for name, r in points}
-        one = max((speed[n] for n, r in points if speed[n] and r["plan"]["mesh"]["dp_replicate"] == 1), default=None)
-        best = max(filter(None, speed.values()), default=None)
-        for name, record in points:
-            p = record["plan"]
-            mesh, fit, exposed = p["mesh"], p["fastest_fitting"], p["exposed_communication_s"]
-            tokens = speed[name]
-            versus = f"{tokens / one:.3f}x{' (fastest)' if tokens == best else ''}" if tokens and one else ""
-            rows.append(
-                [
-                    record["choices"]["model"],
-                    mesh["world"],
-                    f"{mesh['dp_replicate']} x {mesh['dp_shard']}",
-                    str(mesh["reshard_after_forward"]).lower(),
-                    fit["overrides"] if fit else "nothing fits",
-                    num(tokens),
-                    num(fit["peak_gpu_mem_gib"], ".1f") if fit else "",
-                    num(1e3 * (exposed["fsdp_all_gather"] + exposed["fsdp_reduce_scatter"]), ".0f"),
-                    versus,
-                    cite(f"{path}/{name}"),
-                ]
-            )
-    header = [
-        "model",
-        "GPUs",
-        "replicas x shard",
-        "reshard_after_forward",
-        "fastest that fits",
-        "tokens/s/GPU",
-        "peak GPU GiB",
-        "exposed FSDP2 ms at the preset's AC",
-        "vs the fastest at R = 1",
-        "raw",
-    ]
-    return markdown(rows, header)
-
-
 def keys(*paths: str) -> str:
     """The config reference: every group with its options (the default first), each option's own keys with the
     values its yaml sets, and every schema key (trainer.*, parallel.*, profile.*) with its default: what
@@ -875,7 +826,6 @@ KINDS = {
     "plan-breakdown": plan_breakdown,
     "plan-reference": plan_reference,
     "planned": planned,
-    "replicas": replicas,
     "replicas": replicas,
     "keys": keys,
     "studies": studies,
