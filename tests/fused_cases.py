@@ -125,5 +125,5 @@ def backend_pass(backend, x, ids, weights, gate_up_proj, down_proj, grad_out, nu
 
     impl = BACKENDS[backend]
     y, *residuals = impl.forward(x, ids, weights, gate_up_proj, down_proj, [], num_experts, group, SAVES[save], "bf16")
-    grads = impl.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, [], group, "bf16", x)
+    grads = impl.backward(grad_out, residuals, ids, gate_up_proj, down_proj, [], group, "bf16", x)
     return y, residuals, grads

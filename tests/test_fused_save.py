@@ -181,7 +181,7 @@ def gpu_saves_check(group=None, tokens: int = 17) -> list[str]:
         results = {}
         for save in SAVES:
             y, *residuals = gpu.forward(x, ids, weights, gate_up_proj, down_proj, [], E_, group, KEPT[save], "bf16")
-            grads = gpu.backward(grad_out, *residuals, ids, gate_up_proj, down_proj, [], group, "bf16", x)
+            grads = gpu.backward(grad_out, residuals, ids, gate_up_proj, down_proj, [], group, "bf16", x)
             results[save] = [y, *grads]
             if save == "inputs" and residuals[0].shape[0] + residuals[2].shape[0]:
                 failures.append(f"{kind}: save=inputs returned received rows")

@@ -344,21 +344,15 @@ class Bf16:
         d_gate_up = torch.empty_like(gate_up)
         act_weighted = torch.empty_like(d_act_weighted)
         d_row_weight = torch.empty_like(row_weight)
-        inter = gate_up.shape[1] // 2
-        kernels.swiglu_backward_kernel[(gate_up.shape[0],)](
-            d_gate_up,
-            act_weighted,
-            d_row_weight,
-            gate_up,
-            d_act_weighted,
-            row_weight,
-            row_src,
-            offs,
-            offs.numel(),
-            INTER=inter,
-            BLOCK=_swiglu_block(inter),
-        )
-        return d_gate_up, (d_gate_up,), act_weighted, d_row_weight
+        # the kernels' arguments after their gate/up gradient outputs, at either precision
+        rest = (act_weighted, d_row_weight, gate_up, d_act_weighted, row_weight, row_src, offs, offs.numel())
+        return d_gate_up, self._swiglu_backward(d_gate_up, rest), act_weighted, d_row_weight
+
+    def _swiglu_backward(self, d_gate_up, rest):
+        """Run the SwiGLU backward kernel -> the gate/up gradient as the input-gradient GEMM's operand."""
+        inter = d_gate_up.shape[1] // 2
+        kernels.swiglu_backward_kernel[(d_gate_up.shape[0],)](d_gate_up, *rest, INTER=inter, BLOCK=_swiglu_block(inter))
+        return (d_gate_up,)
 
     def gate_up_input_grad(self, d_gate_up):
         return self.gemms.nn(d_gate_up[0], self.gate_up_proj)
@@ -411,29 +405,15 @@ class Fp8(Bf16):
     def down_input_grad(self, dy_routed):
         return self._nt(grouped.quantize_rows(dy_routed), self.down_wt)
 
-    def swiglu_backward(self, gate_up, d_act_weighted, row_weight, row_src, offs):
-        rows, tiles = gate_up.shape[0], gate_up.shape[1] // 2 // TILE
-        d_gate_up = torch.empty_like(gate_up)
-        d_gate_up_q = torch.empty(gate_up.shape, dtype=FP8, device=gate_up.device)
-        d_gate_up_scale = torch.empty(rows, 2 * tiles, dtype=torch.float32, device=gate_up.device)
-        act_weighted = torch.empty_like(d_act_weighted)
-        d_row_weight = torch.empty_like(row_weight)
+    def _swiglu_backward(self, d_gate_up, rest):
+        # the kernel quantizes the gate/up gradient per 1x128 tile as it makes it
+        rows, tiles = d_gate_up.shape[0], d_gate_up.shape[1] // 2 // TILE
+        d_gate_up_q = torch.empty(d_gate_up.shape, dtype=FP8, device=d_gate_up.device)
+        d_gate_up_scale = torch.empty(rows, 2 * tiles, dtype=torch.float32, device=d_gate_up.device)
         fp8_kernels.swiglu_backward_fp8_kernel[grouped.row_grid(rows)](
-            d_gate_up,
-            d_gate_up_q,
-            d_gate_up_scale,
-            act_weighted,
-            d_row_weight,
-            gate_up,
-            d_act_weighted,
-            row_weight,
-            row_src,
-            offs,
-            offs.numel(),
-            tiles,
-            grouped.ROWS,
+            d_gate_up, d_gate_up_q, d_gate_up_scale, *rest, tiles, grouped.ROWS
         )
-        return d_gate_up, (d_gate_up_q, d_gate_up_scale), act_weighted, d_row_weight
+        return d_gate_up_q, d_gate_up_scale
 
     def gate_up_input_grad(self, d_gate_up):
         return self._nt(d_gate_up, self.gate_up_wt)
@@ -463,25 +443,8 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_exp
     return (y, *kept_residuals(kept, rows, gate_up), row_weight, row_src, layout.pos, layout.offs)
 
 
-def backward(
-    dy,
-    rows,
-    row_scales,
-    gate_up,
-    row_weight,
-    row_src,
-    pos,
-    offs,
-    topk_ids,
-    gate_up_proj,
-    down_proj,
-    weights,
-    group,
-    precision,
-    x=None,
-    *,
-    deep,
-):
+def backward(dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, precision, x=None, *, deep):
+    rows, row_scales, gate_up, row_weight, row_src, pos, offs = residuals
     num_tokens, top_k = pos.shape
     ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, dy.device)

@@ -49,8 +49,8 @@ PRECISIONS = ("bf16", "fp8")
 @dataclass(frozen=True)
 class Backend:
     """An implementation of the op. ``forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights,
-    num_experts, group, kept, precision)`` -> the op's outputs; ``backward(dy, rows, row_scales, gate_up, row_weight,
-    row_src, pos, offs, topk_ids, gate_up_proj, down_proj, weights, group, precision, x)`` -> dx, d_topk_weights and
+    num_experts, group, kept, precision)`` -> the op's outputs; ``backward(dy, residuals, topk_ids, gate_up_proj,
+    down_proj, weights, group, precision, x)`` (``residuals``: forward's outputs after y) -> dx, d_topk_weights and
     the stacks' gradients; ``align``: rows of each expert's segment start at a multiple of it (the grouped GEMM's
     need)."""
 
@@ -173,22 +173,9 @@ def fused_moe_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj (in the stacks' dtypes). ``x``:
     forward's input, where forward kept no received rows (``rows`` with 0 rows)."""
+    residuals = (rows, row_scales, gate_up, row_weight, row_src, pos, offs)
     dx, d_weights, d_gate_up_proj, d_down_proj = BACKENDS[backend].backward(
-        dy,
-        rows,
-        row_scales,
-        gate_up,
-        row_weight,
-        row_src,
-        pos,
-        offs,
-        topk_ids,
-        gate_up_proj,
-        down_proj,
-        weights,
-        process_group(group_name),
-        precision,
-        x,
+        dy, residuals, topk_ids, gate_up_proj, down_proj, weights, process_group(group_name), precision, x
     )
     return dx, d_weights, d_gate_up_proj.to(gate_up_proj.dtype), d_down_proj.to(down_proj.dtype)
 
@@ -218,7 +205,19 @@ def _backward(ctx, dy, *unused_residual_grads):
         dy.contiguous(), *saved, list(ctx.saved_tensors[11:]), ctx.group_name, ctx.backend, ctx.precision, x
     )
     no_grads = [None] * (len(ctx.saved_tensors) - 11)  # the weights' copies
-    return dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, no_grads, None, None, None, None, None
+    return (
+        dx,
+        None,
+        d_weights.to(ctx.weights_dtype),
+        d_gate_up_proj,
+        d_down_proj,
+        no_grads,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 fused_moe.register_autograd(_backward, setup_context=_setup_context)

@@ -182,24 +182,9 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_exp
     return (y, *kept_residuals(kept, rows, gate_up), row_weight, row_src, layout.pos, layout.offs)
 
 
-def backward(
-    dy,
-    rows,
-    row_scales,
-    gate_up,
-    row_weight,
-    row_src,
-    pos,
-    offs,
-    topk_ids,
-    gate_up_proj,
-    down_proj,
-    weights,
-    group,
-    precision,
-    x=None,
-):
-    del row_src  # the gpu backend's shortcut; this oracle routes dy from the slots, as forward routed x
+def backward(dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, precision, x=None):
+    # row_src: the gpu backend's shortcut; this oracle routes dy from the slots, as forward routed x
+    rows, row_scales, gate_up, row_weight, _, pos, offs = residuals
     p = PRECISIONS[precision](gate_up_proj, down_proj, weights)
     dtype, local_experts, num_rows = dy.dtype, gate_up_proj.shape[0], row_weight.shape[0]
     rows = (rows, row_scales)
