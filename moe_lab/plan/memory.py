@@ -66,7 +66,7 @@ class Step:
     saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
     foreach: bool = False  # AdamW without fused=true: torch's foreach path
     fused_align: int = 8  # rows per expert segment of the fused op (8 torch._grouped_mm, 128 DeepGEMM)
-    expert_precision: str = "bf16"  # "bf16" | "fp8": the fused op's expert GEMMs (moe_lab.moe.fused.fp8_ops)
+    expert_precision: str = "bf16"  # "bf16" | "fp8": either dispatcher's expert GEMMs (moe_lab.moe.fp8)
     fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
     chunk_mib: float = 256.0  # offload chunking
     max_inflight: int = 3
