@@ -166,6 +166,9 @@ def run(argv: list[str], progress: bool = True) -> Path:
 
 
 def main() -> None:
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        print(__doc__.strip() + "\n\nThe tune group (conf/tune/default.yaml) and docs/tune.md say the rest.")
+        return
     try:
         run(sys.argv[1:])
     except ConfigError as e:
