@@ -18,6 +18,7 @@ Tolerance: fp32 throughout, only the summation order differs between layouts: re
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from moe_lab.runtime.device import machine_target
 from tests.configs import compose_train
 from tests.distributed import run_world
 from tests.in_turn import run_in_turn
+from tests.test_emulate import emulated, one_rank_step
 from tests.test_grad_accum import GLOBAL_BATCH, STEPS, build_model, check, max_differences
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,13 +49,24 @@ def _layouts_against_one_rank() -> dict:
         "dense": (dense.device_mesh.mesh.tolist(), dense.placements == (Replicate(), Shard(0))),
         "experts": (experts.device_mesh.mesh.tolist(), experts.placements == (Replicate(), Shard(0))),
     }
-    return {"layout": layout, "hsdp": max_differences(HSDP), "fsdp": max_differences(FSDP)}
+    differences = {"hsdp": max_differences(HSDP), "fsdp": max_differences(FSDP)}
+    return {"layout": layout, **differences, "step": one_rank_step("torch", 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory) -> list:
+    """What each rank of a gloo world of 4 gives ``_layouts_against_one_rank`` (one world for two tests)."""
+    saved = os.environ.pop("WORLD_SIZE", None)
+    try:
+        return run_world(4, _layouts_against_one_rank)
+    finally:
+        if saved is not None:
+            os.environ["WORLD_SIZE"] = saved
 
 
 @pytest.mark.slow  # four gloo ranks
-def test_hsdp_trains_like_plain_fsdp_and_one_rank(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ranks = run_world(4, _layouts_against_one_rank)
+def test_hsdp_trains_like_plain_fsdp_and_one_rank(world4):
+    ranks = world4
     # Replicas are consecutive ranks: rank r is shard r % 2 of replica r // 2; experts, EP 2 inside a replica, are
     # sharded over one rank there and replicated across replicas.
     assert ranks[0]["layout"] == {"dense": ([[0, 1], [2, 3]], True), "experts": ([[0], [2]], True)}
@@ -152,10 +165,8 @@ def test_hsdp_job_clips_like_one_rank_and_resumes_at_any_layout(tmp_path):
 
 
 @pytest.mark.slow  # four gloo ranks
-def test_emulated_rank_of_hsdp_is_real_rank_0():
-    from tests.test_emulate import emulated, one_rank_step
-
-    real = run_world(4, one_rank_step, "torch", 2, 2)[0]
+def test_emulated_rank_of_hsdp_is_real_rank_0(world4):
+    real = world4[0]["step"]
     fake = emulated(0, 4, one_rank_step, "torch", 2, 2)
     assert fake["params"] == real["params"] and fake["buffers"] == real["buffers"]
     assert fake["collectives"] == real["collectives"]
