@@ -4,6 +4,7 @@ submits each sweep point as such an srun job)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 import uuid
@@ -15,6 +16,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from moe_lab.parallel.emulate import is_emulated
+
+# The environment this module was imported with. In a rank (forked from the forkserver, see launch_local) that is the
+# server's: the module came with the server's preload, or was imported as the rank unpickled its entrypoint, before
+# elastic set the rank's variables.
+_IMPORT_ENVIRON = dict(os.environ)
 
 
 def _in_slurm_step() -> bool:
@@ -77,9 +83,14 @@ def shared_run_dir(run_dir: str) -> str:
 
 
 def launch_local(nproc: int, entrypoint: Callable, *args):
-    """Run ``entrypoint(*args)`` on ``nproc`` fresh processes of this host; returns rank 0's return value.
+    """Run ``entrypoint(*args)`` on ``nproc`` new processes of this host; returns rank 0's return value.
     A failing rank stops all of them and raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
-    (``RanksFailed`` tells its story)."""
+    (``RanksFailed`` tells its story).
+
+    The ranks fork from multiprocessing's forkserver, a process that imported the entrypoint's module (torch and the
+    package with it) once, instead of each importing them again (seconds a rank). The server initialized nothing (no
+    CUDA, no process group), so each rank still starts clean, in this process's environment and directory."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload([entrypoint.__module__])  # if not yet started
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -92,9 +103,20 @@ def launch_local(nproc: int, entrypoint: Callable, *args):
         rdzv_configs={"is_host": True},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
     )
-    return elastic_launch(config, entrypoint)(*args)[0]
+    return elastic_launch(config, _as_launched)(dict(os.environ), os.getcwd(), entrypoint, *args)[0]
+
+
+def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
+    """A rank: ``entrypoint(*args)`` in the launcher's environment and directory (a forked rank has the server's,
+    which may be older) with elastic's variables for this rank (what it set differs from the server's)."""
+    rank_variables = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRON.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**environ, **rank_variables})
+    os.chdir(cwd)
+    tempfile.tempdir = None  # TMPDIR is read again
+    return entrypoint(*args)
 
 
 class RanksFailed(RuntimeError):
