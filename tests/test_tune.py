@@ -73,7 +73,8 @@ def test_a_planning_only_tune_plans_every_point_once(small_tune):
     assert set(invalid["point"]) == {" ".join(p) for p in small_points() if "parallel.ep=3" in p}
     assert invalid["why"].str.startswith("parallel.ep").all()
     tune = json.loads((small_tune / TUNE).read_text())
-    assert tune["candidates"] == [] or len(tune["candidates"]) == 0  # tune.measure=0
+    shown = plans[plans["rank"].notna() & plans["same_plan_as"].isna()].sort_values("rank")["point"][:3]
+    assert [c["point"] for c in tune["candidates"]] == list(shown)  # plan only: the best 3, not measured
     assert tune["measured"] is None and "Plan only" in tune["measure_note"]
     assert (small_tune / "report.md").exists() and (small_tune / "tune.png").exists()
     assert not (small_tune / CANDIDATES).exists()

@@ -37,6 +37,7 @@ from moe_lab.tune.planning import candidates, combinations, plan_all, point_conf
 from moe_lab.tune.report import report
 from moe_lab.tune.space import Space, check_keys_exist, group_combinations, narrowed
 
+PLAN_ONLY_SHOWN = 3
 PLAN_COLUMNS = [
     "rank", "point", "status", "fits", "why", "same_plan_as", "planned_s_per_step", "planned_tokens_per_s_per_gpu",
     "planned_peak_gpu_mem_gib", "planned_mfu", "planned_compute_s", "planned_exposed_comm_s",
@@ -104,7 +105,7 @@ def run(argv: list[str], progress: bool = True) -> Path:
             "parallel.emulate", "the tune measures as an emulated rank where the layout needs it; leave it out"
         )
     hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
-    layout, measure_note = None, "Plan only (tune.measure=0)."
+    layout, measure_note = None, f"Plan only (tune.measure=0): the best {PLAN_ONLY_SHOWN} planned below."
     if space.measure:
         device, devices, gpu = measuring.device_at_hand(space.device)
         if device is None:
@@ -123,8 +124,11 @@ def run(argv: list[str], progress: bool = True) -> Path:
     pd.DataFrame(ranked, columns=PLAN_COLUMNS).to_csv(tune_dir / PLANS, index=False)
     if not any(r["rank"] for r in ranked):
         raise closest(ranked, combos, hw)
+    # plan only: the best PLAN_ONLY_SHOWN planned stand in the table as what a measurement would take
     chosen, passed = candidates(
-        ranked, space.measure, measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None
+        ranked,
+        space.measure or PLAN_ONLY_SHOWN,
+        measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None,
     )
     tune = {
         "title": title(cfg, hw),
