@@ -2,7 +2,7 @@
 planned point, the measured candidates' records joined to their plans.
 
 The directory holds ``tune.json`` (the tune: its command, space, layout, candidates, what it measured and the
-winner), ``plans.csv`` (every point's plan, one row each: ``point`` its overrides, ``status`` ok | invalid | error,
+winner), ``plans.csv.gz`` (every point's plan, one row each: ``point`` its overrides, ``status`` ok | invalid | error,
 ``fits`` and ``why``, ``rank`` among the fitting, ``same_plan_as``, the ``planned_*`` metrics) and ``measured/``
 (the candidates' sweep: an ordinary ``moe_lab.train -m`` sweep, ``moe_lab.results.load`` reads it as any other).
 """
@@ -16,7 +16,7 @@ import pandas as pd
 
 from moe_lab.results.table import result_files
 
-TUNE, PLANS, MEASURED, CANDIDATES = "tune.json", "plans.csv", "measured", "candidates.yaml"
+TUNE, PLANS, MEASURED, CANDIDATES = "tune.json", "plans.csv.gz", "measured", "candidates.yaml"
 
 
 def read_tune(tune_dir: str | Path) -> dict:
