@@ -200,11 +200,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, *unused_residual_grads):
-    *saved, x = ctx.saved_tensors[:11]
+    tensors = ctx.saved_tensors  # read once: under a checkpoint each saved tensor unpacks once
+    *saved, x = tensors[:11]
     dx, d_weights, d_gate_up_proj, d_down_proj = fused_moe_backward(
-        dy.contiguous(), *saved, list(ctx.saved_tensors[11:]), ctx.group_name, ctx.backend, ctx.precision, x
+        dy.contiguous(), *saved, list(tensors[11:]), ctx.group_name, ctx.backend, ctx.precision, x
     )
-    no_grads = [None] * (len(ctx.saved_tensors) - 11)  # the weights' copies
+    no_grads = [None] * (len(tensors) - 11)  # the weights' copies
     return (
         dx,
         None,
