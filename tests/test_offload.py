@@ -778,6 +778,7 @@ def test_missing_topology_is_a_clear_error(tmp_path):
 def test_validate_rejects_a_gpu_host_without_sysfs_topology(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # the target's GPU
     monkeypatch.setattr(numa, "pci_address", lambda gpu: "0000:18:00.0")
     cfg = compose_train(["offload=full", f"offload.sysfs_root={tmp_path}"])
     with pytest.raises(ConfigError) as e:

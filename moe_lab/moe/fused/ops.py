@@ -200,25 +200,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, *unused_residual_grads):
-    tensors = ctx.saved_tensors  # read once: under a checkpoint each saved tensor unpacks once
-    *saved, x = tensors[:11]
+    saved = ctx.saved_tensors  # once: under checkpointing each read unpacks them
+    *residuals, x = saved[:11]
+    weights = list(saved[11:])
     dx, d_weights, d_gate_up_proj, d_down_proj = fused_moe_backward(
-        dy.contiguous(), *saved, list(tensors[11:]), ctx.group_name, ctx.backend, ctx.precision, x
+        dy.contiguous(), *residuals, weights, ctx.group_name, ctx.backend, ctx.precision, x
     )
-    no_grads = [None] * (len(tensors) - 11)  # the weights' copies
-    return (
-        dx,
-        None,
-        d_weights.to(ctx.weights_dtype),
-        d_gate_up_proj,
-        d_down_proj,
-        no_grads,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    no_grads = [None] * len(weights)  # the weights' copies
+    return dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, no_grads, None, None, None, None, None
 
 
 fused_moe.register_autograd(_backward, setup_context=_setup_context)
