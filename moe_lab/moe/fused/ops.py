@@ -14,7 +14,7 @@ to the host once per forward.
 PyTorch, any device; ``moe_lab.moe.fused.reference``) or ``gpu`` / ``gpu_deep_gemm`` (Triton kernels with torch or
 DeepGEMM grouped GEMMs; ``moe_lab.moe.fused.gpu``).
 
-``precision`` (``PRECISIONS``) is the experts' GEMMs': ``bf16`` (the compute dtype) or ``fp8`` (blockwise e4m3,
+``precision`` is the experts' GEMMs': ``bf16`` (the compute dtype) or ``fp8`` (blockwise e4m3,
 ``moe_lab.moe.fp8``: x quantized per token before dispatch, so the rows travel and are kept in FP8 with their
 scales; the SwiGLU output and the gradients quantized where they are made). ``weights`` carries the expert stacks
 as the precision's GEMMs read them: nothing at bf16 (``gate_up_proj`` and ``down_proj`` themselves), at fp8 each
@@ -43,7 +43,6 @@ from moe_lab.moe.fp8.quant import FP8, TILE
 
 # What forward keeps for backward: the received rows (x_routed) and/or gate/up; what it drops, backward rebuilds.
 SAVES = {"rows": ("x_routed", "gate_up"), "rows_only": ("x_routed",), "gate_up": ("gate_up",), "inputs": ()}
-PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
