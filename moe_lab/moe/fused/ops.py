@@ -206,7 +206,7 @@ def _backward(ctx, dy, *unused_residual_grads):
         dy.contiguous(), *residuals, weights, ctx.group_name, ctx.backend, ctx.precision, x
     )
     no_grads = [None] * len(weights)  # the weights' copies
-    return dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, no_grads, None, None, None, None, None
+    return (dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, no_grads) + (None,) * 5
 
 
 fused_moe.register_autograd(_backward, setup_context=_setup_context)
