@@ -205,7 +205,7 @@ def test_the_planner_plans_the_built_loss():
     bf16 (full), or one chunk's beside the head's fp32 weight-gradient sum and bf16 share, and the hidden states'
     gradient (chunked)."""
     from moe_lab.plan.memory import GIB, plan_memory
-    from moe_lab.plan.options import ChunkedLossPlan, FullLossPlan
+    from moe_lab.plan.models.loss import ChunkedLossPlan, FullLossPlan
 
     t, v, h = 16384, 151936, 2048
     lines = {}
@@ -221,17 +221,17 @@ def test_the_planner_plans_the_built_loss():
 
 
 def test_one_chunk_holds_what_full_holds_and_the_gradients_it_made():
-    from moe_lab.plan.options import ChunkedLossPlan, FullLossPlan
+    from moe_lab.plan.models.loss import ChunkedLossPlan, FullLossPlan
 
     t, h, v = 4096, 2048, 151936
-    assert ChunkedLossPlan().peak_bytes(t, h, v, 4096, True) == FullLossPlan().peak_bytes(t, h, v, None, True) + 2 * (
-        v * h + t * h
-    )
+    assert ChunkedLossPlan(ChunkedLoss(4096)).peak_bytes(t, h, v, True) == FullLossPlan(FullLoss()).peak_bytes(
+        t, h, v, True
+    ) + 2 * (v * h + t * h)
 
 
 def test_chunked_runs_the_heads_gemms_once_and_sums_the_weight_gradient():
     """No GEMM runs twice (dense_gemm as full's); ``other`` adds the fp32 sum's traffic per chunk and its one cast."""
-    from moe_lab.plan.options import CHUNK_SUM_BYTES_PER_PARAM, SUM_CAST_BYTES_PER_PARAM
+    from moe_lab.plan.models.loss import CHUNK_SUM_BYTES_PER_PARAM, SUM_CAST_BYTES_PER_PARAM
     from moe_lab.plan.step_time import plan_time
 
     (full, hw), (chunked, _) = planned_step("loss=full"), planned_step("loss=chunked")
@@ -271,9 +271,9 @@ def gpu_run(loss_fn, hidden, weight, labels):
 def test_chunked_on_cuda_in_bf16_matches_full_and_holds_a_chunk(compiled):
     """Qwen3-30B-A3B's head at 16,384 tokens in bf16 (FSDP2's parameters): chunked gives full's loss and gradients
     within bf16 rounding at a fraction of its peak; compiled (as the studies run), each peak is its planner model's
-    (moe_lab.plan.options) within 10 %."""
+    (moe_lab.plan.models.loss) within 10 %."""
     from moe_lab.parallel import compile_loss
-    from moe_lab.plan.options import ChunkedLossPlan, FullLossPlan
+    from moe_lab.plan.models.loss import ChunkedLossPlan, FullLossPlan
 
     t, h, v = GPU_SHAPE["tokens"], GPU_SHAPE["hidden"], GPU_SHAPE["vocab"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -291,8 +291,8 @@ def test_chunked_on_cuda_in_bf16_matches_full_and_holds_a_chunk(compiled):
     for name, g, e in zip(("d hidden", "d weight"), got[1:], expected[1:]):
         assert relative(g, e) < 4 * 2**-8, name
     planned = {
-        "chunked": ChunkedLossPlan().peak_bytes(t, h, v, 4096, compiled),
-        "full": FullLossPlan().peak_bytes(t, h, v, None, compiled),
+        "chunked": ChunkedLossPlan(ChunkedLoss(4096)).peak_bytes(t, h, v, compiled),
+        "full": FullLossPlan(FullLoss()).peak_bytes(t, h, v, compiled),
     }
     print(
         f"peak beyond the inputs: chunked {chunked_peak / 2**30:.2f} GiB, full {full_peak / 2**30:.2f} GiB; planned "

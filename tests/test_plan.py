@@ -15,7 +15,7 @@ from hydra.errors import HydraException
 from moe_lab.config import ConfigError
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
 from moe_lab.plan.config import compose
-from moe_lab.plan.memory import busiest_rank_share, fused_receive_rows
+from moe_lab.plan.memory import busiest_rank_share
 from moe_lab.plan.planner import build_hardware, plan, step_of, validated
 from moe_lab.plan.records import depth_search_plans, plan_record, read, reference_235b
 from tests.sweep import ROOT
@@ -134,7 +134,7 @@ def test_fused_buffers_received_rows_and_worst_case():
         )
         train, options = validated(cfg, build_hardware(cfg.hardware))
         step = step_of(train, options, build_hardware(cfg.hardware))
-        return fused_receive_rows(step, worst_case=worst)
+        return step.dispatcher.receive_rows(step, worst_case=worst)
 
     assert rows(1, True) == pytest.approx(rows(1, False), rel=0.01)
     assert rows(8, False) == pytest.approx(131_072, rel=0.01)
@@ -220,7 +220,6 @@ def test_offload_chunks_replay_the_code(split):
 
     from moe_lab.optim.offload.chunked import chunked
     from moe_lab.optim.offload.optimizer import chunked_pieces
-    from moe_lab.plan.memory import chunks
 
     cfg = compose(
         ["model=qwen3_30b", "model.num_layers=2", f"offload={'optimizer' if split else 'full'}", "offload.chunk_mib=64"]
@@ -236,24 +235,27 @@ def test_offload_chunks_replay_the_code(split):
         ]
     else:
         expected = [sum(p.numel() for p in chunk) for chunk in chunked(params, limit)]
-    assert chunks(step_of(train, options, hw), reverse=True, split=split) == expected
+    step = step_of(train, options, hw)
+    assert step.offload.chunks(step, reverse=True, split=split) == expected
 
 
 def test_full_offload_device_share_moves_chunks_from_host_to_device():
     """offload.device_share: the chunks it keeps on the device (the code's choice, whole chunks from the end of
     backward) leave the host step and the host's masters and moments, and add 12 bytes per parameter (fp32 master,
     AdamW's two moments) to the GPU, and a chunk's fp32 gradients at its step."""
-    from moe_lab.plan.memory import full_offload_chunks, plan_host, plan_memory
+    from moe_lab.plan.memory import plan_host, plan_memory
     from moe_lab.plan.step_time import plan_time
 
-    cfg = compose(["model=qwen3_30b", "model.num_layers=4", "offload=full"])
-    hw = build_hardware(cfg.hardware)
-    train, options = validated(cfg, hw)
-    host_only, shared = step_of(train, options, hw), step_of(train, options, hw, device_share=0.5)
-    host_chunks, device_chunks = full_offload_chunks(shared)
+    def step(*overrides):
+        cfg = compose(["model=qwen3_30b", "model.num_layers=4", "offload=full", *overrides])
+        hw = build_hardware(cfg.hardware)
+        return step_of(*validated(cfg, hw), hw), hw
+
+    (host_only, hw), (shared, _) = step(), step("offload.device_share=0.5")
+    host_chunks, device_chunks = shared.offload.split_chunks(shared)
     on_device = sum(device_chunks)
     assert device_chunks and host_chunks and 0.3 < on_device / (on_device + sum(host_chunks)) <= 0.5
-    assert full_offload_chunks(host_only)[1] == []  # share 0: every chunk on the host
+    assert host_only.offload.split_chunks(host_only)[1] == []  # share 0: every chunk on the host
     assert plan_time(shared, hw)["seconds"]["host_step"] == pytest.approx(
         plan_time(host_only, hw)["seconds"]["host_step"] * sum(host_chunks) / (on_device + sum(host_chunks))
     )

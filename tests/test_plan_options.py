@@ -1,4 +1,4 @@
-"""Every option the planner plans has its planner model (moe_lab.plan.options): each yaml of conf/<group>/ for the
+"""Every option the planner plans has its planner model (moe_lab.plan.models): each yaml of conf/<group>/ for the
 groups a plan depends on names a class the planner models, so adding an option without teaching the planner fails
 here; an option class it does not know is refused naming the key."""
 
@@ -10,7 +10,7 @@ from hydra.utils import get_object
 
 from moe_lab.config import ConfigError
 from moe_lab.moe.dispatcher import TokenDispatcher
-from moe_lab.plan.options import MODELS, PLANNED_GROUPS, model_of, option_class
+from moe_lab.plan.models import MODELS, PLANNED_GROUPS, model_of, option_class
 from moe_lab.runtime.paths import CONF_DIR
 
 

@@ -13,7 +13,7 @@ from moe_lab.config import ConfigError
 from moe_lab.moe.fused.ops import SAVES
 from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.config import compose
-from moe_lab.plan.memory import GIB, fused_receive_rows, offloaded_bytes, plan_memory, saved_per_layer
+from moe_lab.plan.memory import GIB, offloaded_bytes, plan_memory, saved_per_layer
 from moe_lab.plan.planner import (
     TIE,
     build_hardware,
@@ -49,7 +49,7 @@ def test_save_modes_keep_what_the_op_returns():
     row, as moe_lab.moe.fused.ops.SAVES names them), for every layer."""
     plans = {save: plan_memory(step_and_hw("ac=selective", f"dispatcher.save={save}")[0]) for save in SAVES}
     step, _ = step_and_hw("ac=selective")
-    c, rows, layers = step.cfg, fused_receive_rows(step), step.cfg.num_layers
+    c, rows, layers = step.cfg, step.dispatcher.receive_rows(step), step.cfg.num_layers
     row_bytes = {"x_routed": 2 * c.hidden_size, "gate_up": 4 * c.moe_intermediate_size}
     kept = {save: plans[save].phases["loss"] for save in SAVES}
     for save, names in SAVES.items():

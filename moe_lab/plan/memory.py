@@ -20,8 +20,8 @@ from what it keeps (rebuilt in backward's working set); ``ac.offload_activations
 but the last one's to pinned host memory, as fast as PCIe takes them (``offload_pace``).
 
 What differs between the options of a group (a dispatcher's ops and buffers, an AC mode's kept outputs, an offload
-mode's device and host state, an optimizer's state) is the option's planner model (``moe_lab.plan.options``), which
-the ``Step`` holds.
+mode's device and host state, an optimizer's state) is the option's planner model (``moe_lab.plan.models``, each
+holding its built option), which the ``Step`` holds.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from typing import Any
 import torch
 
 from moe_lab.moe.router import Router
-from moe_lab.optim.offload.full import device_chunk_count
-from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.shapes import Mesh, Shapes
 
 GIB = 2**30
@@ -48,14 +46,15 @@ BACKWARD_WORKSPACE = 1.0
 
 @dataclass
 class Step:
-    """What a step of one rank is made of, for memory and time alike."""
+    """What a step of one rank is made of, for memory and time alike: the model's shapes, the mesh, the sequence and
+    batch, and the planner model of each option (which holds the option's values)."""
 
     shapes: Shapes
     mesh: Mesh
     seq_len: int
     batch_size: int
     grad_accum: int
-    # the options' planner models (moe_lab.plan.options, which builds on this module: typed loosely here)
+    # the options' planner models (moe_lab.plan.models, which builds on this module: typed loosely here)
     dispatcher: Any
     ac: Any
     offload: Any
@@ -63,21 +62,9 @@ class Step:
     precision: Any
     loss: Any
     compile: bool
-    saved_ops: frozenset  # what ac=selective keeps: generic ops | router's | dispatcher's
-    foreach: bool = False  # AdamW without fused=true: torch's foreach path
-    fused_align: int = 8  # rows per expert segment of the fused op (8 torch._grouped_mm, 128 DeepGEMM)
-    expert_precision: str = "bf16"  # "bf16" | "fp8": either dispatcher's expert GEMMs (moe_lab.moe.fp8)
+    grad_sync: str = "step"  # parallel.grad_sync
+    reshard_after_forward: bool = True  # parallel.reshard_after_forward
     fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
-    chunk_mib: float = 256.0  # offload chunking
-    max_inflight: int = 3
-    device_share: float = 0.0  # offload=full: the share of the parameters stepped on the device
-    grad_sync: str = "step"
-    reshard_after_forward: bool = True
-    keep: tuple = KEEP_SETS  # ac=selective's kept sets (``saved_ops`` holds their ops)
-    fused_save: str = "rows"  # dispatcher.save: rows | rows_only | gate_up | inputs
-    offload_activations: bool = False
-    loss_chunk_tokens: int | None = None  # loss=chunked: tokens a chunk
-    fp8_linears: tuple = ()  # precision=fp8: the attention projections in FP8
 
     @property
     def tokens(self) -> int:
@@ -126,21 +113,6 @@ def busiest_rank_share(num_experts: int, top_k: int, skew: float, ep: int, token
     ids = router.forced_ids(tokens, torch.device("cpu"))
     per_rank = torch.bincount(ids.flatten() // (num_experts // ep), minlength=ep)
     return per_rank.max().item() / ids.numel()
-
-
-def fused_receive_rows(step: Step, worst_case: bool | None = None) -> float:
-    """Rows of the fused op's receive buffer and saved residuals (``moe_lab.moe.fused.layout``): the rows received,
-    each local expert's segment padded to the GEMM's alignment (half a block on average, one at least). Before
-    commit 0c0883f (``worst_case``) it was sized for every token of every EP peer sending min(K, L) rows here."""
-    worst_case = step.fused_worst_case if worst_case is None else worst_case
-    c, mesh, align = step.cfg, step.mesh, step.fused_align
-    local_experts = c.num_experts // mesh.ep
-    if worst_case:  # each local expert's segment rounded up to the alignment
-        rows = mesh.ep * step.tokens * min(c.num_experts_per_tok, local_experts)
-        return rows + local_experts * (align - 1)
-    per_expert = routed_rows(step) / local_experts
-    padded = -(-per_expert // align) * align if per_expert == int(per_expert) else per_expert + align / 2
-    return local_experts * max(padded, align)
 
 
 def op_outputs(step: Step) -> dict:
@@ -274,50 +246,6 @@ def parameter_sizes(step: Step) -> list[float]:
     return [p / step.mesh.shard for p in params]
 
 
-def chunks(step: Step, reverse: bool = False, split: bool = False) -> list[float]:
-    """Parameter counts of the offload modes' chunks over this rank's shards in registration order (reversed with
-    ``reverse``): ``moe_lab.optim.offload.chunked.chunked``, or with ``split`` offload=optimizer's
-    ``chunked_pieces``, where a parameter larger than a chunk is cut into pieces of one (its element-wise
-    optimizers)."""
-    params = parameter_sizes(step)
-    params = params[::-1] if reverse else params
-    limit = step.chunk_mib * 2**20 / 4
-    piece = limit // 64 * 64 if limit >= 64 else limit
-    out, size = [0.0], 0.0
-    for p in params:
-        for part in [piece] * int(p // piece) + ([p % piece] if p % piece else []) if split and p > piece else [p]:
-            if out[-1] and size + part > limit:
-                out.append(0.0)
-                size = 0.0
-            out[-1] += part
-            size += part
-    return out
-
-
-def full_offload_chunks(step: Step) -> tuple[list[float], list[float]]:
-    """offload=full's chunks in backward order, split into those stepped on the host and those on the device (the
-    last ones, ``moe_lab.optim.offload.full.device_chunk_count``)."""
-    sizes = chunks(step, reverse=True)
-    host = len(sizes) - device_chunk_count(sizes, step.device_share)
-    return sizes[:host], sizes[host:]
-
-
-def pinned(nbytes: float) -> float:
-    """torch's pinned host allocator rounds every block up to a power of two."""
-    return 0.0 if nbytes <= 0 else float(2 ** int(nbytes - 1).bit_length())
-
-
-def state_bytes(step: Step) -> int:
-    """Optimizer state bytes per parameter."""
-    return step.optimizer.state_bytes
-
-
-def ring_params(step: Step) -> float:
-    """Parameters whose state offload=optimizer's device ring holds at once: ``max_inflight`` chunks (AdamW and
-    SignSGD step larger parameters in pieces of a chunk: the largest chunk is a chunk), at most all of this rank's."""
-    return min(step.max_inflight * step.chunk_mib * 2**20 / 4, step.shapes.local_params(step.mesh))
-
-
 def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
     """``offload_pace``: with ``ac.offload_activations``, the share of forward's saved bytes PCIe moves while forward
     runs (``moe_lab.plan.step_time.offload_pace``; 1: all of it)."""
@@ -367,7 +295,7 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
 
     def resident(layer: int | None) -> float:
         """Layers' worth of saved tensors on the device at the loss (None) and in backward of ``layer``."""
-        if step.offload_activations:
+        if step.ac.offload_activations:
             return resident_layers(step, layer, offload_pace)
         return layers if layer is None else layer + 1
 
@@ -410,12 +338,12 @@ def plan_memory(step: Step, offload_pace: float = 1.0) -> Memory:
 def offloaded_bytes(step: Step) -> float:
     """Bytes ``ac.offload_activations`` sends to the host (and back) per micro-batch: every layer's saved tensors but
     the last layer's."""
-    if not step.offload_activations:
+    if not step.ac.offload_activations:
         return 0.0
     return max(step.cfg.num_layers - 1, 0) * saved_per_layer(step)
 
 
 def plan_host(step: Step) -> dict[str, float]:
     """Host memory of one rank by what holds it (``moe_lab.optim.offload``; offloaded activations)."""
-    activations = {"pinned activations": PINNED_ROUNDING * offloaded_bytes(step)} if step.offload_activations else {}
+    activations = {"pinned activations": PINNED_ROUNDING * offloaded_bytes(step)} if step.ac.offload_activations else {}
     return step.offload.host(step) | activations

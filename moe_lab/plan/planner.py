@@ -14,13 +14,11 @@ from moe_lab import config
 from moe_lab.config import ConfigError, Options
 from moe_lab.config.validate import check_target_node
 from moe_lab.metrics.flops import flops_per_token
-from moe_lab.moe.router import Router
-from moe_lab.optim.offload import Offload
 from moe_lab.optim.offload.host import HOST_RESERVE
-from moe_lab.parallel.ac import KEEP_SETS, kept_ops
+from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.memory import Memory, Step, plan_memory
-from moe_lab.plan.options import MODELS, PLANNED_GROUPS, model_of, named
+from moe_lab.plan.models import MODELS, PLANNED_GROUPS, model_of, named, with_values
 from moe_lab.plan.shapes import Mesh, Shapes
 from moe_lab.plan.step_time import offload_pace, plan_time
 from moe_lab.runtime.device import Target
@@ -82,14 +80,11 @@ def validated(cfg: DictConfig, hw: Hardware) -> tuple[DictConfig, Options]:
 
 
 def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Step:
-    """The plan's description of one rank's step, with each option's planner model (``moe_lab.plan.options``) and
-    the Step fields its values set; ``changes``: Step fields to set otherwise."""
-    model = options.model
-    built = {group: getattr(options, OPTION_FIELD[group]) for group in PLANNED_GROUPS}
-    models = {group: model_of(group, option) for group, option in built.items()}
-    fields = {k: v for group, option in built.items() for k, v in models[group].step_fields(option, train).items()}
+    """The plan's description of one rank's step: its shapes and mesh, and each built option's planner model
+    (``moe_lab.plan.models``); ``changes``: Step fields to set otherwise."""
+    models = {group: model_of(group, getattr(options, OPTION_FIELD[group])) for group in PLANNED_GROUPS}
     step = Step(
-        shapes=Shapes(model),
+        shapes=Shapes(options.model),
         mesh=Mesh(
             world=hw.gpus,
             gpus_per_node=hw.gpus_per_node,
@@ -101,10 +96,8 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         grad_accum=train.trainer.grad_accum,
         **models,
         compile=train.trainer.compile,
-        saved_ops=kept_ops(fields.get("keep", KEEP_SETS), declared_ops(models["dispatcher"])),
         grad_sync=train.parallel.grad_sync,
         reshard_after_forward=train.parallel.reshard_after_forward,
-        **fields,
     )
     return dataclasses.replace(step, **changes)
 
@@ -192,11 +185,6 @@ KEEP_CHOICES = (
 )
 
 
-def declared_ops(dispatcher) -> dict[str, frozenset]:
-    """The ops the router and the dispatcher (of planner model ``dispatcher``) declare for ac=selective to keep."""
-    return {"router": Router.saved_ops, "dispatcher": dispatcher.option_class.saved_ops}
-
-
 def room_settings(step: Step) -> list[dict]:
     """The settings of AC, ``ac.keep``, ``ac.offload_activations`` and ``dispatcher.save`` a step may take (offload
     of activations with ac=selective only compiled, as validation asks), each as the overrides that choose it."""
@@ -217,16 +205,15 @@ def room_settings(step: Step) -> list[dict]:
 
 
 def with_setting(step: Step, setting: dict) -> Step:
-    keep = tuple(setting.get("ac.keep", KEEP_SETS))
-    saved_ops = kept_ops(keep, declared_ops(step.dispatcher))
-    return dataclasses.replace(
-        step,
-        ac=named("ac", setting["ac"]),
-        keep=keep,
-        saved_ops=saved_ops,
-        fused_save=setting.get("dispatcher.save", "rows"),
-        offload_activations=setting.get("ac.offload_activations", False),
-    )
+    """``step`` under a setting of ``room_settings``: the ac option it names built with its ``ac.*`` values (the
+    others the class's defaults, as its yaml's), the dispatcher option with its ``dispatcher.*`` values."""
+
+    def values(group: str) -> dict:
+        return {k.removeprefix(f"{group}."): v for k, v in setting.items() if k.startswith(f"{group}.")}
+
+    ac = named("ac", setting["ac"]).option_class(**values("ac"))
+    dispatcher = with_values(step.dispatcher.option, **values("dispatcher"))
+    return dataclasses.replace(step, ac=model_of("ac", ac), dispatcher=model_of("dispatcher", dispatcher))
 
 
 def overrides_of(setting: dict) -> str:
@@ -278,12 +265,12 @@ def fastest_by_depth(step: Step, hw: Hardware, depths, seq_lens) -> list[dict]:
     return rows
 
 
-def offload_step(step: Step, mode: str, options_offload: Offload) -> Step:
-    """``step`` under the offload mode named ``mode``: with the configured option's values where it is that mode,
-    else with the mode's defaults."""
-    model = named("offload", mode)
-    offload = options_offload if model_of("offload", options_offload) is model else model.option_class()
-    return dataclasses.replace(step, offload=model, **model.step_fields(offload))
+def offload_step(step: Step, mode: str) -> Step:
+    """``step`` under the offload mode named ``mode``: with the configured option where it is that mode, else with
+    the mode's defaults."""
+    if step.offload.name == mode:
+        return step
+    return dataclasses.replace(step, offload=model_of("offload", named("offload", mode).option_class()))
 
 
 def offload_modes() -> list[str]:
@@ -307,7 +294,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = F
     ok, why = fits(step, hw)
     deepest = {}
     for mode in offload_modes() if search else ():
-        moded = offload_step(step, mode, options.offload)
+        moded = offload_step(step, mode)
         deepest[mode] = {
             "num_layers": largest(moded, hw, "num_layers", 1, max(4 * step.cfg.num_layers, 256)),
             "seq_len": largest(moded, hw, "seq_len", 128, options.model.max_position_embeddings, multiple=128),

@@ -29,7 +29,7 @@ Each category's time is its work over the rate the hardware profile gives for th
 - idle: the compute stream's launch gaps, a fixed time per step (``hardware.step_overhead_ms``).
 
 What an option changes (a dispatcher's rates and exchange, an AC mode's recompute, an offload mode's optimizer step
-and copies) is its planner model's (``moe_lab.plan.options``).
+and copies) is its planner model's (``moe_lab.plan.models``), asked for the step at hand.
 """
 
 from __future__ import annotations
