@@ -848,10 +848,10 @@ def render(doc: str) -> str:
     return BLOCK.sub(lambda m: m.group(1) + table(m["kind"], m["args"].split()) + m.group(5), doc)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="fail if a generated table is not what its records give")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     stale = []
     for path in DOCS:
         doc = path.read_text()

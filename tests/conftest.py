@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_tmp_path(tmp_path_factory):
+    """A directory all of this session's xdist workers share (each worker's base temp directory is below it; without
+    xdist, the session's own): what one worker makes there once, the others find."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
 
 
 @pytest.fixture

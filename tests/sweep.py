@@ -13,6 +13,8 @@ import runpy
 import subprocess
 from pathlib import Path
 
+from filelock import FileLock
+
 ROOT = Path(__file__).resolve().parents[1]
 INJECT = [
     ["oom", {"ac": "full", "optimizer": "signsgd"}],
@@ -51,12 +53,14 @@ def run_sweep(sweep_dir: Path, inject=INJECT, extra=()) -> subprocess.CompletedP
 
 
 def ensure_sweep(base: Path) -> Path:
-    """The sweep, made once per test session under ``base``."""
+    """The sweep, made once under ``base`` (conftest's ``shared_tmp_path``: once per session, whichever xdist worker
+    asks first; the others wait for it)."""
     sweep_dir = base / "sweep"
-    if not (base / "sweep.done").exists():
-        proc = run_sweep(sweep_dir)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        (base / "sweep.done").write_text(proc.stdout)
+    with FileLock(base / "sweep.lock"):
+        if not (base / "sweep.done").exists():
+            proc = run_sweep(sweep_dir)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            (base / "sweep.done").write_text(proc.stdout)
     return sweep_dir
 
 

@@ -40,8 +40,8 @@ def html(outputs) -> str:
     return "".join(o.get("data", {}).get("text/html", "") for o in outputs)
 
 
-def test_notebook_executes_on_a_real_sweep(tmp_path_factory, tmp_path):
-    outputs = execute(str(ensure_sweep(tmp_path_factory.getbasetemp())), tmp_path)
+def test_notebook_executes_on_a_real_sweep(shared_tmp_path, tmp_path):
+    outputs = execute(str(ensure_sweep(shared_tmp_path)), tmp_path)
     # speed/MFU bars, Pareto scatter, breakdown, loss curves, their differences, expert load per layer and over steps
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 6
     assert "12 points: 6 invalid, 4 ok, 1 oom, 1 error" in text(outputs)

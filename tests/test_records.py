@@ -23,8 +23,8 @@ from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
 
 
 @pytest.fixture(scope="module")
-def sweep_dir(tmp_path_factory) -> Path:
-    return ensure_sweep(tmp_path_factory.getbasetemp())
+def sweep_dir(shared_tmp_path) -> Path:
+    return ensure_sweep(shared_tmp_path)
 
 
 def _key(row) -> tuple:
