@@ -64,7 +64,6 @@ class Step:
     compile: bool
     grad_sync: str = "step"  # parallel.grad_sync
     reshard_after_forward: bool = True  # parallel.reshard_after_forward
-    fused_worst_case: bool = False  # size the fused op's buffers as before commit 0c0883f
 
     @property
     def tokens(self) -> int:

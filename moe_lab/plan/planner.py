@@ -79,11 +79,11 @@ def validated(cfg: DictConfig, hw: Hardware) -> tuple[DictConfig, Options]:
     return train, config.validate(train, planned_target(hw))
 
 
-def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Step:
+def step_of(train: DictConfig, options: Options, hw: Hardware) -> Step:
     """The plan's description of one rank's step: its shapes and mesh, and each built option's planner model
-    (``moe_lab.plan.models``); ``changes``: Step fields to set otherwise."""
+    (``moe_lab.plan.models``)."""
     models = {group: model_of(group, getattr(options, OPTION_FIELD[group])) for group in PLANNED_GROUPS}
-    step = Step(
+    return Step(
         shapes=Shapes(options.model),
         mesh=Mesh(
             world=hw.gpus,
@@ -99,7 +99,6 @@ def step_of(train: DictConfig, options: Options, hw: Hardware, **changes) -> Ste
         grad_sync=train.parallel.grad_sync,
         reshard_after_forward=train.parallel.reshard_after_forward,
     )
-    return dataclasses.replace(step, **changes)
 
 
 HOST_PROCESS = (
@@ -277,14 +276,13 @@ def offload_modes() -> list[str]:
     return [m.name for m in MODELS["offload"].values()]
 
 
-def plan(cfg: DictConfig, hw: Hardware | None = None, fused_worst_case: bool = False, search: bool = True) -> dict:
+def plan(cfg: DictConfig, hw: Hardware | None = None, search: bool = True) -> dict:
     """The plan of a composed ``moe_lab.plan`` config (``hw``: its hardware, built from ``cfg.hardware`` if None):
-    its metrics, in the result record's format, and the plan's own detail. ``fused_worst_case``: size the fused
-    dispatcher's buffers as the code before commit 0c0883f did (for records made then); ``search``: also find the
-    largest num_layers and seq_len that fit under each offload mode."""
+    its metrics, in the result record's format, and the plan's own detail. ``search``: also find the largest
+    num_layers and seq_len that fit under each offload mode."""
     hw = hw or build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
     train, options = validated(cfg, hw)
-    step = step_of(train, options, hw, fused_worst_case=fused_worst_case)
+    step = step_of(train, options, hw)
     memory = plan_memory(step, offload_pace(step, hw))
     time = plan_time(step, hw)
     fpt = flops_per_token(step.cfg, step.seq_len)

@@ -40,10 +40,6 @@ def record_overrides(record: dict) -> list[str]:
     return [o for o in record.get("overrides") or []] + _hardware(env.get("gpu"), int(record.get("world_size") or 1))
 
 
-# The commit from which the fused dispatcher's buffers follow the rows received (before it: the worst case).
-FUSED_RECEIVED_ROWS = "0c0883f"
-
-
 def made_before(record: dict, commit: str, repo: Path = REPO) -> bool:
     """Whether the code a record names (``environment.git_commit``) lacks ``commit``; a record naming no commit
     git knows here is taken to be older."""
@@ -70,7 +66,7 @@ def plan_record(record: dict, extra: list[str] = (), search: bool = False) -> di
                 if k in cfg[section] and k != "_target_"
             }
             cfg[section] = OmegaConf.merge(cfg[section], keep)
-    return plan(cfg, fused_worst_case=made_before(record, FUSED_RECEIVED_ROWS), search=search)
+    return plan(cfg, search=search)
 
 
 def plan_command(command: str, gpu: str, world: int = 1, extra: list[str] = ()) -> dict:

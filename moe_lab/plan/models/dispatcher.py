@@ -175,23 +175,16 @@ class FusedDispatcherPlan(DispatcherPlan):
         rule), DeepGEMM taken as importable there."""
         return align(self.option.gpu_backend(step.mesh.ep, deep_gemm_error=None))
 
-    def receive_rows(self, step: Step, worst_case: bool | None = None) -> float:
+    def receive_rows(self, step: Step) -> float:
         """Rows of the op's receive buffer and saved residuals (``moe_lab.moe.fused.layout``): the rows received,
-        each local expert's segment padded to the GEMM's alignment (half a block on average, one at least). Before
-        commit 0c0883f (``worst_case``) it was sized for every token of every EP peer sending min(K, L) rows here."""
-        worst_case = step.fused_worst_case if worst_case is None else worst_case
-        c, mesh, align = step.cfg, step.mesh, self.align(step)
-        local_experts = c.num_experts // mesh.ep
-        if worst_case:  # each local expert's segment rounded up to the alignment
-            rows = mesh.ep * step.tokens * min(c.num_experts_per_tok, local_experts)
-            return rows + local_experts * (align - 1)
+        each local expert's segment padded to the GEMM's alignment (half a block on average, one at least)."""
+        local_experts, align = step.cfg.num_experts // step.mesh.ep, self.align(step)
         per_expert = routed_rows(step) / local_experts
         padded = -(-per_expert // align) * align if per_expert == int(per_expert) else per_expert + align / 2
         return local_experts * max(padded, align)
 
     def kernel_rows(self, step: Step) -> float:
-        # the padded received rows (a worst-case buffer's unused rows are skipped)
-        return self.receive_rows(step, worst_case=False)
+        return self.receive_rows(step)
 
     def buffer_rows(self, step: Step) -> float:
         return self.receive_rows(step)
