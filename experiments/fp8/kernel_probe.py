@@ -8,8 +8,7 @@ Three sections, each in its own subprocess (a section that crashes or runs out o
 - ``base``: the experts' three GEMMs (fprop, dgrad, wgrad of gate/up and of down) in bf16 through
   ``torch._grouped_mm``, at the full-depth share (16 local experts x 8,192 rows: 16,384 tokens x top-8 over 16
   experts) and at 128 experts x 1,024 rows, for the 30B (hidden 2048, moe_intermediate 768) and 235B (4096 / 1536)
-  widths; and torchao's fused quantizer into DeepGEMM's k-grouped FP8 layout (what FP8 weight gradients would pay
-  before their GEMM).
+  widths.
 - ``experts@<version>``, one per sgl-deep-gemm wheel, each installed in its own ``--target`` folder: the same GEMMs in
   blockwise FP8 (``m_grouped_fp8_gemm_nt_contiguous`` for fprop and dgrad, 1x128 rows x 128x128 weight blocks;
   ``k_grouped_fp8_gemm_nt_contiguous`` for wgrad, 1x128 tiles along the rows on both operands, accumulating into
@@ -19,7 +18,9 @@ Three sections, each in its own subprocess (a section that crashes or runs out o
   fp32 weights under bf16 autocast (one rank's training), every cast included: bf16; torchao float8 training
   (tensorwise and rowwise recipes, eager and compiled); torchao's blockwise prototype (``Float8BlockwiseLinear``,
   cuBLAS and Triton GEMMs); DeepGEMM's dense ``fp8_gemm_nt`` (1x128 x 128x128 for fprop and dgrad, 1x128 x 1x128
-  for wgrad) with torchao's Triton quantizers and moe_lab's weight-block kernel.
+  for wgrad, in the first ``--deep-gemm`` wheel that imports) with torchao's Triton quantizers and moe_lab's
+  weight-block kernel; and torchao's fused quantizer of the experts' weight-gradient operands into DeepGEMM's
+  k-grouped FP8 layout (what FP8 weight gradients pay before their GEMM). ``--sections`` picks sections.
 
 DeepGEMM compiles each kernel on first use (nvcc, seconds each): before a section is timed, ``--warm-workers``
 processes make every first call in parallel into the section's own cache (DeepGEMM's JIT cache and Inductor's, both
@@ -131,7 +132,7 @@ def fp8_k_grouped(x, groups: int):
 
 def experts_points(kind: str):
     """(name, fields, fn(timer) -> fields) for every point of an expert section, in priority order: ``base`` is
-    torch's bf16 and torchao's k-grouped quantizer, ``experts`` DeepGEMM's FP8 then its bf16."""
+    torch's bf16, ``experts`` DeepGEMM's FP8 then its bf16."""
     impls = ["bf16_torch"] if kind == "base" else ["fp8_deep_gemm", "bf16_deep_gemm"]
     points = []
     for impl in impls:
@@ -141,8 +142,6 @@ def experts_points(kind: str):
                     fields = dict(model=model, layout=layout, gemm=gemm, impl=impl, flops=2 * groups * per * n * k)
                     run = functools.partial(_expert_point, op=op, impl=impl, groups=groups, per=per, n=n, k=k)
                     points.append((f"{model}/{layout}/{gemm}/{impl}", fields, run))
-    if kind == "base":
-        points += [_k_grouped_quant_point(model, layout) for layout in LAYOUTS for model in MODELS]
     return points
 
 
@@ -244,18 +243,21 @@ def _k_grouped_quant_point(model: str, layout: str):
 
 
 def dense_points():
-    """(name, fields, fn) for every dense-linear point, in priority order: eager variants per linear, then the
-    compiled ones."""
+    """(name, fields, fn) for every point of the dense section, in priority order: each linear's variants, as a
+    step runs them first (compiled; DeepGEMM's, eager), then torchao's eager ones and its blockwise prototype (whose
+    first calls can take minutes); then torchao's quantizer into DeepGEMM's k-grouped layout (what FP8 expert
+    weight gradients would pay before their GEMM)."""
     points = []
-    variants = ["bf16", "torchao_tensorwise", "torchao_rowwise", "torchao_blockwise", "torchao_blockwise_triton"]
-    variants += ["deep_gemm_blockwise", "torchao_tensorwise_compiled", "torchao_rowwise_compiled", "bf16_compiled"]
+    variants = ["bf16", "bf16_compiled", "torchao_tensorwise_compiled", "torchao_rowwise_compiled"]
+    variants += ["deep_gemm_blockwise", "torchao_tensorwise", "torchao_rowwise"]
+    variants += ["torchao_blockwise_triton", "torchao_blockwise"]
     for variant in variants:
         for model, (hidden, _, heads, kv_heads) in MODELS.items():
             for name, (fan_in, fan_out) in dense_linears(hidden, heads, kv_heads).items():
                 fields = dict(model=model, linear=name, impl=variant, in_features=fan_in, out_features=fan_out)
                 fields["flops"] = 3 * 2 * TOKENS * fan_in * fan_out  # fprop + dgrad + wgrad
                 points.append((f"{model}/{name}/{variant}", fields, _dense_runner(variant, fan_in, fan_out)))
-    return points
+    return points + [_k_grouped_quant_point(model, layout) for layout in LAYOUTS for model in MODELS]
 
 
 def _dense_runner(variant: str, fan_in: int, fan_out: int):
@@ -467,6 +469,7 @@ def main() -> None:
     parser.add_argument("--deep-gemm", action="append", default=[], help="an sgl-deep-gemm wheel (repeatable)")
     parser.add_argument("--tvm-ffi", default=None, help="the apache-tvm-ffi wheel the 0.1/0.2.0-0.2.2 wheels need")
     parser.add_argument("--budget", type=float, default=500, help="seconds for the whole probe")
+    parser.add_argument("--sections", default="base,experts,dense", help="which sections run (comma-separated)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warm-workers", type=int, default=8)
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: one section
@@ -519,11 +522,14 @@ def main() -> None:
         print(f"sgl-deep-gemm {version}: {info.get('imports')} {info.get('import_output', '').strip()[-200:]}")
     save()
 
-    # the sections, each given its share of what is left (base is quick: no JIT)
-    sections = [("base", None)] + [(f"experts@{v}", site) for v, site in importable]
-    newest = importable[-1][1] if importable else None
-    sections.append(("dense", newest))
-    record["dense_deep_gemm_version"] = importable[-1][0] if importable else None
+    # the sections, each given its share of what is left (base is quick: no JIT); DeepGEMM's dense GEMM in the
+    # first wheel that imports (the pinned one comes first)
+    chosen = args.sections.split(",")
+    sections = [("base", None)] if "base" in chosen else []
+    sections += [(f"experts@{v}", site) for v, site in importable] if "experts" in chosen else []
+    if "dense" in chosen:
+        sections.append(("dense", importable[0][1] if importable else None))
+        record["dense_deep_gemm_version"] = importable[0][0] if importable else None
     for i, (section, site) in enumerate(sections):
         remaining = len(sections) - i
         share = left() / remaining if section != "base" else min(90.0, left() / remaining)

@@ -21,6 +21,8 @@
 #                                        (0.1.5.post1, kernel_probe/0.2.1, 0.2.5); the attention projections in bf16 vs
 #                                        torchao float8 (tensorwise, rowwise, blockwise prototype) vs DeepGEMM's dense
 #                                        FP8 GEMM (about 8.5 minutes)
+#   bash experiments/fp8/run.sh kernel_probe_dense   its dense section alone (compiled torchao, DeepGEMM's dense GEMM
+#                                        in 0.1.5.post1, the k-grouped quantizer), the whole budget for it
 #   bash experiments/fp8/run.sh share_seq4096   the full-depth share (48 layers, 16 experts) at seq 4096 x batch 4:
 #                                        precision=fp8,bf16,fp8_experts x ac=selective,full (resume: STAMP=<stamp>)
 #   bash experiments/fp8/run.sh share_seq16384  the same at seq 16384 x batch 1
@@ -53,6 +55,9 @@ kernel_probe) out=$(record kernel_probe).json && timeout -k 10 510 python3 exper
        --deep-gemm .whl/sgl_deep_gemm-0.1.5.post1-*.whl --deep-gemm .whl/kernel_probe/sgl_deep_gemm-0.2.1-*.whl \
        --deep-gemm .whl/kernel_probe/sgl_deep_gemm-0.2.5-*.whl --tvm-ffi .whl/apache_tvm_ffi-*.whl --budget 480 \
        2>&1 | tee "${out%.json}.log" ;;
+kernel_probe_dense) out=$(record kernel_probe).json && timeout -k 10 510 python3 experiments/fp8/kernel_probe.py \
+       --out "$out" --sections dense --deep-gemm .whl/sgl_deep_gemm-0.1.5.post1-*.whl --tvm-ffi .whl/apache_tvm_ffi-*.whl \
+       --budget 480 2>&1 | tee "${out%.json}.log" ;;
 share_seq4096|share_seq16384) seq=${1#share_seq}; dir=$(record "e2e_48l16e_seq$seq") && timeout -k 30 "${BUDGET:-540}" \
        python3 -m moe_lab.train -m +experiment=full_depth hydra.sweep.dir="$dir" data.seq_len="$seq" \
        data.batch_size=$((16384 / seq)) ac=selective,full precision=fp8,bf16,fp8_experts "${@:2}" ;;
@@ -62,6 +67,6 @@ torchtitan_seq4096) out=$(record torchtitan_48l16e_seq4096).json && timeout 560 
 layer16k) out=$(record layer16k).json && timeout 420 python3 experiments/moe_layer/moe_layer.py \
        --models=qwen3_30b,qwen3_235b --tokens=16384 --routing=balanced --expert-precision=fp8 \
        --dispatchers=fused,fused_fp8 --iters=10 --profile --out "$out" ;;
-*) echo "usage: $0 probe|wgrad|layer|layer_accum|e2e|e2e_full_depth|quality|kernel_probe|share_seq4096|share_seq16384|torchtitan_seq4096|layer16k" >&2; exit 2 ;;
+*) echo "usage: $0 probe|wgrad|layer|layer_accum|e2e|e2e_full_depth|quality|kernel_probe|kernel_probe_dense|share_seq4096|share_seq16384|torchtitan_seq4096|layer16k" >&2; exit 2 ;;
 esac
 pack "${out:-$dir}"
