@@ -23,9 +23,10 @@ download sgl-deep-gemm==0.1.5.post1 apache-tvm-ffi==0.1.11
 # precision=fp8's dense linears: torchao's float8 training (0.18.0 supports torch >= 2.11; one abi3 wheel, no deps)
 download torchao==0.18.0
 # experiments/fp8/kernel_probe.py's other DeepGEMM candidates, each installed in its own --target folder by the probe
-# (kept out of .whl/*.whl: two versions there stop the --no-deps install). 0.2.1 is the newest whose _C.so links
-# no c10::cuda::CUDAErrorLogCapture (0.2.1.post1 and later do: a symbol torch 2.11 does not have, per nm -D);
-# 0.2.5, the newest, to record whether it imports all the same.
+# (kept out of .whl/*.whl: two versions there stop the --no-deps install): 0.2.1, the newest whose _C.so links no
+# c10::cuda::CUDAErrorLogCapture (0.2.1.post1 and later do: torch 2.11 lacks it), and 0.2.5, the newest. Measured
+# on the H200 (experiments/fp8/README.md, kernel choice): 0.2.1's calls misread torch 2.11's tensors and 0.2.5 does
+# not load; every release after 0.1.5.post1 was built against a newer torch, so 0.1.5.post1 stays pinned above.
 download_to() { local dir=$1; shift; mkdir -p "$dir"; download "$@"; mv .whl/sgl_deep_gemm-"${1#*==}"-*.whl "$dir"/; }
 download_to .whl/kernel_probe sgl-deep-gemm==0.2.1
 download_to .whl/kernel_probe sgl-deep-gemm==0.2.5
