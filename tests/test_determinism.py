@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from moe_lab.config.validate import validate
 from moe_lab.runtime import determinism
 from moe_lab.runtime.errors import ConfigError
 from moe_lab.runtime.paths import CONF_DIR
+from tests import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,8 +70,7 @@ def train(args: list[str], env_extra: dict | None = None, check: bool = True) ->
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "moe_lab.train", *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = cli.train_cli(*args, cwd=ROOT, env=env, timeout=1200)  # forked from the forkserver on a CPU machine
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

@@ -8,10 +8,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,14 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def train_cli(*overrides: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "moe_lab.train", *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli.train_cli(*overrides, cwd=cwd, env=env)  # forked from the forkserver: tests/cli.py
 
 
 def result(run_dir: Path) -> dict:
