@@ -38,10 +38,15 @@ FULL_DEPTH = [
 
 
 def step_and_hw(*overrides):
+    return search_inputs(*overrides)[:2]
+
+
+def search_inputs(*overrides):
+    """The step, its hardware and the training config the searches validate their settings against."""
     cfg = compose(FULL_DEPTH + list(overrides))
     hw = build_hardware(cfg.hardware)
     train, options = validated(cfg, hw)
-    return step_of(train, options, hw), hw
+    return step_of(train, options, hw), hw, train
 
 
 def test_save_modes_keep_what_the_op_returns():
@@ -135,11 +140,11 @@ def test_offload_with_eager_selective_is_refused():
 
 
 def test_fastest_fitting_is_the_fastest_setting_that_fits():
-    step, hw = step_and_hw("ac=selective")
-    for row in fastest_by_depth(step, hw, [48], [16384, 32768]):
+    step, hw, train = search_inputs("ac=selective")
+    for row in fastest_by_depth(step, hw, train, [48], [16384, 32768]):
         shaped = dataclasses.replace(step, seq_len=row["seq_len"])
         timed = []
-        for setting in room_settings(shaped):
+        for setting in room_settings(shaped, train):
             candidate = with_setting(shaped, setting)
             if fits(candidate, hw)[0]:
                 timed.append(plan_time(candidate, hw)["step_s"])
@@ -153,7 +158,7 @@ def test_fastest_fitting_is_the_fastest_setting_that_fits():
 def test_of_tied_settings_the_one_with_more_room_is_chosen():
     """Fused + none and fused + selective (keeping everything) plan at the same step; the search picks selective,
     which leaves more memory, over none."""
-    step, hw = step_and_hw("ac=selective", "model.num_layers=8")
+    step, hw, train = search_inputs("ac=selective", "model.num_layers=8")
     tied = {
         ac: with_setting(step, {"ac": ac, **({"ac.keep": list(KEEP_SETS)} if ac == "selective" else {})})
         for ac in ("none", "selective")
@@ -161,4 +166,13 @@ def test_of_tied_settings_the_one_with_more_room_is_chosen():
     times = {ac: plan_time(s, hw)["step_s"] for ac, s in tied.items()}
     assert times["none"] == pytest.approx(times["selective"], rel=TIE)
     assert plan_memory(tied["none"]).peak > plan_memory(tied["selective"]).peak
-    assert "ac=none" not in fastest_fitting(step, hw)["overrides"]
+    assert "ac=none" not in fastest_fitting(step, hw, train)["overrides"]
+
+
+def test_the_search_offers_what_the_options_accept():
+    """The settings searched are those their options' own validate accepts: activation offload with ac=selective
+    only compiled, with ac=none either way, never with ac=full (no such key)."""
+    for compiled in (True, False):
+        step, _, train = search_inputs("ac=selective", f"trainer.compile={str(compiled).lower()}")
+        offloaded = {s["ac"] for s in room_settings(step, train) if s.get("ac.offload_activations")}
+        assert offloaded == ({"none", "selective"} if compiled else {"none"})

@@ -35,6 +35,7 @@ import torch
 
 from moe_lab.moe.router import Router
 from moe_lab.plan.shapes import Mesh, Shapes
+from moe_lab.runtime.device import Target
 
 GIB = 2**30
 _aten = torch.ops.aten
@@ -61,6 +62,7 @@ class Step:
     optimizer: Any
     precision: Any
     loss: Any
+    target: Target  # where it runs, as validation is told (``moe_lab.plan.planner.planned_target``)
     compile: bool
     grad_sync: str = "step"  # parallel.grad_sync
     reshard_after_forward: bool = True  # parallel.reshard_after_forward

@@ -6,6 +6,7 @@ that fit under each offload mode.
 from __future__ import annotations
 
 import dataclasses
+from inspect import signature
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -95,6 +96,7 @@ def step_of(train: DictConfig, options: Options, hw: Hardware) -> Step:
         batch_size=train.data.batch_size,
         grad_accum=train.trainer.grad_accum,
         **models,
+        target=planned_target(hw),
         compile=train.trainer.compile,
         grad_sync=train.parallel.grad_sync,
         reshard_after_forward=train.parallel.reshard_after_forward,
@@ -184,14 +186,19 @@ KEEP_CHOICES = (
 )
 
 
-def room_settings(step: Step) -> list[dict]:
-    """The settings of AC, ``ac.keep``, ``ac.offload_activations`` and ``dispatcher.save`` a step may take (offload
-    of activations with ac=selective only compiled, as validation asks), each as the overrides that choose it."""
+def room_settings(step: Step, train: DictConfig) -> list[dict]:
+    """The settings of AC, ``ac.keep``, ``ac.offload_activations`` and ``dispatcher.save`` a step may take, each as
+    the overrides that choose it: those whose options, built with them, accept the config ``train`` on the step's
+    target (their own ``validate``: offload of activations with ac=selective only compiled, for one)."""
     acs = [{"ac": "none"}, {"ac": "full"}] + [{"ac": "selective", "ac.keep": list(keep)} for keep in KEEP_CHOICES]
     saves = step.dispatcher.save_modes(step) or (None,)
     out = []
     for ac in acs:
-        offloads = (False, True) if ac["ac"] == "none" or (ac["ac"] == "selective" and step.compile) else (False,)
+        offloads = (
+            (False, True)
+            if "offload_activations" in signature(named("ac", ac["ac"]).option_class).parameters
+            else (False,)
+        )
         for offload in offloads:
             for save in saves:
                 setting = dict(ac)
@@ -199,8 +206,19 @@ def room_settings(step: Step) -> list[dict]:
                     setting["ac.offload_activations"] = True
                 if save is not None:
                     setting["dispatcher.save"] = save
-                out.append(setting)
+                if accepts(with_setting(step, setting), train):
+                    out.append(setting)
     return out
+
+
+def accepts(step: Step, train: DictConfig) -> bool:
+    """Whether the step's ac and dispatcher options accept ``train`` on its target."""
+    try:
+        for option in (step.ac.option, step.dispatcher.option):
+            option.validate(train, step.target)
+    except ConfigError:
+        return False
+    return True
 
 
 def with_setting(step: Step, setting: dict) -> Step:
@@ -228,11 +246,11 @@ def overrides_of(setting: dict) -> str:
 TIE = 0.01
 
 
-def fastest_fitting(step: Step, hw: Hardware) -> dict | None:
+def fastest_fitting(step: Step, hw: Hardware, train: DictConfig) -> dict | None:
     """The fastest of ``room_settings`` that fits on ``hw`` (its overrides, tokens/s, step time, peak), or None; of
     settings within ``TIE`` of the fastest, the one with the lowest peak."""
     fitting = []
-    for setting in room_settings(step):
+    for setting in room_settings(step, train):
         candidate = with_setting(step, setting)
         if fits(candidate, hw)[0]:
             fitting.append((plan_time(candidate, hw)["step_s"], setting, candidate))
@@ -254,13 +272,13 @@ def fastest_fitting(step: Step, hw: Hardware) -> dict | None:
     }
 
 
-def fastest_by_depth(step: Step, hw: Hardware, depths, seq_lens) -> list[dict]:
+def fastest_by_depth(step: Step, hw: Hardware, train: DictConfig, depths, seq_lens) -> list[dict]:
     """``fastest_fitting`` at each depth (num_layers) and sequence length: the room a setting leaves, per shape."""
     rows = []
     for layers in depths:
         for seq in seq_lens:
             shaped = dataclasses.replace(_with(step, "num_layers", layers), seq_len=seq)
-            rows.append({"num_layers": layers, "seq_len": seq, "fastest": fastest_fitting(shaped, hw)})
+            rows.append({"num_layers": layers, "seq_len": seq, "fastest": fastest_fitting(shaped, hw, train)})
     return rows
 
 
@@ -301,7 +319,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, search: bool = True) -> di
         "allocator_slack_gib": (ALLOCATOR_RESERVE - 1) * memory.peak / GIB,
         "reserved_gib": reserved_bytes(memory) / GIB,
     }
-    fastest = fastest_fitting(step, hw) if search else None
+    fastest = fastest_fitting(step, hw, train) if search else None
     metrics = {
         "s_per_step": time["step_s"],
         "tokens_per_s_per_gpu": tokens_per_s,

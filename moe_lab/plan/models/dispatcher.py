@@ -171,9 +171,9 @@ class FusedDispatcherPlan(DispatcherPlan):
         return tuple(SAVES)  # at either precision
 
     def align(self, step: Step) -> int:
-        """Rows per expert segment of its op's buffers: its GPU backend's at the step's EP degree (the option's own
-        rule), DeepGEMM taken as importable there."""
-        return align(self.option.gpu_backend(step.mesh.ep, deep_gemm_error=None))
+        """Rows per expert segment of its op's buffers: those of the GPU backend it runs at the step's EP degree on
+        the step's target (the option's own rule)."""
+        return align(self.option.gpu_backend(step.mesh.ep, step.target.deep_gemm_error))
 
     def receive_rows(self, step: Step) -> float:
         """Rows of the op's receive buffer and saved residuals (``moe_lab.moe.fused.layout``): the rows received,
