@@ -10,8 +10,10 @@
   host knows, so no count is read back (``aligned_layout``), on CPU it emulates.
 - ``quantize_rows`` / ``dequantize_rows``: the Triton row quantizers (``moe_lab.moe.fp8.kernels``) launched.
 
-Weight gradients stay bf16 grouped GEMMs (``torch._grouped_mm``) on the bf16 rows or the FP8 rows dequantized
-(experiments/fp8/README.md says why); ``weight_gradient`` is where that choice is made.
+Weight gradients: where ``fp8_weight_gradients_pay`` (a rule on shapes alone), the fused op's gpu backend runs them
+in FP8 (``deep_gemm_weight_gradient``: DeepGEMM 0.1.5's k-grouped kernel on operands requantized in 1x128 tiles
+along the rows, ``quantize_k_tiles``); elsewhere, and always in the torch dispatcher (``weight_gradient``), bf16
+grouped GEMMs (``torch._grouped_mm``) on the bf16 rows or the FP8 rows dequantized.
 """
 
 from __future__ import annotations
@@ -69,6 +71,78 @@ def emulated_nt(a_q: Tensor, a_scale: Tensor, w: tuple[Tensor, Tensor], j: int, 
     ``dtype``."""
     w_j = quant.dequantize_blocks(w[0][j : j + 1], w[1][j : j + 1])[0]
     return (quant.dequantize_rows(a_q, a_scale) @ w_j.T).to(dtype)
+
+
+# FP8 weight gradients where the experts average at least this many rows each (the GEMMs' k). The H200 kernel probe
+# (experiments/fp8/records/h200_kernel_probe/2026-12-03_14-20.json) timed DeepGEMM's k-grouped FP8 wgrad against
+# torch's bf16 one at 8,192 rows an expert: 1.06-1.34x (30B and 235B, gate/up and down), and at 1,024: 0.83-0.89x;
+# nothing between, so the rule starts at the measured point that pays.
+FP8_WGRAD_MIN_ROWS = 8192
+
+
+def fp8_weight_gradients_pay(rows: int, local_experts: int) -> bool:
+    """The rule, on shapes alone (no host sync): FP8 weight gradients where ``rows`` (this rank's received rows: at
+    planning, tokens x top-k) over ``local_experts`` reaches ``FP8_WGRAD_MIN_ROWS``."""
+    return rows >= FP8_WGRAD_MIN_ROWS * local_experts
+
+
+def quantize_k_tiles(x: Tensor, ends: Tensor, x_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x [R, W] (bf16, or e4m3 with its 1x128 ``x_scale`` [R, W / 128]), expert segments ending at ``ends`` (each a
+    multiple of 128 rows) -> DeepGEMM's k-grouped operand: (flat e4m3, each expert's x^T back to back; scales
+    [W, R / 128] as a transposed view of [R / 128, W], the layout the kernel probe hands DeepGEMM), in one kernel."""
+    rows, width = x.shape
+    q = torch.empty(rows * width, dtype=FP8, device=x.device)
+    scale = torch.empty(rows // TILE, width, dtype=torch.float32, device=x.device)
+    if rows:
+        block = 128
+        kernels.quantize_k_tiles_kernel[(rows // TILE, triton.cdiv(width, block))](
+            x,
+            x if x_scale is None else x_scale,
+            q,
+            scale,
+            ends,
+            ends.shape[0],
+            width,
+            ROW_SCALED=x_scale is not None,
+            EXPERTS=triton.next_power_of_2(ends.shape[0]),
+            BLOCK=block,
+        )
+    return q, scale.t()
+
+
+class HostCopy:
+    """A small device tensor copied to pinned host memory behind the work queued so far: ``tolist`` waits for that
+    copy only (made at the start of backward, read at its weight gradients: the GPU keeps the work queued between)."""
+
+    def __init__(self, t: Tensor):
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def tolist(self) -> list:
+        self.copied.synchronize()
+        return self.host.tolist()
+
+
+def deep_gemm_weight_gradient(grad: Tensor, rows: tuple, ends: Tensor, ks: list[int]) -> Tensor:
+    """sum over each expert's rows of grad^T rows -> fp32 [L, N, K] (an expert without rows zero), through DeepGEMM's
+    k-grouped FP8 kernel: ``grad`` bf16 [R, N] and ``rows`` (bf16 [R, K],) or (e4m3, 1x128 scales) requantized
+    along the rows (``quantize_k_tiles``); ``ends`` [L] each expert's end row, ``ks`` the same sizes on the host
+    (the kernel takes them there)."""
+    import deep_gemm
+
+    a, b = quantize_k_tiles(grad, ends), quantize_k_tiles(rows[0], ends, *rows[1:])
+    out = torch.zeros(ends.shape[0], grad.shape[1], rows[0].shape[1], dtype=torch.float32, device=ends.device)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).to(torch.int32)
+    deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a, b, out, ks, sizes, c=out)
+    return out
+
+
+def emulated_weight_gradient(grad: Tensor, rows: Tensor) -> Tensor:
+    """One expert's FP8 weight gradient in plain PyTorch: both operands quantized per 128 rows of each column
+    (``quant.quantize_cols``), dequantized, grad^T rows in fp32."""
+    return quant.dequantize_cols(*quant.quantize_cols(grad)).T @ quant.dequantize_cols(*quant.quantize_cols(rows))
 
 
 def weight_gradient(grad: Tensor, rows: Tensor, offs: Tensor) -> Tensor:

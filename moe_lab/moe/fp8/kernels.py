@@ -187,3 +187,43 @@ def weight_blocks_kernel(w_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, N: tl.con
         tl.store(qt_ptr + k[:, None] * N + n[None, :], tl.trans(q))  # transposed in registers: coalesced
     tl.store(scale_ptr + (e * (N // 128) + bn) * (K // 128) + bk, scale)
     tl.store(scale_t_ptr + (e * (K // 128) + bk) * (N // 128) + bn, scale)
+
+
+@triton.jit
+def quantize_k_tiles_kernel(
+    x_ptr,
+    x_scale_ptr,
+    q_ptr,
+    scale_ptr,
+    ends_ptr,
+    num_experts,
+    width,
+    ROW_SCALED: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A weight gradient's operand: x [R, width], each expert's rows a segment ending at ends[e] (every segment a
+    whole number of 128-row tiles; e4m3 with 1x128 scales along the width where ROW_SCALED: the rows as forward keeps
+    them) -> DeepGEMM's k-grouped operand: each expert's e4m3 x^T [width, rows_e] back to back (flat), and scales
+    [R / 128, width], one per 128x1 tile (128 rows of a column: the GEMM's reduction runs along the rows). One program
+    per 128-row tile and BLOCK columns: the column amax over the tile, then the quantized tile stored transposed."""
+    tile = tl.program_id(0).to(tl.int64)
+    first = tile * 128
+    rows = tl.arange(0, 128)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < width
+    experts = tl.arange(0, EXPERTS)
+    ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=0).to(tl.int64)
+    start = tl.max(tl.where(ends <= first, ends, 0), axis=0)  # this tile's expert's segment
+    end = tl.min(tl.where(ends > first, ends, tl.max(ends, axis=0)), axis=0)
+    at = (first + rows)[:, None] * width + cols[None, :]
+    vals = tl.load(x_ptr + at, mask=live[None, :], other=0.0).to(tl.float32)
+    if ROW_SCALED:
+        row_tiles = width // 128
+        vals *= tl.load(x_scale_ptr + (first + rows)[:, None] * row_tiles + cols[None, :] // 128, mask=live[None, :])
+    scale = tl.max(tl.abs(vals), axis=0) / 448.0
+    scale = tl.where(scale > 0, scale, 1.0)
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale[None, :]), -448.0), 448.0))
+    dest = start * width + cols[None, :].to(tl.int64) * (end - start) + (first - start + rows)[:, None]
+    tl.store(q_ptr + dest, q.to(q_ptr.dtype.element_ty), mask=live[None, :])
+    tl.store(scale_ptr + tile * width + cols, scale, mask=live)

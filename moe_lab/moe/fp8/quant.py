@@ -53,3 +53,20 @@ def transpose_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
         return t.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # a copy even where a view is contiguous
 
     return transposed(q), transposed(scale)
+
+
+def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[K, M] -> (e4m3 [K, M], fp32 scales [ceil(K / 128), M]): one scale per 128x1 tile of each column, K padded
+    with zero rows to whole tiles (as each expert's rows are in the gpu backend's layout). The weight gradient's
+    operands: its GEMM reduces over K."""
+    k, m = x.shape
+    tiles = -(-k // TILE)
+    padded = x.float().new_zeros(tiles * TILE, m)
+    padded[:k] = x.float()
+    scale = _scale(padded.view(tiles, TILE, m).abs().amax(1))
+    q = (padded.view(tiles, TILE, m) / scale[:, None, :]).to(FP8).view(tiles * TILE, m)
+    return q[:k], scale
+
+
+def dequantize_cols(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(TILE, 0)[: q.shape[0]]

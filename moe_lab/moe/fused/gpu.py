@@ -1,5 +1,6 @@
 """The ``gpu`` backend: Triton dispatch / SwiGLU / combine kernels around grouped GEMMs, with one host sync per
-forward (the receive-buffer sizes, ``moe_lab.moe.fused.layout``) and none in backward.
+forward (the receive-buffer sizes, ``moe_lab.moe.fused.layout``) and none in backward but FP8 weight gradients'
+segment sizes (see ``Fp8``).
 
 Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each slot tells its owner
 where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's buffer); the owner pulls
@@ -13,13 +14,15 @@ holds exactly this rank's received rows plus per-expert alignment. At EP > 1 the
 are torch symmetric memory (CUDA backend, NVLink peer access; multicast stays off), reused across calls (see
 ``_Exchange``); device-side barriers order the phases.
 ``gpu_deep_gemm`` runs the forward and input-gradient GEMMs with DeepGEMM's m-grouped contiguous bf16 kernels;
-weight gradients always use ``torch._grouped_mm`` (DeepGEMM's k-grouped kernel takes its group sizes on the host).
+bf16 weight gradients always use ``torch._grouped_mm``.
 
 The precision seam (``Bf16``, ``Fp8``) holds what the experts' precision changes: the rows dispatch moves (FP8:
 quantized per token before, so they travel and are kept in e4m3 with their scales), the grouped GEMMs (FP8:
 DeepGEMM's m-grouped FP8 kernel, ``moe_lab.moe.fp8.grouped``), the SwiGLU kernels (FP8: they quantize what they
-make, ``moe_lab.moe.fp8.kernels``) and the weight gradients (``weight_gradients``: bf16 grouped GEMMs at either
-precision, on the FP8 rows dequantized). Forward and backward are written once over it. No host sync beyond the
+make, ``moe_lab.moe.fp8.kernels``) and the weight gradients (``weight_gradients``: at FP8, DeepGEMM's k-grouped
+FP8 kernel where ``moe_lab.moe.fp8.grouped.fp8_weight_gradients_pay`` says so from the shapes, its segment sizes
+copied to the host asynchronously at backward's start and waited for at its weight gradients; else bf16 grouped
+GEMMs, on the FP8 rows dequantized). Forward and backward are written once over it. No host sync beyond the
 layout's one per forward at either precision.
 """
 
@@ -378,6 +381,11 @@ class Fp8(Bf16):
         super().__init__(gemms, gate_up_proj, down_proj, weights)
         self.gate_up_w, self.gate_up_wt = tuple(weights[0:2]), tuple(weights[2:4])
         self.down_w, self.down_wt = tuple(weights[4:6]), tuple(weights[6:8])
+        self.fp8_wgrad = grouped.fp8_weight_gradients_pay(gemms.m_indices.shape[0], gate_up_proj.shape[0])
+        # DeepGEMM's k-grouped kernel takes the segment sizes on the host: copied now, read at the weight gradients
+        # (forward makes the copy too and never waits for it: a few bytes)
+        if self.fp8_wgrad:
+            self.segment_ends = grouped.HostCopy(gemms.offs)
 
     def _nt(self, operand, w):
         return grouped.deep_gemm_nt(self.gemms.m_indices, *operand, w)
@@ -420,6 +428,20 @@ class Fp8(Bf16):
 
     def wgrad_rows(self, rows, dtype):
         return grouped.dequantize_rows(*rows, dtype)
+
+    def weight_gradients(self, dy_routed, act_weighted, d_gate_up, rows):
+        """-> fp32 (d_gate_up_proj, d_down_proj) through DeepGEMM's k-grouped FP8 kernel where the rule picks it
+        (``grouped.fp8_weight_gradients_pay``): the bf16 gradients, the weighted activation and the kept FP8 rows
+        requantized in 1x128 tiles along the rows; else bf16's."""
+        if not self.fp8_wgrad:
+            return super().weight_gradients(dy_routed, act_weighted, d_gate_up, rows)
+        ends = self.segment_ends.tolist()
+        ks = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+        offs = self.gemms.offs
+        return (
+            grouped.deep_gemm_weight_gradient(d_gate_up, rows, offs, ks),
+            grouped.deep_gemm_weight_gradient(dy_routed, (act_weighted,), offs, ks),
+        )
 
 
 PRECISIONS = {"bf16": Bf16, "fp8": Fp8}

@@ -6,7 +6,7 @@ is tested against. Its buffers are this rank's slots (T x K rows) on the sending
 the other, as the ``gpu`` backend's.
 
 The precision seam (``Bf16``, ``Fp8``) holds what the experts' precision changes: the rows before dispatch, each
-expert's GEMMs and the rows its weight gradient reads. ``Fp8`` computes what the gpu backend's FP8 path computes:
+expert's GEMMs and its weight gradients. ``Fp8`` computes what the gpu backend's FP8 path computes:
 every operand the GPU quantizes is quantized here with the same tiles and scales (``moe_lab.moe.fp8.quant``),
 dequantized and multiplied in fp32, each GEMM's output rounded to the compute dtype as DeepGEMM's is.
 """
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_lab.moe.fp8 import quant
-from moe_lab.moe.fp8.grouped import emulated_nt
+from moe_lab.moe.fp8.grouped import emulated_nt, emulated_weight_gradient, fp8_weight_gradients_pay
 from moe_lab.moe.fused.layout import routing_layout
 from moe_lab.moe.fused.ops import Backend, kept_residuals, register_backend
 
@@ -102,6 +102,11 @@ class Bf16:
         """The received rows as the gate/up weight gradient reads them."""
         return rows[0]
 
+    def weight_gradients(self, dy, act_weighted, d_gate_up, rows, num_rows, dtype):
+        """Expert j's (d_gate_up_proj[j], d_down_proj[j]) from its rows' output gradient, weighted activation and
+        gate/up gradient (both fp32) and received rows; ``num_rows``: this rank's received rows."""
+        return d_gate_up.to(dtype).T @ self.wgrad_rows(rows, dtype), dy.T @ act_weighted.to(dtype)
+
 
 class Fp8(Bf16):
     """The experts in blockwise FP8, emulated: x quantized per token before dispatch, each GEMM's other operand where
@@ -128,6 +133,16 @@ class Fp8(Bf16):
 
     def wgrad_rows(self, rows, dtype):
         return quant.dequantize_rows(*rows).to(dtype)
+
+    def weight_gradients(self, dy, act_weighted, d_gate_up, rows, num_rows, dtype):
+        """FP8 where the gpu backend's rule picks it (on this rank's rows and experts): every operand in the compute
+        dtype (the rows dequantized), quantized per 128 rows of each column, multiplied in fp32; else bf16's."""
+        if not fp8_weight_gradients_pay(num_rows, self.gate_up_w[0].shape[0]):
+            return super().weight_gradients(dy, act_weighted, d_gate_up, rows, num_rows, dtype)
+        return (
+            emulated_weight_gradient(d_gate_up.to(dtype), quant.dequantize_rows(*rows)),
+            emulated_weight_gradient(dy, act_weighted.to(dtype)),
+        )
 
 
 PRECISIONS = {"bf16": Bf16, "fp8": Fp8}
@@ -210,9 +225,9 @@ def backward(dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, p
         d_act = d_act_weighted * w
         d_gate_up = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=-1)
         dx_routed[s:e] = p.gate_up_input_grad(d_gate_up, j, dtype)
-        # the weight gradients: bf16 at either precision
-        d_down_proj[j] = dy_routed[s:e].T @ (act * w).to(dtype)
-        d_gate_up_proj[j] = d_gate_up.to(dtype).T @ p.wgrad_rows((rows[0][s:e], rows[1][s:e]), dtype)
+        d_gate_up_proj[j], d_down_proj[j] = p.weight_gradients(
+            dy_routed[s:e], act * w, d_gate_up, (rows[0][s:e], rows[1][s:e]), num_rows, dtype
+        )
     dx = gather_from_owners(dx_routed, flat_pos, dest, group).view(num_tokens, top_k, -1).float().sum(1)
     d_weights = gather_from_owners(d_row_weight.unsqueeze(1), flat_pos, dest, group).view(num_tokens, top_k)
     return dx.to(dy.dtype), d_weights, d_gate_up_proj, d_down_proj
