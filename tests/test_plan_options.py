@@ -54,3 +54,16 @@ def test_an_optimizer_option_is_modelled_by_its_class():
 
     assert option_class(functools.partial(torch.optim.AdamW, lr=1e-3)) is torch.optim.AdamW
     assert model_of("optimizer", functools.partial(torch.optim.AdamW, lr=1e-3)).name == "adamw"
+
+
+def test_each_model_holds_the_option_validate_built():
+    """A plan's step holds, per group, the planner model of the very option ``moe_lab.config.validate`` built."""
+    from moe_lab.plan.config import compose
+    from moe_lab.plan.planner import OPTION_FIELD, build_hardware, step_of, validated
+
+    cfg = compose(["model=qwen3_30b", "model.num_layers=2", "dispatcher=fused", "loss=chunked", "offload=optimizer"])
+    hw = build_hardware(cfg.hardware)
+    train, options = validated(cfg, hw)
+    step = step_of(train, options, hw)
+    for group in PLANNED_GROUPS:
+        assert getattr(step, group).option is getattr(options, OPTION_FIELD[group]), group
