@@ -194,12 +194,8 @@ def room_settings(step: Step, train: DictConfig) -> list[dict]:
     saves = step.dispatcher.save_modes(step) or (None,)
     out = []
     for ac in acs:
-        offloads = (
-            (False, True)
-            if "offload_activations" in signature(named("ac", ac["ac"]).option_class).parameters
-            else (False,)
-        )
-        for offload in offloads:
+        takes_offload = "offload_activations" in signature(named("ac", ac["ac"]).option_class).parameters
+        for offload in (False, True) if takes_offload else (False,):
             for save in saves:
                 setting = dict(ac)
                 if offload:
