@@ -82,15 +82,17 @@ def shared_run_dir(run_dir: str) -> str:
     return holder[0]
 
 
-def launch_local(nproc: int, entrypoint: Callable, *args):
+def launch_local(nproc: int, entrypoint: Callable, *args, cuda: bool):
     """Run ``entrypoint(*args)`` on ``nproc`` new processes of this host; returns rank 0's return value.
     A failing rank stops all of them and raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
     (``RanksFailed`` tells its story).
 
-    The ranks fork from multiprocessing's forkserver, a process that imported the entrypoint's module (torch and the
-    package with it) once, instead of each importing them again (seconds a rank). The server initialized nothing (no
-    CUDA, no process group), so each rank still starts clean, in this process's environment and directory."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload([entrypoint.__module__])  # if not yet started
+    CPU ranks fork from multiprocessing's forkserver, a process that imported the entrypoint's module (torch and the
+    package with it) once, instead of each importing them again (seconds a rank); the server initialized no process
+    group, so each rank still starts clean, in this process's environment and directory. ``cuda`` ranks start as
+    fresh interpreters: a fork keeps whatever an import did to the CUDA driver."""
+    if not cuda:
+        multiprocessing.get_context("forkserver").set_forkserver_preload([entrypoint.__module__])  # if not started
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -103,14 +105,15 @@ def launch_local(nproc: int, entrypoint: Callable, *args):
         rdzv_configs={"is_host": True},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="forkserver",
+        start_method="spawn" if cuda else "forkserver",
     )
     return elastic_launch(config, _as_launched)(dict(os.environ), os.getcwd(), entrypoint, *args)[0]
 
 
 def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
     """A rank: ``entrypoint(*args)`` in the launcher's environment and directory (a forked rank has the server's,
-    which may be older) with elastic's variables for this rank (what it set differs from the server's)."""
+    which may be older) with elastic's variables for this rank (what it set differs from the server's; a spawned
+    rank imported this module in the launcher's environment, so there it changes nothing)."""
     rank_variables = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRON.get(k) != v}
     os.environ.clear()
     os.environ.update({**environ, **rank_variables})

@@ -250,7 +250,9 @@ def _run_point(
     try:
         if spawns_ranks(cfg) and not outer:
             # Fresh processes build their own options from the resolved config.
-            return launch_local(cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta)
+            return launch_local(
+                cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta, cuda=runs_on_cuda(cfg.trainer)
+            )
         return worker(resolved, str(run_dir), meta, options, stop)
     except Exception as e:
         # The ranks this job started exit on a signal (SystemExit) once rank 0 has recorded it; when the launcher got
