@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
+from moe_lab.moe.fp8.grouped import fp8_weight_gradients_pay
 from moe_lab.moe.fused.ops import SAVES, align
 from moe_lab.parallel.ac import KEEP_SETS, kept_ops
 from moe_lab.plan.memory import Step, routed_rows
@@ -30,11 +31,24 @@ FP8_GLUE_BYTES_PER_ELEMENT = 1.5
 ALIGNED_LAYOUT_BYTES_PER_ELEMENT = 6.0
 FUSED_GLUE_BYTES_PER_ELEMENT = 10.25  # the fused op's dispatch, SwiGLU and combine kernels (bf16)
 FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 10.0
+# The fused op's FP8 weight gradients (where ``moe_lab.moe.fp8.grouped.fp8_weight_gradients_pay``): DeepGEMM 0.1.5's
+# k-grouped FP8 kernel reached 890 TFLOP/s on the H200 at 16 experts x 8,192 rows, gate/up and down together, for
+# both the 30B and the 235B widths (experiments/fp8/records/h200_kernel_probe/2026-12-03_14-20.json: 796-954 each),
+# 0.45 of the FP8 peak. The planner bills a pass either at the bf16 grouped rate or at the FP8 one: this share of
+# the weight gradients' pass at the FP8 rate (the rest at bf16's) gives 890 at the H200 profile's rates
+# (0.64 x 989 and 0.66 x 1979 TFLOP/s): x / 1306 + (1 - x) / 633 = 1 / 890.
+FP8_WGRAD_FP8_SHARE = 0.56
+# Their operands requantized in 128-row tiles (moe_lab.moe.fp8.kernels.quantize_k_tiles: each read, written as e4m3
+# with a scale per 128), less the bf16 path's dequantization of the kept rows, per routed row element (H wide) over
+# backward's two passes, at the Qwen3 experts' moe_intermediate = 0.375 x hidden (30B and 235B alike): the gate/up
+# gradient 2 x 0.375 x 3 + the FP8 rows 2 + the output gradient 3 + the activation 0.375 x 3 - the dequantization 3
+# = 5.4 bytes, an estimate from the bytes moved (the probe's quantizer point ran out of its time budget).
+FP8_WGRAD_GLUE_BYTES_PER_ELEMENT = 5.4 / 2
 
 
 class DispatcherPlan(OptionModel):
     """What either dispatcher's plan shares: its ``expert_precision`` (nothing added at bf16; FP8: the expert GEMMs
-    but the weight gradients' at the FP8 rate, the per-step weight copies and their quantization) and the ac.keep set
+    but the weight gradients' at the FP8 rate (the fused op's weight gradients too where its rule picks FP8), the per-step weight copies and their quantization) and the ac.keep set
     of its expert GEMMs."""
 
     expert_gemm_op: object  # the op its expert GEMMs run as (or inside)
@@ -190,7 +204,17 @@ class FusedDispatcherPlan(DispatcherPlan):
         return self.receive_rows(step)
 
     def glue_bytes_per_element(self, step: Step) -> float:
-        return FUSED_GLUE_BYTES_PER_ELEMENT + (FP8_GLUE_BYTES_PER_ELEMENT if self.fp8 else 0.0)
+        fp8 = FP8_GLUE_BYTES_PER_ELEMENT + (FP8_WGRAD_GLUE_BYTES_PER_ELEMENT if self.fp8_wgrad(step) else 0.0)
+        return FUSED_GLUE_BYTES_PER_ELEMENT + (fp8 if self.fp8 else 0.0)
+
+    def fp8_wgrad(self, step: Step) -> bool:
+        """Whether its op runs the weight gradients in FP8: the op's rule on the rows the busiest rank receives."""
+        return self.fp8 and fp8_weight_gradients_pay(routed_rows(step), step.cfg.num_experts // step.mesh.ep)
+
+    def fp8_passes(self, step: Step, passes: float) -> float:
+        """Every pass but the weight gradients', and where its op runs those in FP8 their share at the FP8 rate."""
+        fp8 = super().fp8_passes(step, passes)
+        return fp8 + FP8_WGRAD_FP8_SHARE if self.fp8_wgrad(step) else fp8
 
     def dispatch_exchange_share(self, step: Step) -> float:
         # FP8 dispatches e4m3 rows with a fp32 scale per 128
