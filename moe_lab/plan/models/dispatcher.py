@@ -39,11 +39,11 @@ FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 10.0
 # (0.64 x 989 and 0.66 x 1979 TFLOP/s): x / 1306 + (1 - x) / 633 = 1 / 890.
 FP8_WGRAD_FP8_SHARE = 0.56
 # Their operands requantized in 128-row tiles (moe_lab.moe.fp8.kernels.quantize_k_tiles: each read, written as e4m3
-# with a scale per 128), less the bf16 path's dequantization of the kept rows, per routed row element (H wide) over
-# backward's two passes, at the Qwen3 experts' moe_intermediate = 0.375 x hidden (30B and 235B alike): the gate/up
+# with a scale per 128), less the bf16 path's dequantization of the kept rows, per routed row element (H wide) once per
+# backward, at the Qwen3 experts' moe_intermediate = 0.375 x hidden (30B and 235B alike): the gate/up
 # gradient 2 x 0.375 x 3 + the FP8 rows 2 + the output gradient 3 + the activation 0.375 x 3 - the dequantization 3
 # = 5.4 bytes, an estimate from the bytes moved (the probe's quantizer point ran out of its time budget).
-FP8_WGRAD_GLUE_BYTES_PER_ELEMENT = 5.4 / 2
+FP8_WGRAD_GLUE_BYTES_PER_ELEMENT = 5.4
 
 
 class DispatcherPlan(OptionModel):
@@ -204,7 +204,11 @@ class FusedDispatcherPlan(DispatcherPlan):
         return self.receive_rows(step)
 
     def glue_bytes_per_element(self, step: Step) -> float:
-        fp8 = FP8_GLUE_BYTES_PER_ELEMENT + (FP8_WGRAD_GLUE_BYTES_PER_ELEMENT if self.fp8_wgrad(step) else 0.0)
+        from moe_lab.plan.step_time import passes  # (step_time plans with these models)
+
+        fp8 = FP8_GLUE_BYTES_PER_ELEMENT
+        if self.fp8_wgrad(step):  # once per backward, not per pass
+            fp8 += FP8_WGRAD_GLUE_BYTES_PER_ELEMENT / passes(step, "dispatcher")
         return FUSED_GLUE_BYTES_PER_ELEMENT + (fp8 if self.fp8 else 0.0)
 
     def fp8_wgrad(self, step: Step) -> bool:
