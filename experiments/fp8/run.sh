@@ -29,6 +29,8 @@
 #   bash experiments/fp8/run.sh torchtitan_seq4096   torchtitan 0.2.2 at that shape (--experts 16, batch 4), each AC
 #   bash experiments/fp8/run.sh layer16k  one MoE layer at 16k balanced tokens, both widths, the copies made every
 #                                        step: fused bf16 vs fused FP8 with the kernel breakdown
+#   bash experiments/fp8/run.sh layer16k_share  the same with the full-depth share's 16 experts (8,192 rows an expert:
+#                                        FP8 weight gradients, DeepGEMM's k-grouped kernel, where 128 experts keep bf16's)
 # Each part stops within BUDGET seconds (default 540: one 10-minute device call with the install before it); a sweep
 # it cuts resumes when re-run with STAMP=<that record's stamp>.
 # Records: records/<machine>_<part>/<UTC start>.json|/ (see ../common.sh).
@@ -67,6 +69,9 @@ torchtitan_seq4096) out=$(record torchtitan_48l16e_seq4096).json && timeout 560 
 layer16k) out=$(record layer16k).json && timeout 420 python3 experiments/moe_layer/moe_layer.py \
        --models=qwen3_30b,qwen3_235b --tokens=16384 --routing=balanced --expert-precision=fp8 \
        --dispatchers=fused,fused_fp8 --iters=10 --profile --out "$out" ;;
-*) echo "usage: $0 probe|wgrad|layer|layer_accum|e2e|e2e_full_depth|quality|kernel_probe|kernel_probe_dense|share_seq4096|share_seq16384|torchtitan_seq4096|layer16k" >&2; exit 2 ;;
+layer16k_share) out=$(record layer16k_16e).json && timeout 420 python3 experiments/moe_layer/moe_layer.py \
+       --models=qwen3_30b,qwen3_235b --tokens=16384 --routing=balanced --expert-precision=fp8 --experts=16 \
+       --dispatchers=fused,fused_fp8 --iters=10 --profile --out "$out" ;;
+*) echo "usage: $0 probe|wgrad|layer|layer_accum|e2e|e2e_full_depth|quality|kernel_probe|kernel_probe_dense|share_seq4096|share_seq16384|torchtitan_seq4096|layer16k|layer16k_share" >&2; exit 2 ;;
 esac
 pack "${out:-$dir}"

@@ -1,5 +1,5 @@
 """MoE layer forward+backward on GPU: torch dispatcher vs fused dispatcher, at Qwen3-30B-A3B and Qwen3-235B-A22B
-expert shapes (128 experts, top-8), several token counts per GPU, balanced and skewed routing.
+expert shapes (128 experts, or --experts: 16 is the full-depth share's; top-8), several token counts per GPU, balanced and skewed routing.
 
     python experiments/moe_layer/moe_layer.py --out /tmp/moe_layer_ep1.json                         # EP=1, one GPU
     python experiments/moe_layer/moe_layer.py --expert-precision fp8 --out /tmp/fp8.json  # + the fused op in FP8
@@ -44,9 +44,9 @@ def layer_flops(tokens: int, hidden: int, inter: int) -> float:
     return 18.0 * tokens * TOP_K * hidden * inter
 
 
-def build(hidden, inter, ep_rank, ep):
+def build(hidden, inter, ep_rank, ep, num_experts=NUM_EXPERTS):
     torch.manual_seed(0)
-    experts = GroupedExperts(NUM_EXPERTS, hidden, inter)
+    experts = GroupedExperts(num_experts, hidden, inter)
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, hidden**-0.5)
         experts.down_proj.normal_(0, inter**-0.5)
@@ -54,8 +54,8 @@ def build(hidden, inter, ep_rank, ep):
     return experts.to(device="cuda", dtype=torch.bfloat16)
 
 
-def inputs(tokens, hidden, routing, rank):
-    router = Router(hidden, NUM_EXPERTS, TOP_K, norm_topk_prob=True, routing=routing, seed=rank)
+def inputs(tokens, hidden, routing, rank, num_experts=NUM_EXPERTS):
+    router = Router(hidden, num_experts, TOP_K, norm_topk_prob=True, routing=routing, seed=rank)
     ids = router.forced_ids(tokens, torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -129,6 +129,9 @@ def main():
         default=1,
         help="steps per optimizer step (the FP8 weight copies made once in them)",
     )
+    parser.add_argument(
+        "--experts", type=int, default=NUM_EXPERTS, help="experts of the layer (16: the full-depth share's)"
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", required=True)
@@ -154,12 +157,13 @@ def main():
     points, breakdowns = [], []
     for model in args.models.split(","):
         hidden, inter = MODELS[model]
-        layers = {name: (build(hidden, inter, rank, ep), d) for name, d in dispatchers.items()}
+        layers = {name: (build(hidden, inter, rank, ep, args.experts), d) for name, d in dispatchers.items()}
         for routing in args.routing.split(","):
             for tokens in map(int, args.tokens.split(",")):
-                x, ids, weights, grad = inputs(tokens, hidden, routing, rank)
+                x, ids, weights, grad = inputs(tokens, hidden, routing, rank, args.experts)
                 point = {
                     "model": model,
+                    "experts": args.experts,
                     "hidden": hidden,
                     "intermediate": inter,
                     "tokens_per_gpu": tokens,
