@@ -1,5 +1,6 @@
 """MoE layer forward+backward on GPU: torch dispatcher vs fused dispatcher, at Qwen3-30B-A3B and Qwen3-235B-A22B
-expert shapes (128 experts, or --experts: 16 is the full-depth share's; top-8), several token counts per GPU, balanced and skewed routing.
+expert shapes (128 experts, or ``--experts``: 16 is the full-depth share's; top-8), several token counts per GPU,
+balanced and skewed routing.
 
     python experiments/moe_layer/moe_layer.py --out /tmp/moe_layer_ep1.json                         # EP=1, one GPU
     python experiments/moe_layer/moe_layer.py --expert-precision fp8 --out /tmp/fp8.json  # + the fused op in FP8
