@@ -206,7 +206,7 @@ def quantize_k_tiles_kernel(
     whole number of 128-row tiles; e4m3 with 1x128 scales along the width where ROW_SCALED: the rows as forward keeps
     them) -> DeepGEMM's k-grouped operand: each expert's e4m3 x^T [width, rows_e] back to back (flat), and scales
     [R / 128, width], one per 128x1 tile (128 rows of a column: the GEMM's reduction runs along the rows). One program
-    per 128-row tile and BLOCK columns: the column amax over the tile, then the quantized tile stored transposed."""
+    per 128-row tile and BLOCK columns: the column amax over the tile, then the quantized tile."""
     tile = tl.program_id(0).to(tl.int64)
     first = tile * 128
     rows = tl.arange(0, 128)
@@ -224,6 +224,7 @@ def quantize_k_tiles_kernel(
     scale = tl.max(tl.abs(vals), axis=0) / 448.0
     scale = tl.where(scale > 0, scale, 1.0)
     q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(vals, scale[None, :]), -448.0), 448.0))
-    dest = start * width + cols[None, :].to(tl.int64) * (end - start) + (first - start + rows)[:, None]
-    tl.store(q_ptr + dest, q.to(q_ptr.dtype.element_ty), mask=live[None, :])
+    # stored transposed in registers: a column's 128 rows are contiguous in the k-grouped operand (coalesced)
+    dest = start * width + cols[:, None].to(tl.int64) * (end - start) + (first - start + rows)[None, :]
+    tl.store(q_ptr + dest, tl.trans(q.to(q_ptr.dtype.element_ty)), mask=live[:, None])
     tl.store(scale_ptr + tile * width + cols, scale, mask=live)
