@@ -84,9 +84,11 @@ def distinct_tiny_runs() -> list[str]:
     """The presets whose tiny run differs from every earlier one's: presets that differ only in what TINY sets (the
     model, the sequence length) would run the same job, and each of them still composes and validates above."""
     runs, names = [], []
-    for name in PRESETS:
-        ranks = ranks_for(compose_train(f"+experiment={name}", *TINY))
-        run = OmegaConf.to_container(compose_train(f"+experiment={name}", *TINY, *ranks))
+    for name in PRESETS:  # composed once each (at collection, in every worker): the rank overrides set plain values
+        composed = compose_train(f"+experiment={name}", *TINY)
+        for key, value in (override.split("=") for override in ranks_for(composed)):
+            OmegaConf.update(composed, key, int(value))
+        run = OmegaConf.to_container(composed)
         if run not in runs:
             runs.append(run)
             names.append(name)
