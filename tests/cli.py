@@ -3,8 +3,8 @@
 and the package again (seconds a command on a shared CPU). The process runs the module's ``__main__`` block with the
 caller's arguments, environment (OMP_NUM_THREADS included: the thread count it names) and directory; its exit status
 and output are what the command's would be (an uncaught exception or ``sys.exit(message)`` prints to stderr and
-exits 1, a signal that kills it is a negative status). The ranks a job starts are fresh processes, as ever; on a
-machine with CUDA the command itself is one too."""
+exits 1, a signal that kills it is a negative status). The ranks a job starts fork from a forkserver of its own,
+as moe_lab.job.launcher starts CPU ranks; on a machine with CUDA the command and its ranks are fresh processes."""
 
 from __future__ import annotations
 

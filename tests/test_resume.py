@@ -79,7 +79,7 @@ class Job:
         # One rank: one CPU (offload=full sizes its host threads by the CPUs it may use). Two: a CPU each.
         cpus = sorted(os.sched_getaffinity(0))[: 1 if "trainer.nproc_per_node=2" not in args else 2]
         self.log.write_text("")
-        # Forked from a process that imported moe_lab.train (tests/cli.py); the ranks it starts are fresh processes.
+        # Forked from a process that imported moe_lab.train (tests/cli.py); its ranks fork from its own forkserver.
         self.proc = start_train(args, directory, str(self.log), str(self.log), env, new_session=True, cpus=cpus)
 
     def output(self) -> str:
