@@ -115,7 +115,7 @@ def count_forwards(monkeypatch, backend: str = "reference") -> list:
 def bf16_op(x, ids, weights, gate_up_proj, down_proj, num_experts, group_name, backend, save="rows"):
     """``torch.ops.moe_lab.fused_moe`` at bf16 (the stacks as given, no weight copies)."""
     return torch.ops.moe_lab.fused_moe(
-        x, ids, weights, gate_up_proj, down_proj, [], num_experts, group_name, backend, save, "bf16"
+        x, ids, weights, gate_up_proj, down_proj, [], num_experts, group_name, backend, save, "bf16", "bf16"
     )
 
 

@@ -49,11 +49,11 @@ def problem(dtype=torch.float32, seed=0, tokens=T, hidden=H, inter=I):
     return [t.to(dtype) if t.is_floating_point() else t for t in (x, ids, weights_, gate_up_proj, down_proj, grad_out)]
 
 
-def run_op(precision, backend, x, ids, w, gate_up_proj, down_proj, grad_out, save="rows"):
+def run_op(precision, backend, x, ids, w, gate_up_proj, down_proj, grad_out, save="rows", wgrad_precision="bf16"):
     from moe_lab.moe.fused.ops import fused_moe_layer
 
     inputs = [t.clone().requires_grad_() for t in (x, w, gate_up_proj, down_proj)]
-    y = fused_moe_layer(inputs[0], ids, *inputs[1:], E, "", backend, save, precision)
+    y = fused_moe_layer(inputs[0], ids, *inputs[1:], E, "", backend, save, precision, wgrad_precision)
     return [y, *torch.autograd.grad(y, inputs, grad_out)]
 
 
@@ -94,13 +94,6 @@ def test_reference_fp8_close_to_bf16_within_fp8_error():
     assert fp8[3][3].abs().max() == 0 and fp8[4][3].abs().max() == 0  # the idle expert's gradients
 
 
-def test_fp8_weight_gradient_rule_on_shapes():
-    from moe_lab.moe.fp8.grouped import fp8_weight_gradients_pay
-
-    assert fp8_weight_gradients_pay(16384 * 8, 16)  # the full-depth share: 8,192 rows an expert, measured paying
-    assert not fp8_weight_gradients_pay(16384 * 8, 128)  # 1,024 rows an expert: measured slower
-
-
 def test_column_quantizer_tiles_along_k():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(200, 256, generator=gen) * torch.logspace(-4, 2, 256)[None, :]  # 200 rows: one partial tile
@@ -111,17 +104,14 @@ def test_column_quantizer_tiles_along_k():
     assert ((back - x).abs() <= x.abs() * 2**-4 + s.repeat_interleave(128, 0)[:200] * 2**-9).all()
 
 
-def test_reference_fp8_weight_gradients_close_to_exact_within_fp8_error(monkeypatch):
-    """Where the rule picks FP8 weight gradients (forced here: a few rows an expert), they are within FP8's error of
-    the exact ones (up to 3 more quantized operands than the bf16 weight gradients' path: sqrt(7) * 3.6 %) and not
-    the bf16 ones; the other outputs do not change."""
-    from moe_lab.moe.fp8 import grouped
-
+def test_reference_fp8_weight_gradients_close_to_exact_within_fp8_error():
+    """At wgrad_precision fp8 the weight gradients are within FP8's error of the exact ones (up to 3 more quantized
+    operands than the bf16 weight gradients' path: sqrt(7) * 3.6 %) and not the bf16 ones (the default); the other
+    outputs do not change."""
     x, ids, w, gate_up_proj, down_proj, grad_out = problem()
     exact = run_op("bf16", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
     bf16_wgrad = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
-    monkeypatch.setattr(grouped, "FP8_WGRAD_MIN_ROWS", 1)
-    fp8_wgrad = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
+    fp8_wgrad = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out, wgrad_precision="fp8")
     for i in (3, 4):
         assert 0.002 < rel(fp8_wgrad[i], exact[i]) < 0.1, i
         assert not torch.equal(fp8_wgrad[i], bf16_wgrad[i])
@@ -151,7 +141,7 @@ def test_fp8_layer_compiles_fullgraph():
     params = [torch.nn.Parameter(t.clone()) for t in (gate_up_proj, down_proj)]
 
     def layer(x, ids, w, a, b):
-        return fused_moe_layer(x, ids, w, a, b, E, "", "reference", "rows", "fp8")
+        return fused_moe_layer(x, ids, w, a, b, E, "", "reference", "rows", "fp8", "fp8")
 
     fn = torch.compile(layer, fullgraph=True)
     xr = x.clone().requires_grad_()
@@ -160,7 +150,7 @@ def test_fp8_layer_compiles_fullgraph():
     before = dict(weights.stats)
     fn(x, ids, w, *params)  # a second micro-batch of the step: the compiled graph hands the op the parameters
     assert weights.stats["reused"] - before["reused"] == 2 and weights.stats["quantized"] == before["quantized"]
-    expected = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
+    expected = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out, wgrad_precision="fp8")
     torch.testing.assert_close(y, expected[0])
     torch.testing.assert_close(xr.grad, expected[1])
     torch.testing.assert_close(params[0].grad, expected[3])
@@ -326,7 +316,7 @@ class _HostList:
 
 
 def gpu_fp8_wgrad_check() -> list:
-    """The gpu backend's FP8 weight gradients (the rule forced on; DeepGEMM's m- and k-grouped kernels emulated from
+    """The gpu backend's FP8 weight gradients (wgrad_precision fp8; DeepGEMM's m- and k-grouped kernels emulated from
     their contracts) against the reference's emulation: [largest relative error of the weight gradients, whether the
     other outputs equal the bf16 weight gradients' run]. Expert 3 gets no row: a zero-k group."""
     import types
@@ -336,11 +326,10 @@ def gpu_fp8_wgrad_check() -> list:
     grouped.deep_gemm_nt = emulated_gemm_nt
     grouped.HostCopy = _HostList
     sys.modules["deep_gemm"] = types.SimpleNamespace(k_grouped_fp8_gemm_nt_contiguous=emulated_k_grouped_gemm_nt)
-    x, ids, w, gate_up_proj, down_proj, grad_out = problem(torch.bfloat16, tokens=16, hidden=128, inter=128)
-    bf16_wgrad = run_op("fp8", "gpu_deep_gemm", x, ids, w, gate_up_proj, down_proj, grad_out)
-    grouped.FP8_WGRAD_MIN_ROWS = 1
-    got = run_op("fp8", "gpu_deep_gemm", x, ids, w, gate_up_proj, down_proj, grad_out)
-    expected = run_op("fp8", "reference", x, ids, w, gate_up_proj, down_proj, grad_out)
+    tensors = problem(torch.bfloat16, tokens=16, hidden=128, inter=128)
+    bf16_wgrad = run_op("fp8", "gpu_deep_gemm", *tensors)
+    got = run_op("fp8", "gpu_deep_gemm", *tensors, wgrad_precision="fp8")
+    expected = run_op("fp8", "reference", *tensors, wgrad_precision="fp8")
     assert got[3][3].abs().max() == 0 and got[4][3].abs().max() == 0
     assert not torch.equal(got[3], bf16_wgrad[3])
     return [max(rel(got[i], expected[i]) for i in (3, 4)), all(torch.equal(a, b) for a, b in zip(got[:3], bf16_wgrad))]
@@ -431,6 +420,11 @@ def test_validate_fp8():
     assert error(FusedDispatcher(gemm="torch", expert_precision="fp8")) == "dispatcher.gemm"
     for save in SAVES:  # every save mode
         assert error(FusedDispatcher(save=save, expert_precision="fp8")) is None, save
+    # FP8 weight gradients: on the FP8 experts only, on either backend
+    assert error(FusedDispatcher(wgrad_precision="fp8")) == "dispatcher.wgrad_precision"
+    assert error(FusedDispatcher(backend="reference", wgrad_precision="fp8"), CPU) == "dispatcher.wgrad_precision"
+    assert error(FusedDispatcher(expert_precision="fp8", wgrad_precision="fp8")) is None
+    assert error(FusedDispatcher(backend="reference", expert_precision="fp8", wgrad_precision="fp8"), CPU) is None
 
 
 def test_validate_fp8_torch_dispatcher():
@@ -548,18 +542,15 @@ def test_deep_gemm_fp8_matches_reference_on_gpu_under_every_save():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("hidden,inter,tokens", [(256, 256, 48), (2048, 768, 4096)])
-def test_deep_gemm_fp8_weight_gradients_match_reference_on_gpu(monkeypatch, hidden, inter, tokens):
-    """FP8 weight gradients (DeepGEMM's k-grouped kernel; the rule forced on) against the reference's emulation on
+def test_deep_gemm_fp8_weight_gradients_match_reference_on_gpu(hidden, inter, tokens):
+    """FP8 weight gradients (DeepGEMM's k-grouped kernel; wgrad_precision fp8) against the reference's emulation on
     the same GPU, within 1 %, and within FP8's error of the bf16 weight gradients; an idle expert's zero. The second
     shape: the 30B's widths, some 2,048 rows an expert."""
-    from moe_lab.moe.fp8 import grouped
-
     _needs_deep_gemm()
     tensors = [t.cuda() for t in problem(torch.bfloat16, tokens=tokens, hidden=hidden, inter=inter)]
     bf16_wgrad = run_op("fp8", "gpu_deep_gemm", *tensors)
-    monkeypatch.setattr(grouped, "FP8_WGRAD_MIN_ROWS", 1)
-    got = run_op("fp8", "gpu_deep_gemm", *tensors)
-    expected = run_op("fp8", "reference", *tensors)
+    got = run_op("fp8", "gpu_deep_gemm", *tensors, wgrad_precision="fp8")
+    expected = run_op("fp8", "reference", *tensors, wgrad_precision="fp8")
     for i in (3, 4):
         assert rel(got[i], expected[i]) < 1e-2, i
         assert 0 < rel(got[i], bf16_wgrad[i]) < 0.09, i
@@ -642,6 +633,23 @@ def test_planner_plans_fp8_experts():
     with pytest.raises(ConfigError) as error:
         _planned("hardware=b300", "dispatcher.expert_precision=fp8")
     assert error.value.key == "hardware.peak_fp8_tflops"
+
+
+def test_planner_plans_fp8_weight_gradients_where_chosen():
+    """The fused op's weight gradients planned at the FP8 rate only at dispatcher.wgrad_precision=fp8 (whatever the
+    rows an expert): faster expert GEMMs, more glue (their operands requantized); bf16 weight gradients by default."""
+    fp8_experts, _ = _planned("dispatcher.expert_precision=fp8")
+    default, _ = _planned("dispatcher.expert_precision=fp8", "dispatcher.wgrad_precision=bf16")
+    fp8_wgrad, _ = _planned("dispatcher.expert_precision=fp8", "dispatcher.wgrad_precision=fp8")
+    seconds = lambda p: p["metrics"]["trace_breakdown"]["seconds"]  # noqa: E731
+    assert seconds(default) == seconds(fp8_experts)
+    assert seconds(fp8_wgrad)["expert_gemm"] < seconds(default)["expert_gemm"]
+    assert seconds(fp8_wgrad)["dispatch_glue"] > seconds(default)["dispatch_glue"]
+    from moe_lab.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _planned("dispatcher.wgrad_precision=fp8")  # bf16 experts
+    assert error.value.key == "dispatcher.wgrad_precision"
 
 
 def test_planner_plans_the_torch_dispatchers_fp8_experts():

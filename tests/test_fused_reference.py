@@ -277,7 +277,7 @@ def test_fake_op_gives_the_residuals_one_unbacked_size():
         local = E // 8  # the stacks of one of eight ranks
         stacks = torch.empty(local, 2 * I, H), torch.empty(local, H, I)
         y, x_routed, x_scales, gate_up, row_weight, row_src, pos, offs = torch.ops.moe_lab.fused_moe(
-            x, ids, weights, *stacks, [], E, "", "gpu_deep_gemm", "rows", "bf16"
+            x, ids, weights, *stacks, [], E, "", "gpu_deep_gemm", "rows", "bf16", "bf16"
         )
     rows = x_routed.shape[0]
     assert isinstance(rows, torch.SymInt)

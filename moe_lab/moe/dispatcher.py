@@ -240,6 +240,9 @@ class FusedDispatcher(TokenDispatcher):
     ``expert_precision``: ``bf16`` (the compute dtype) or ``fp8``: the routed experts' GEMMs in blockwise FP8 (the
     same op, ``moe_lab.moe.fused.ops``; the gpu backend with DeepGEMM on SM90+, or the reference backend's
     emulation), with every ``save`` mode: where it keeps rows they are FP8 with their scales, gate/up stays bf16.
+    ``wgrad_precision``: the experts' weight gradients' GEMMs: ``bf16`` (at fp8, on the kept rows dequantized) or, at
+    ``expert_precision=fp8`` only, ``fp8`` (DeepGEMM's k-grouped FP8 kernel on the gpu backend, emulated by the
+    reference one); bf16 by default, as FP8's measured slower end to end on the H200 (docs/fp8.md).
     """
 
     # The op returns what backward needs: saving its outputs means recompute re-runs none of it (the FP8 weight
@@ -252,8 +255,10 @@ class FusedDispatcher(TokenDispatcher):
         gemm: Literal["auto", "deep_gemm", "torch"] = "auto",
         save: Literal["rows", "rows_only", "gate_up", "inputs"] = "rows",
         expert_precision: Literal["bf16", "fp8"] = "bf16",
+        wgrad_precision: Literal["bf16", "fp8"] = "bf16",
     ):
         self.backend, self.gemm, self.save, self.expert_precision = backend, gemm, save, expert_precision
+        self.wgrad_precision = wgrad_precision
         super().__init__()
 
     def set_ep_group(self, ep_group: dist.ProcessGroup | None) -> FusedDispatcher:
@@ -284,6 +289,13 @@ class FusedDispatcher(TokenDispatcher):
                     "dispatcher.gemm", "expert_precision=fp8 runs DeepGEMM's FP8 GEMMs: use gemm=auto or deep_gemm"
                 )
             check_fp8(cfg, target, emulated=self.backend == "reference")
+        elif self.wgrad_precision == "fp8":
+            raise ConfigError(
+                "dispatcher.wgrad_precision",
+                "fp8 weight gradients run on the FP8 experts' rows (the gpu backend's DeepGEMM k-grouped kernel, or "
+                f"the reference backend's emulation): set expert_precision=fp8 or use bf16, got expert_precision="
+                f"{self.expert_precision}",
+            )
         if self.backend == "gpu" and not cuda:
             raise ConfigError(
                 "dispatcher.backend",
@@ -323,4 +335,5 @@ class FusedDispatcher(TokenDispatcher):
             backend,
             self.save,
             self.expert_precision,
+            self.wgrad_precision,
         )

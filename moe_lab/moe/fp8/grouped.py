@@ -10,7 +10,7 @@
   host knows, so no count is read back (``aligned_layout``), on CPU it emulates.
 - ``quantize_rows`` / ``dequantize_rows``: the Triton row quantizers (``moe_lab.moe.fp8.kernels``) launched.
 
-Weight gradients: where ``fp8_weight_gradients_pay`` (a rule on shapes alone), the fused op's gpu backend runs them
+Weight gradients: where the fused dispatcher's ``wgrad_precision`` is fp8, the fused op's gpu backend runs them
 in FP8 (``deep_gemm_weight_gradient``: DeepGEMM 0.1.5's k-grouped kernel on operands requantized in 1x128 tiles
 along the rows, ``quantize_k_tiles``); elsewhere, and always in the torch dispatcher (``weight_gradient``), bf16
 grouped GEMMs (``torch._grouped_mm``) on the bf16 rows or the FP8 rows dequantized.
@@ -71,19 +71,6 @@ def emulated_nt(a_q: Tensor, a_scale: Tensor, w: tuple[Tensor, Tensor], j: int, 
     ``dtype``."""
     w_j = quant.dequantize_blocks(w[0][j : j + 1], w[1][j : j + 1])[0]
     return (quant.dequantize_rows(a_q, a_scale) @ w_j.T).to(dtype)
-
-
-# FP8 weight gradients where the experts average at least this many rows each (the GEMMs' k). The H200 kernel probe
-# (experiments/fp8/records/h200_kernel_probe/2026-12-03_14-20.json) timed DeepGEMM's k-grouped FP8 wgrad against
-# torch's bf16 one at 8,192 rows an expert: 1.06-1.34x (30B and 235B, gate/up and down), and at 1,024: 0.83-0.89x;
-# nothing between, so the rule starts at the measured point that pays.
-FP8_WGRAD_MIN_ROWS = 8192
-
-
-def fp8_weight_gradients_pay(rows: int, local_experts: int) -> bool:
-    """The rule, on shapes alone (no host sync): FP8 weight gradients where ``rows`` (this rank's received rows: at
-    planning, tokens x top-k) over ``local_experts`` reaches ``FP8_WGRAD_MIN_ROWS``."""
-    return rows >= FP8_WGRAD_MIN_ROWS * local_experts
 
 
 def quantize_k_tiles(x: Tensor, ends: Tensor, x_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:

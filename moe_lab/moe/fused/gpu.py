@@ -1,6 +1,6 @@
 """The ``gpu`` backend: Triton dispatch / SwiGLU / combine kernels around grouped GEMMs, with one host sync per
 forward (the receive-buffer sizes, ``moe_lab.moe.fused.layout``) and none in backward but FP8 weight gradients'
-segment sizes (see ``Fp8``).
+segment sizes (``wgrad_precision`` fp8, see ``Fp8``).
 
 Forward, per rank: the routing layout (counts gathered device to device at EP > 1, sizes copied to the host); each slot tells its owner
 where it comes from (``push_slots``: a few bytes per slot, written straight into the owner's buffer); the owner pulls
@@ -19,10 +19,9 @@ bf16 weight gradients always use ``torch._grouped_mm``.
 The precision seam (``Bf16``, ``Fp8``) holds what the experts' precision changes: the rows dispatch moves (FP8:
 quantized per token before, so they travel and are kept in e4m3 with their scales), the grouped GEMMs (FP8:
 DeepGEMM's m-grouped FP8 kernel, ``moe_lab.moe.fp8.grouped``), the SwiGLU kernels (FP8: they quantize what they
-make, ``moe_lab.moe.fp8.kernels``) and the weight gradients (``weight_gradients``: at FP8, DeepGEMM's k-grouped
-FP8 kernel where ``moe_lab.moe.fp8.grouped.fp8_weight_gradients_pay`` says so from the shapes, its segment sizes
-copied to the host asynchronously at backward's start and waited for at its weight gradients; else bf16 grouped
-GEMMs, on the FP8 rows dequantized). Forward and backward are written once over it. No host sync beyond the
+make, ``moe_lab.moe.fp8.kernels``) and the weight gradients (``weight_gradients``: at FP8 with ``wgrad_precision``
+fp8, DeepGEMM's k-grouped FP8 kernel, its segment sizes copied to the host asynchronously at backward's start and
+waited for at its weight gradients; else bf16 grouped GEMMs, on the FP8 rows dequantized). Forward and backward are written once over it. No host sync beyond the
 layout's one per forward at either precision.
 """
 
@@ -313,7 +312,7 @@ def _swiglu_block(inter: int) -> int:
 class Bf16:
     """The experts in the compute dtype. An operand of a GEMM is a tuple: (values,) here, (e4m3, scales) at FP8."""
 
-    def __init__(self, gemms: _Gemms, gate_up_proj, down_proj, weights):
+    def __init__(self, gemms: _Gemms, gate_up_proj, down_proj, weights, wgrad_precision="bf16"):
         self.gemms, self.gate_up_proj, self.down_proj = gemms, gate_up_proj, down_proj
 
     def dispatch(self, ex: _Exchange, x, row_src, offs):
@@ -375,15 +374,15 @@ class Bf16:
 
 class Fp8(Bf16):
     """The experts in blockwise FP8 (DeepGEMM's m-grouped FP8 GEMMs; the gpu_deep_gemm backend only). ``weights``:
-    the stacks' FP8 copies (forward) and their transposes' (input gradients)."""
+    the stacks' FP8 copies (forward) and their transposes' (input gradients); ``wgrad_precision`` fp8 (backward's):
+    the weight gradients in FP8 too."""
 
-    def __init__(self, gemms: _Gemms, gate_up_proj, down_proj, weights):
+    def __init__(self, gemms: _Gemms, gate_up_proj, down_proj, weights, wgrad_precision="bf16"):
         super().__init__(gemms, gate_up_proj, down_proj, weights)
         self.gate_up_w, self.gate_up_wt = tuple(weights[0:2]), tuple(weights[2:4])
         self.down_w, self.down_wt = tuple(weights[4:6]), tuple(weights[6:8])
-        self.fp8_wgrad = grouped.fp8_weight_gradients_pay(gemms.m_indices.shape[0], gate_up_proj.shape[0])
+        self.fp8_wgrad = wgrad_precision == "fp8"
         # DeepGEMM's k-grouped kernel takes the segment sizes on the host: copied now, read at the weight gradients
-        # (forward makes the copy too and never waits for it: a few bytes)
         if self.fp8_wgrad:
             self.segment_ends = grouped.HostCopy(gemms.offs)
 
@@ -430,9 +429,9 @@ class Fp8(Bf16):
         return grouped.dequantize_rows(*rows, dtype)
 
     def weight_gradients(self, dy_routed, act_weighted, d_gate_up, rows):
-        """-> fp32 (d_gate_up_proj, d_down_proj) through DeepGEMM's k-grouped FP8 kernel where the rule picks it
-        (``grouped.fp8_weight_gradients_pay``): the bf16 gradients, the weighted activation and the kept FP8 rows
-        requantized in 1x128 tiles along the rows; else bf16's."""
+        """-> fp32 (d_gate_up_proj, d_down_proj) through DeepGEMM's k-grouped FP8 kernel at wgrad_precision fp8:
+        the bf16 gradients, the weighted activation and the kept FP8 rows requantized in 1x128 tiles along the rows;
+        else bf16's."""
         if not self.fp8_wgrad:
             return super().weight_gradients(dy_routed, act_weighted, d_gate_up, rows)
         ends = self.segment_ends.tolist()
@@ -465,12 +464,14 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_exp
     return (y, *kept_residuals(kept, rows, gate_up), row_weight, row_src, layout.pos, layout.offs)
 
 
-def backward(dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, precision, x=None, *, deep):
+def backward(
+    dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, precision, x=None, wgrad_precision="bf16", *, deep
+):
     rows, row_scales, gate_up, row_weight, row_src, pos, offs = residuals
     num_tokens, top_k = pos.shape
     ids, local_experts = topk_ids.contiguous(), gate_up_proj.shape[0]
     ex = _Exchange(group, dy.device)
-    p = PRECISIONS[precision](_Gemms(deep, offs, row_src), gate_up_proj, down_proj, weights)
+    p = PRECISIONS[precision](_Gemms(deep, offs, row_src), gate_up_proj, down_proj, weights, wgrad_precision)
     rows = (rows, row_scales)
     if rows[0].shape[0] == 0:  # forward kept its inputs only: pull the rows again, from the peers' x at EP > 1
         rows = p.dispatch(ex, x, row_src, offs)

@@ -19,7 +19,9 @@ DeepGEMM grouped GEMMs; ``moe_lab.moe.fused.gpu``).
 scales; the SwiGLU output and the gradients quantized where they are made). ``weights`` carries the expert stacks
 as the precision's GEMMs read them: nothing at bf16 (``gate_up_proj`` and ``down_proj`` themselves), at fp8 each
 stack's FP8 copy and its transpose's (``moe_lab.moe.fp8.weights``, once per optimizer step); ``gate_up_proj`` and
-``down_proj`` are then the parameters as stored, their gradients returned in their dtype.
+``down_proj`` are then the parameters as stored, their gradients returned in their dtype. ``wgrad_precision`` is
+the weight gradients' GEMMs': ``bf16`` (at fp8, on the kept FP8 rows dequantized) or, at precision fp8 only,
+``fp8`` (DeepGEMM's k-grouped FP8 kernel; measured slower end to end on the H200, docs/fp8.md).
 
 ``save`` trades memory for backward work (``SAVES``): ``rows`` keeps the received rows and gate/up; ``rows_only`` keeps
 the received rows and recomputes gate/up in backward; ``gate_up`` keeps gate/up and not the rows (x is saved instead,
@@ -49,9 +51,9 @@ SAVES = {"rows": ("x_routed", "gate_up"), "rows_only": ("x_routed",), "gate_up":
 class Backend:
     """An implementation of the op. ``forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights,
     num_experts, group, kept, precision)`` -> the op's outputs; ``backward(dy, residuals, topk_ids, gate_up_proj,
-    down_proj, weights, group, precision, x)`` (``residuals``: forward's outputs after y) -> dx, d_topk_weights and
-    the stacks' gradients; ``align``: rows of each expert's segment start at a multiple of it (the grouped GEMM's
-    need)."""
+    down_proj, weights, group, precision, x, wgrad_precision)`` (``residuals``: forward's outputs after y) -> dx,
+    d_topk_weights and the stacks' gradients; ``align``: rows of each expert's segment start at a multiple of it
+    (the grouped GEMM's need)."""
 
     forward: Callable
     backward: Callable
@@ -114,11 +116,13 @@ def fused_moe(
     backend: str,
     save: str,
     precision: str,
+    wgrad_precision: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> y [T, H], rows [R, H] (the compute dtype, or e4m3 at fp8), row_scales [R, H / 128] fp32 ([R, 0] at bf16),
     gate_up [R, 2I], row_weight [R] fp32, row_src [R] int64 (source rank * T + token, -1 for padding), pos [T, K]
     int64, offs [L] int32, with R the rows this rank receives (padded per expert); rows, row_scales and gate_up with
-    0 rows where ``save`` drops them."""
+    0 rows where ``save`` drops them. ``wgrad_precision``: the experts' weight gradients' (``bf16``, or ``fp8`` at
+    precision fp8), for backward."""
     return BACKENDS[backend].forward(
         x,
         topk_ids,
@@ -134,7 +138,9 @@ def fused_moe(
 
 
 @fused_moe.register_fake
-def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_experts, group_name, backend, save, precision):
+def _(
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_experts, group_name, backend, save, precision, _
+):
     # No lower bound: torch 2.11's Inductor fails on a size bound (min=...) that reaches the backward graph as an input.
     rows = torch.library.get_ctx().new_dynamic_size()
     kept = SAVES[save]
@@ -168,13 +174,23 @@ def fused_moe_backward(
     group_name: str,
     backend: str,
     precision: str,
+    wgrad_precision: str,
     x: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> dx [T, H], d_topk_weights [T, K] fp32, d_gate_up_proj, d_down_proj (in the stacks' dtypes). ``x``:
     forward's input, where forward kept no received rows (``rows`` with 0 rows)."""
     residuals = (rows, row_scales, gate_up, row_weight, row_src, pos, offs)
     dx, d_weights, d_gate_up_proj, d_down_proj = BACKENDS[backend].backward(
-        dy, residuals, topk_ids, gate_up_proj, down_proj, weights, process_group(group_name), precision, x
+        dy,
+        residuals,
+        topk_ids,
+        gate_up_proj,
+        down_proj,
+        weights,
+        process_group(group_name),
+        precision,
+        x,
+        wgrad_precision,
     )
     return dx, d_weights, d_gate_up_proj.to(gate_up_proj.dtype), d_down_proj.to(down_proj.dtype)
 
@@ -190,11 +206,25 @@ def _(dy, rows, row_scales, gate_up, row_weight, row_src, pos, offs, topk_ids, g
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, _, group_name, backend, save, precision = inputs
+    (
+        x,
+        topk_ids,
+        topk_weights,
+        gate_up_proj,
+        down_proj,
+        weights,
+        _,
+        group_name,
+        backend,
+        save,
+        precision,
+        wgrad_precision,
+    ) = inputs
     _, *residuals = output
     regather = "x_routed" not in SAVES[save]
     ctx.save_for_backward(*residuals, topk_ids, gate_up_proj, down_proj, x if regather else None, *weights)
-    ctx.group_name, ctx.backend, ctx.precision, ctx.weights_dtype = group_name, backend, precision, topk_weights.dtype
+    ctx.group_name, ctx.backend, ctx.weights_dtype = group_name, backend, topk_weights.dtype
+    ctx.precision, ctx.wgrad_precision = precision, wgrad_precision
     ctx.set_materialize_grads(False)  # the residual outputs get no gradient: don't allocate zeros for them
 
 
@@ -203,25 +233,47 @@ def _backward(ctx, dy, *unused_residual_grads):
     *residuals, x = saved[:11]
     weights = list(saved[11:])
     dx, d_weights, d_gate_up_proj, d_down_proj = fused_moe_backward(
-        dy.contiguous(), *residuals, weights, ctx.group_name, ctx.backend, ctx.precision, x
+        dy.contiguous(), *residuals, weights, ctx.group_name, ctx.backend, ctx.precision, ctx.wgrad_precision, x
     )
     no_grads = [None] * len(weights)  # the weights' copies
-    return (dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, no_grads) + (None,) * 5
+    return (dx, None, d_weights.to(ctx.weights_dtype), d_gate_up_proj, d_down_proj, no_grads) + (None,) * 6
 
 
 fused_moe.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_moe_layer(
-    x, topk_ids, topk_weights, gate_up_proj, down_proj, num_experts, group_name, backend, save, precision
+    x,
+    topk_ids,
+    topk_weights,
+    gate_up_proj,
+    down_proj,
+    num_experts,
+    group_name,
+    backend,
+    save,
+    precision,
+    wgrad_precision,
 ) -> Tensor:
     """The op as ``FusedDispatcher`` calls it, for the parameters as stored (the master dtype) and x, topk_weights
     in the compute dtype -> y [T, H]. bf16 multiplies the stacks cast to the compute dtype; fp8 their FP8 copies
-    (the per-step cache), returning the masters' gradients directly."""
+    (the per-step cache), returning the masters' gradients directly. ``wgrad_precision`` fp8 (at precision fp8
+    only): the weight gradients' GEMMs in FP8 too."""
     if precision == "bf16":
         gate_up_proj, down_proj = gate_up_proj.to(x.dtype), down_proj.to(x.dtype)
     weights = expert_weights(precision, gate_up_proj, down_proj)
     y, *_ = torch.ops.moe_lab.fused_moe(
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_experts, group_name, backend, save, precision
+        x,
+        topk_ids,
+        topk_weights,
+        gate_up_proj,
+        down_proj,
+        weights,
+        num_experts,
+        group_name,
+        backend,
+        save,
+        precision,
+        wgrad_precision,
     )
     return y

@@ -6,9 +6,9 @@ is tested against. Its buffers are this rank's slots (T x K rows) on the sending
 the other, as the ``gpu`` backend's.
 
 The precision seam (``Bf16``, ``Fp8``) holds what the experts' precision changes: the rows before dispatch, each
-expert's GEMMs and its weight gradients. ``Fp8`` computes what the gpu backend's FP8 path computes:
-every operand the GPU quantizes is quantized here with the same tiles and scales (``moe_lab.moe.fp8.quant``),
-dequantized and multiplied in fp32, each GEMM's output rounded to the compute dtype as DeepGEMM's is.
+expert's GEMMs and its weight gradients (bf16, or FP8 at ``wgrad_precision`` fp8). ``Fp8`` computes what the gpu
+backend's FP8 path computes: every operand the GPU quantizes is quantized here with the same tiles and scales
+(``moe_lab.moe.fp8.quant``), dequantized and multiplied in fp32, each GEMM's output rounded to the compute dtype as DeepGEMM's is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_lab.moe.fp8 import quant
-from moe_lab.moe.fp8.grouped import emulated_nt, emulated_weight_gradient, fp8_weight_gradients_pay
+from moe_lab.moe.fp8.grouped import emulated_nt, emulated_weight_gradient
 from moe_lab.moe.fused.layout import routing_layout
 from moe_lab.moe.fused.ops import Backend, kept_residuals, register_backend
 
@@ -76,7 +76,7 @@ def _segments(offs):
 class Bf16:
     """The experts in the compute dtype: rows and stacks as they are."""
 
-    def __init__(self, gate_up_proj, down_proj, weights):
+    def __init__(self, gate_up_proj, down_proj, weights, wgrad_precision="bf16"):
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
     def rows(self, x):
@@ -102,19 +102,21 @@ class Bf16:
         """The received rows as the gate/up weight gradient reads them."""
         return rows[0]
 
-    def weight_gradients(self, dy, act_weighted, d_gate_up, rows, num_rows, dtype):
+    def weight_gradients(self, dy, act_weighted, d_gate_up, rows, dtype):
         """Expert j's (d_gate_up_proj[j], d_down_proj[j]) from its rows' output gradient, weighted activation and
-        gate/up gradient (both fp32) and received rows; ``num_rows``: this rank's received rows."""
+        gate/up gradient (both fp32) and received rows."""
         return d_gate_up.to(dtype).T @ self.wgrad_rows(rows, dtype), dy.T @ act_weighted.to(dtype)
 
 
 class Fp8(Bf16):
     """The experts in blockwise FP8, emulated: x quantized per token before dispatch, each GEMM's other operand where
-    it is made; ``weights``: the stacks' FP8 copies (forward) and their transposes' (input gradients)."""
+    it is made; ``weights``: the stacks' FP8 copies (forward) and their transposes' (input gradients);
+    ``wgrad_precision``: the weight gradients' (bf16, or fp8 as the gpu backend's DeepGEMM k-grouped kernel)."""
 
-    def __init__(self, gate_up_proj, down_proj, weights):
+    def __init__(self, gate_up_proj, down_proj, weights, wgrad_precision="bf16"):
         self.gate_up_w, self.gate_up_wt = weights[0:2], weights[2:4]
         self.down_w, self.down_wt = weights[4:6], weights[6:8]
+        self.fp8_wgrad = wgrad_precision == "fp8"
 
     def rows(self, x):
         return quant.quantize_rows(x)
@@ -134,11 +136,11 @@ class Fp8(Bf16):
     def wgrad_rows(self, rows, dtype):
         return quant.dequantize_rows(*rows).to(dtype)
 
-    def weight_gradients(self, dy, act_weighted, d_gate_up, rows, num_rows, dtype):
-        """FP8 where the gpu backend's rule picks it (on this rank's rows and experts): every operand in the compute
-        dtype (the rows dequantized), quantized per 128 rows of each column, multiplied in fp32; else bf16's."""
-        if not fp8_weight_gradients_pay(num_rows, self.gate_up_w[0].shape[0]):
-            return super().weight_gradients(dy, act_weighted, d_gate_up, rows, num_rows, dtype)
+    def weight_gradients(self, dy, act_weighted, d_gate_up, rows, dtype):
+        """FP8 at wgrad_precision fp8: every operand in the compute dtype (the rows dequantized), quantized per 128
+        rows of each column, multiplied in fp32; else bf16's."""
+        if not self.fp8_wgrad:
+            return super().weight_gradients(dy, act_weighted, d_gate_up, rows, dtype)
         return (
             emulated_weight_gradient(d_gate_up.to(dtype), quant.dequantize_rows(*rows)),
             emulated_weight_gradient(dy, act_weighted.to(dtype)),
@@ -197,10 +199,12 @@ def forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, weights, num_exp
     return (y, *kept_residuals(kept, rows, gate_up), row_weight, row_src, layout.pos, layout.offs)
 
 
-def backward(dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, precision, x=None):
+def backward(
+    dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, precision, x=None, wgrad_precision="bf16"
+):
     # row_src: the gpu backend's shortcut; this oracle routes dy from the slots, as forward routed x
     rows, row_scales, gate_up, row_weight, _, pos, offs = residuals
-    p = PRECISIONS[precision](gate_up_proj, down_proj, weights)
+    p = PRECISIONS[precision](gate_up_proj, down_proj, weights, wgrad_precision)
     dtype, local_experts, num_rows = dy.dtype, gate_up_proj.shape[0], row_weight.shape[0]
     rows = (rows, row_scales)
     if rows[0].shape[0] == 0:  # forward kept its inputs only: dispatch again
@@ -226,7 +230,7 @@ def backward(dy, residuals, topk_ids, gate_up_proj, down_proj, weights, group, p
         d_gate_up = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=-1)
         dx_routed[s:e] = p.gate_up_input_grad(d_gate_up, j, dtype)
         d_gate_up_proj[j], d_down_proj[j] = p.weight_gradients(
-            dy_routed[s:e], act * w, d_gate_up, (rows[0][s:e], rows[1][s:e]), num_rows, dtype
+            dy_routed[s:e], act * w, d_gate_up, (rows[0][s:e], rows[1][s:e]), dtype
         )
     dx = gather_from_owners(dx_routed, flat_pos, dest, group).view(num_tokens, top_k, -1).float().sum(1)
     d_weights = gather_from_owners(d_row_weight.unsqueeze(1), flat_pos, dest, group).view(num_tokens, top_k)

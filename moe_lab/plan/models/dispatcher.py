@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
-from moe_lab.moe.fp8.grouped import fp8_weight_gradients_pay
 from moe_lab.moe.fused.ops import SAVES, align
 from moe_lab.parallel.ac import KEEP_SETS, kept_ops
 from moe_lab.plan.memory import Step, routed_rows
@@ -31,7 +30,7 @@ FP8_GLUE_BYTES_PER_ELEMENT = 1.5
 ALIGNED_LAYOUT_BYTES_PER_ELEMENT = 6.0
 FUSED_GLUE_BYTES_PER_ELEMENT = 10.25  # the fused op's dispatch, SwiGLU and combine kernels (bf16)
 FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 10.0
-# The fused op's FP8 weight gradients (where ``moe_lab.moe.fp8.grouped.fp8_weight_gradients_pay``): DeepGEMM 0.1.5's
+# The fused op's FP8 weight gradients (where ``dispatcher.wgrad_precision=fp8``): DeepGEMM 0.1.5's
 # k-grouped FP8 kernel reached 890 TFLOP/s on the H200 at 16 experts x 8,192 rows, gate/up and down together, for
 # both the 30B and the 235B widths (experiments/fp8/records/h200_kernel_probe/2026-12-03_14-20.json: 796-954 each),
 # 0.45 of the FP8 peak. The planner bills a pass either at the bf16 grouped rate or at the FP8 one: this share of
@@ -48,8 +47,8 @@ FP8_WGRAD_GLUE_BYTES_PER_ELEMENT = 5.4
 
 class DispatcherPlan(OptionModel):
     """What either dispatcher's plan shares: its ``expert_precision`` (nothing added at bf16; FP8: the expert GEMMs
-    but the weight gradients' at the FP8 rate (the fused op's weight gradients too where its rule picks FP8), the per-step weight copies and their quantization) and the ac.keep set
-    of its expert GEMMs."""
+    but the weight gradients' at the FP8 rate (the fused op's weight gradients too at its ``wgrad_precision=fp8``),
+    the per-step weight copies and their quantization) and the ac.keep set of its expert GEMMs."""
 
     expert_gemm_op: object  # the op its expert GEMMs run as (or inside)
 
@@ -212,8 +211,9 @@ class FusedDispatcherPlan(DispatcherPlan):
         return FUSED_GLUE_BYTES_PER_ELEMENT + (fp8 if self.fp8 else 0.0)
 
     def fp8_wgrad(self, step: Step) -> bool:
-        """Whether its op runs the weight gradients in FP8: the op's rule on the rows the busiest rank receives."""
-        return self.fp8 and fp8_weight_gradients_pay(routed_rows(step), step.cfg.num_experts // step.mesh.ep)
+        """Whether its op runs the weight gradients in FP8: the option's ``wgrad_precision`` (fp8 at
+        ``expert_precision=fp8`` only, as the option validates)."""
+        return self.fp8 and self.option.wgrad_precision == "fp8"
 
     def fp8_passes(self, step: Step, passes: float) -> float:
         """Every pass but the weight gradients', and where its op runs those in FP8 their share at the FP8 rate."""
