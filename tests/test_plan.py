@@ -362,14 +362,35 @@ def test_full_depth_point_within_tolerance(result):
 FP8_E2E = ROOT / "experiments" / "fp8" / "records"
 
 
+# Records the planner misses by more than the tolerance, each with why; strict, so a planner that learns them fails
+# here until its entry goes.
+FP8_PLAN_MISSES = {
+    # measured after f9cdc23 sped up the weight copies; the FP8 glue was fitted before it (plan 6.9 % high)
+    "h200_e2e/2026-12-02_13-03/2": "FP8 glue fitted to the kernels before f9cdc23",
+    # FP8 weight gradients by face935's shape rule (today dispatcher.wgrad_precision=fp8), planned as bf16's: their
+    # requantization and host reads are not fitted (plan 0.753 s against 0.918 s measured at seq 4096 x 4)
+    "h200_e2e_48l16e_seq4096/2026-12-03_15-00/1": "FP8 weight gradients' cost not fitted",
+    "h200_e2e_48l16e_seq16384/2026-12-03_15-00/1": "FP8 weight gradients' cost not fitted",
+}
+
+
+def _fp8_point(p):
+    name = str(p.parent.relative_to(FP8_E2E))
+    reason = FP8_PLAN_MISSES.get(name)
+    return (
+        pytest.param(p, id=name, marks=pytest.mark.xfail(reason=reason, strict=True))
+        if reason
+        else pytest.param(p, id=name)
+    )
+
+
 @pytest.mark.parametrize(
     "result",
     [
-        p
+        _fp8_point(p)
         for p in sorted(FP8_E2E.glob("h200_e2e*/*/*/result.json"))
         if read(p)["config"]["dispatcher"].get("expert_precision") == "fp8"
     ],
-    ids=lambda p: str(p.parent.relative_to(FP8_E2E)),
 )
 def test_fp8_point_within_tolerance(result):
     """Every measured FP8 training point (both dispatchers, the 4-layer proxy and full depth, each AC mode): the step
