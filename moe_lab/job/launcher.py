@@ -4,6 +4,7 @@ submits each sweep point as such an srun job)."""
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import tempfile
@@ -104,7 +105,9 @@ def launch_local(nproc: int, entrypoint: Callable, *args, cuda: bool):
         rdzv_endpoint="127.0.0.1:0",
         rdzv_configs={"is_host": True},
         max_restarts=0,
-        monitor_interval=0.1,
+        # Elastic names one failed rank: the first it sees dead. A rank killed outright (a signal) must be seen before
+        # a peer that then fails on it exits, and a forked rank exits within milliseconds of failing: poll often.
+        monitor_interval=0.01,
         start_method="spawn" if cuda else "forkserver",
     )
     return elastic_launch(config, _as_launched)(dict(os.environ), os.getcwd(), entrypoint, *args)[0]
@@ -119,7 +122,10 @@ def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
     os.environ.update({**environ, **rank_variables})
     os.chdir(cwd)
     tempfile.tempdir = None  # TMPDIR is read again
-    return entrypoint(*args)
+    try:
+        return entrypoint(*args)
+    finally:
+        atexit._run_exitfuncs()  # as an interpreter's exit does (a forked rank ends with os._exit): logs flushed
 
 
 class RanksFailed(RuntimeError):
