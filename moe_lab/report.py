@@ -840,7 +840,8 @@ def table(kind: str, paths: list[str]) -> str:
         if not (ROOT / path).exists():
             raise FileNotFoundError(f"table {kind}: no record at {path}")
     body = KINDS[kind](*paths)
-    cited = kind == "studies" or body.splitlines()[0].endswith("| raw |")  # the index links each study's README
+    # the index links each study's README; a raw column may cite every record already
+    cited = kind == "studies" or all(f"`{p}`" in body for p in paths)
     return body if cited else body + "\nRaw: " + ", ".join(map(cite, paths)) + "\n"
 
 

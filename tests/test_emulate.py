@@ -84,13 +84,14 @@ def one_rank_step(dispatcher: str, ep: int, dp_replicate: int = 1) -> dict:
     from moe_lab.models.loss import ChunkedLoss
     from moe_lab.models.qwen3_moe import Qwen3MoeConfig
     from moe_lab.moe import dispatcher as dispatchers
-    from moe_lab.moe.fused import reference
+    from moe_lab.moe.fused import ops
     from moe_lab.parallel import parallelize
     from moe_lab.parallel.ac import NoCheckpoint
     from moe_lab.parallel.sharding import local_rows, local_shard
 
     calls, received = [], []
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    reference = ops.BACKENDS["reference"]
     forward = reference.forward
 
     def recording_forward(*args):
@@ -101,7 +102,7 @@ def one_rank_step(dispatcher: str, ep: int, dp_replicate: int = 1) -> dict:
     try:
         for name, fn in saved.items():
             setattr(dist, name, _recording(calls, name, fn))
-        reference.forward = recording_forward
+        ops.BACKENDS["reference"] = dataclasses.replace(reference, forward=recording_forward)
         cfg = dataclasses.replace(Qwen3MoeConfig.preset("tiny"), routing="balanced")
         with torch.device("meta"):
             model = cfg.build()
@@ -131,7 +132,7 @@ def one_rank_step(dispatcher: str, ep: int, dp_replicate: int = 1) -> dict:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        reference.forward = forward
+        ops.BACKENDS["reference"] = reference
 
 
 def emulated(rank: int, world: int, fn, *args):
