@@ -21,3 +21,12 @@ pack() {  # pack PATH...: with OUT set, these records as $OUT/STUDY-LABEL-NAME.t
   mkdir -p "$OUT"
   tar -czf "$OUT/$STUDY-$(basename "$(dirname "$1")")-$(basename "$1" .json).tgz" --exclude='trace_rank*' "$@"
 }
+
+run_parts() {  # run_parts PART... [key=value...]: the study's run_part for each PART with the overrides after them,
+  # then its records (the study's dirs array) packed
+  local parts=() p
+  while [ $# -gt 0 ] && [[ "$1" != *=* ]]; do parts+=("$1"); shift; done
+  [ ${#parts[@]} -gt 0 ] || run_part usage
+  for p in "${parts[@]}"; do run_part "$p" "$@"; done
+  pack "${dirs[@]}"
+}

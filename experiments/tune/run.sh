@@ -35,8 +35,4 @@ run_part() {
   *) echo "usage: $0 PART... [key=value...]; parts: 30b 235b share b300" >&2; exit 2 ;;
   esac
 }
-parts=()
-while [ $# -gt 0 ] && [[ "$1" != *=* ]]; do parts+=("$1"); shift; done
-[ ${#parts[@]} -gt 0 ] || run_part usage
-for p in "${parts[@]}"; do run_part "$p" "$@"; done
-pack "${dirs[@]}"
+run_parts "$@"

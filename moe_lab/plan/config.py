@@ -22,13 +22,21 @@ class PlanConfig(TrainConfig):
     hardware: Any = None
 
 
+def train_defaults(schema: str, *groups: dict) -> tuple[dict, list]:
+    """train.yaml and its defaults list with ``schema`` in place of train's and ``groups`` (``{group: option}``)
+    added before ``_self_``: what an entry point built on train's config stores as its primary config."""
+    train = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
+    defaults = [schema if d == "train_schema" else d for d in train["defaults"]]
+    at = defaults.index("_self_")
+    defaults[at:at] = groups
+    return train, defaults
+
+
 def register() -> None:
     config.register()
     store = ConfigStore.instance()
     store.store(name="plan_schema", node=PlanConfig)
-    train = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
-    defaults = ["plan_schema" if d == "train_schema" else d for d in train["defaults"]]
-    defaults.insert(defaults.index("_self_"), {"hardware": DEFAULT_HARDWARE})
+    train, defaults = train_defaults("plan_schema", {"hardware": DEFAULT_HARDWARE})
     hydra = train["hydra"]
     hydra["run"]["dir"] = "outputs/plan/${now:%Y-%m-%d}/${now:%H-%M-%S}"
     hydra["sweep"]["dir"] = "multirun/plan/${now:%Y-%m-%d}/${now:%H-%M-%S}"

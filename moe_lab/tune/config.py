@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
 from hydra.core.config_store import ConfigStore
 
 from moe_lab.plan import config as plan_config
@@ -25,10 +24,9 @@ def register() -> None:
     plan_config.register()
     store = ConfigStore.instance()
     store.store(name="tune_schema", node=TuneConfig)
-    train = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
-    defaults = ["tune_schema" if d == "train_schema" else d for d in train["defaults"]]
-    at = defaults.index("_self_")
-    defaults[at:at] = [{"hardware": plan_config.DEFAULT_HARDWARE}, {"tune": DEFAULT_TUNE}]
+    train, defaults = plan_config.train_defaults(
+        "tune_schema", {"hardware": plan_config.DEFAULT_HARDWARE}, {"tune": DEFAULT_TUNE}
+    )
     store.store(name="tune", node={"defaults": defaults, "hydra": {"searchpath": train["hydra"]["searchpath"]}})
 
 
