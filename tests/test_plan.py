@@ -341,6 +341,7 @@ def test_moe_layer_within_tolerance(ep):
 
 
 FULL_DEPTH = ROOT / "experiments" / "full_depth" / "records"
+H200_MEMORY_GIB = 139.8  # what torch reports as an H200's total capacity
 
 
 @pytest.mark.parametrize(
@@ -351,10 +352,14 @@ FULL_DEPTH = ROOT / "experiments" / "full_depth" / "records"
 def test_full_depth_point_within_tolerance(result):
     """The 48-layer / 16-expert share at seq 16384 and 32768, every setting of the room issue: the step within 5 %
     (the issue's bound) and the peak within 3 % (tighter than its 10 %: at 3 % the fused op's output, which compiled
-    selective AC does not keep, counted as kept fails the save=inputs points at 32768)."""
+    selective AC does not keep, counted as kept fails the save=inputs points at 32768). A point that ran out of
+    memory was planned past the GPU's memory."""
     record = read(result)
-    assert record["status"] == "ok"
     planned, measured = plan_record(record)["metrics"], record["metrics"]
+    if record["status"] == "oom":
+        assert planned["peak_gpu_mem_gib"] > H200_MEMORY_GIB
+        return
+    assert record["status"] == "ok"
     assert planned["s_per_step"] == pytest.approx(measured["s_per_step"], rel=0.05)
     assert planned["peak_gpu_mem_gib"] == pytest.approx(measured["peak_gpu_mem_gib"], rel=0.03)
 
