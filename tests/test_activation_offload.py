@@ -2,7 +2,7 @@
 in backward. On CPU the same path runs with plain copies: gradients equal the run without offload bit for bit, and
 the hooks really moved tensors (count and bytes), under ac=none (eager) and ac=selective (compiled, the only way its
 kept outputs become saved tensors), with every ``ac.keep`` set. On a GPU (``gpu`` marker): peak memory lower,
-gradients equal.
+gradients equal to CUDA's run-to-run rounding.
 """
 
 from __future__ import annotations
@@ -95,8 +95,12 @@ def test_offload_lowers_peak_memory_on_gpu():
         peaks[offload] = torch.cuda.max_memory_allocated() - weights  # what forward and backward added
         moved = ac.offload.moved["bytes"] if offload else moved
         del model
+    # Not bit for bit as on CPU: a CUDA backward kernel of the input-gradient path sums in an order that varies run
+    # to run (one in several runs, embed_tokens' gradient alone moved in its low bits, with and without offload alike).
+    # A tensor brought back wrong would move a gradient by its own size, not by 1e-3 of it.
     for name, g in results[False].items():
-        assert torch.equal(results[True][name], g), name
+        error = (results[True][name] - g).float().norm() / g.float().norm().clamp_min(1e-30)
+        assert error < 1e-3, (name, error.item())
     # 7 blocks' saved tensors went to the host and at most 2 are back at once (the one in backward, the prefetched
     # one): at least half of what moved is off the peak
     assert peaks[False] - peaks[True] >= 0.5 * moved > 0, (peaks, moved)

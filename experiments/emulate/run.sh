@@ -9,6 +9,8 @@
 #   bash experiments/emulate/run.sh 235b       reference_235b's rank 0 of 32, 64 and 128 GPUs at EP 8, fused + full AC
 #   bash experiments/emulate/run.sh trace share overhead
 #     trace     the 30b rank, fused + full AC, two steps traced (the breakdown's collectives at zero)
+#     ep_trace  the 30b rank, fused + selective at EP 1 (experts sharded by FSDP: 128 experts of 1,024 rows a rank)
+#               and EP 8 (16 experts of 8,192 rows), two steps traced: where tune's EP 1 winner lost its plan
 #     share     the 48-layer, 16-expert single-GPU share of the 30B at EP 8 (no FSDP, no exchange), fused +
 #               selective | full, beside the 30b part's rank
 #     overhead  world 1: a plain one-GPU run and an emulated one (4-layer 30B proxy, fused + selective)
@@ -43,6 +45,8 @@ run_part() {
   30b) sweep rank0_of_8 "${EMULATE_30B[@]}" dispatcher=torch,fused ac=none,selective,full "${SHORT[@]}" "$@" ;;
   trace) sweep rank0_of_8 "${EMULATE_30B[@]}" dispatcher=fused ac=full trainer.steps=8 trainer.timing_skip=3 \
            profile.enabled=true profile.wait=5 profile.warmup=1 profile.active=2 "$@" ;;
+  ep_trace) sweep rank0_of_8 "${EMULATE_30B[@]}" dispatcher=fused ac=selective parallel.ep=1,8 trainer.steps=8 \
+              trainer.timing_skip=3 profile.enabled=true profile.wait=5 profile.warmup=1 profile.active=2 "$@" ;;
   235b) sweep rank0_235b "${EMULATE_235B[@]}" parallel.emulate_nodes=4,8,16 dispatcher=fused ac=full \
           trainer.steps=5 trainer.timing_skip=3 profile.enabled=false "$@" ;;
   share) sweep 1gpu_share +experiment=reference_30b trainer.nproc_per_node=1 parallel.ep=1 model.num_experts=16 \
