@@ -6,6 +6,8 @@
 #   bash experiments/tune/run.sh share    the full-depth single-GPU share of the 30B at EP 8 (48 layers, 16
 #                                         experts), seq 4096 x batch 4: real, one GPU
 #   bash experiments/tune/run.sh b300     Qwen3-235B-A22B on 32 B300 (4 x 8), seq 16384, plan only (no GPU needed)
+#   bash experiments/tune/run.sh share_trace  the share's winner (fused + selective, precision=fp8) and bf16 beside
+#                                         it, two steps traced: where the share's plan and measurement part
 # Each of the first three is meant to finish within 10 minutes of one H200, planning included: few steps a
 # candidate (8 timed from 3; 235B's steps are planned near 10 s: 5 from 3), no profiler, and a 570 s cut
 # (TUNE_TIMEOUT; 0: none, for planning on a small CPU machine, where the default space takes tens of minutes).
@@ -30,9 +32,15 @@ run_part() {
           trainer.steps=5 trainer.timing_skip=3 profile.enabled=false "$@" ;;
   share) tune 1gpu_share +experiment=reference_30b trainer.nproc_per_node=1 model.num_experts=16 \
            data.seq_len=4096 data.batch_size=4 "${SHORT[@]}" "$@" ;;
+  share_trace) dir=$(record 1gpu_share)_trace
+    timeout -k 30 400 python3 -m moe_lab.train -m hydra.sweep.dir="$dir" +experiment=reference_30b \
+      trainer.nproc_per_node=1 model.num_experts=16 data.seq_len=4096 data.batch_size=4 dispatcher=fused \
+      ac=selective precision=fp8,bf16 parallel.ep=1 trainer.steps=8 trainer.timing_skip=3 profile.enabled=true \
+      profile.wait=5 profile.warmup=1 profile.active=2 "$@"
+    dirs+=("$dir") ;;
   b300) MACHINE=plan tune b300_32gpu +experiment=reference_235b hardware=b300 hardware.nodes=4 \
           hardware.gpus_per_node=8 tune.measure=0 "$@" ;;
-  *) echo "usage: $0 PART... [key=value...]; parts: 30b 235b share b300" >&2; exit 2 ;;
+  *) echo "usage: $0 PART... [key=value...]; parts: 30b 235b share b300 share_trace" >&2; exit 2 ;;
   esac
 }
 run_parts "$@"
