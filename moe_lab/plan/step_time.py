@@ -50,6 +50,14 @@ OTHER_BYTES_PER_TOKEN_LAYER = 20_000.0  # norms, RoPE, residual adds: per token,
 EAGER_OTHER = 3.0  # trainer.compile=false: the elementwise work unfused
 CAST_BYTES_PER_PARAM = 12.0  # fp32 weights read, bf16 copies written (forward; backward reads them again or re-casts)
 GRAD_CAST_BYTES_PER_PARAM = 6.0  # bf16 weight gradients widened to fp32
+# FSDP2's work around its collectives as the compute stream sees it, per unsharded parameter of a rank: a gather's
+# copy-out (bf16 read and written) beside its cast and the gather's own writes; a reduction's copy-in to fp32 and
+# what follows it. Fitted on reference_30b's emulated rank 0 of 8, fused + selective, traced at EP 1 (experts
+# sharded: 30.5 B unsharded parameters a rank; 107 + 116 ms) and EP 8 (5.2 B; 8 + 31 ms) within 5 %
+# (experiments/emulate/records/h200_rank0_of_8/2026-12-04_20-24_ep_trace); billed by the local shard, as before,
+# EP 1's 223 ms were planned as 74.
+FSDP_GATHER_BYTES_PER_PARAM = 6.0
+FSDP_REDUCE_BYTES_PER_PARAM = 13.0
 ATTENTION_BACKWARD = 2.5  # flash attention's backward over its forward FLOPs
 
 
@@ -199,10 +207,9 @@ def plan_time(step: Step, hw: Hardware) -> dict:
             seconds["dispatch_glue"] += micro * GRAD_CAST_BYTES_PER_PARAM * fp8 / hw.hbm_bytes_per_s
     else:
         gathers = 2 * micro if step.reshard_after_forward else 1
-        casts["fsdp_all_gather"] = gathers * 6 * n / hw.hbm_bytes_per_s
-        casts["fsdp_reduce_scatter"] = (
-            (1 if step.grad_sync == "step" else micro) * GRAD_CAST_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
-        )
+        reduces = 1 if step.grad_sync == "step" else micro
+        casts["fsdp_all_gather"] = gathers * FSDP_GATHER_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
+        casts["fsdp_reduce_scatter"] = reduces * FSDP_REDUCE_BYTES_PER_PARAM * n_unsharded / hw.hbm_bytes_per_s
 
     compute = sum(seconds[k] for k in ("dense_gemm", "expert_gemm", "attention", "dispatch_glue", "other"))
     seconds["pcie"] += step.offload.exposed_pcie(step, hw, n, compute)
