@@ -112,8 +112,8 @@ HOST_PROCESS = (
 # reached the GPU's memory and retried: a lower bound). A plan that fits, but not at the largest, is at the edge: the
 # allocator is likely to free its cache and retry cudaMalloc inside the step, slower than planned (fused + none ran
 # 14 % slower than planned at 129 GiB of 139.8: experiments/emulate/README.md).
-ALLOCATOR_RESERVE = 1.024
-ALLOCATOR_RESERVE_EDGE = 1.156
+ALLOCATOR_RESERVE = 1.022
+ALLOCATOR_RESERVE_EDGE = 1.211
 
 
 def usable_device_bytes(hw: Hardware) -> float:
