@@ -48,10 +48,12 @@ class Hardware:
     # DeepGEMM's blockwise-FP8 m-grouped GEMMs, of peak_fp8_tflops (experiments/fp8/: 1300 of 1979 TFLOP/s at the 30B
     # experts' gate/up shape, 131k rows, on the H200)
     fp8_grouped_gemm_efficiency: float = 0.66
-    # precision=fp8's attention projections, forward and backward through torchao's float8 training with its casts,
-    # of peak_fp8_tflops: an estimate (torchao's float8 linears at about 1.2x bf16's 0.77 of the bf16 peak at
-    # these shapes) until experiments/fp8/kernel_probe.py's dense section or ``calibrate`` measures it
-    fp8_dense_gemm_efficiency: float = 0.46
+    # precision=fp8's attention projections, forward and backward through torchao's float8 training with its casts
+    # and the launch gaps they add, of peak_fp8_tflops: fitted end to end on the full-depth share at seq 4096 x 4
+    # (experiments/tune/records/h200_1gpu_share/2026-12-04_20-56_trace, fp8 beside bf16: their FP8 GEMMs, casts and
+    # gaps took 160-172 ms where bf16's projections took 121), below bf16's rate at these shapes; calibrate's
+    # one-projection probe leaves the gaps out
+    fp8_dense_gemm_efficiency: float = 0.27
     attention_efficiency: float = 0.55  # causal flash attention, executed FLOPs, forward and backward
     hbm_efficiency: float = 0.73  # streaming kernels (AdamW, casts, norms)
     nvlink_efficiency: float = 0.70  # all-to-all and FSDP collectives inside a node

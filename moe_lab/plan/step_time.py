@@ -4,7 +4,8 @@ the communication is exposed.
 Each category's time is its work over the rate the hardware profile gives for that kind of work:
 - dense_gemm, expert_gemm, attention: FLOPs (forward, backward at twice the GEMMs' and 2.5x attention's, and the
   forward again where ac=full recomputes) over the achieved FLOP/s of each kind (precision=fp8's attention
-  projections at the FP8 dense rate, the experts' FP8 passes at the FP8 grouped rate);
+  projections at the FP8 dense rate, the experts' FP8 passes at the FP8 grouped rate; attention's rate falls below
+  the profile's at sequences shorter than calibrate's);
 - optimizer: AdamW's 28 bytes per parameter (offload=none) over the achieved HBM bandwidth;
 - pcie: offload=optimizer's moments beyond what its device ring holds (8 bytes per parameter), which the compute
   stream waits for beyond the last micro-batch's backward; ``ac.offload_activations``' copies out and back (one
@@ -59,6 +60,22 @@ GRAD_CAST_BYTES_PER_PARAM = 6.0  # bf16 weight gradients widened to fp32
 FSDP_GATHER_BYTES_PER_PARAM = 6.0
 FSDP_REDUCE_BYTES_PER_PARAM = 13.0
 ATTENTION_BACKWARD = 2.5  # flash attention's backward over its forward FLOPs
+# Flash attention's share of peak falls at shorter sequences (fewer tiles a head, the causal diagonal a larger part):
+# the profile's rate is at calibrate's seq 16384; the full-depth share's attention at seq 4096 x 4 took 1.25x what
+# that rate gives, in both precisions (experiments/tune/records/h200_1gpu_share/2026-12-04_20-56_trace: 209-214 ms
+# against 170), which a share of s / (s + 1460) fits. Longer sequences keep the profile's rate (seq 32768's points
+# are planned within 1.5 % at it).
+ATTENTION_REFERENCE_SEQ = 16384
+ATTENTION_HALF_SEQ = 1460
+
+
+def attention_seq_factor(seq_len: int) -> float:
+    """Attention's rate at ``seq_len`` over the profile's (at ``ATTENTION_REFERENCE_SEQ``), at most 1."""
+
+    def share(s: float) -> float:
+        return s / (s + ATTENTION_HALF_SEQ)
+
+    return min(1.0, share(seq_len) / share(ATTENTION_REFERENCE_SEQ))
 
 
 def grouped_shape_factor(step: Step) -> float:
@@ -178,7 +195,7 @@ def plan_time(step: Step, hw: Hardware) -> dict:
     if fp8_dense:
         seconds["dense_gemm"] += micro * passes(step, "dense") * fp8_dense / hw.flops("fp8_dense_gemm")
     attention_flops = passes(step, "attention") * s.attention_flops(t, step.seq_len)
-    seconds["attention"] = micro * attention_flops / hw.flops("attention")
+    seconds["attention"] = micro * attention_flops / (hw.flops("attention") * attention_seq_factor(step.seq_len))
     for category, value in moe_seconds(step, hw).items():
         seconds[category] += micro * value
     seconds["dispatch_glue"] += step.dispatcher.per_step_glue_bytes(step) / hw.hbm_bytes_per_s  # once per step
