@@ -32,6 +32,7 @@ import yaml
 from moe_lab.metrics.flops import HARDWARE_CONF, hardware_option
 from moe_lab.optim.offload.host_step import host_optimizer
 from moe_lab.plan.hardware import GIB, Hardware
+from moe_lab.plan.step_time import ATTENTION_REFERENCE_SEQ
 
 # Sizes per --size: (GEMM side, expert rows per expert, experts, hidden, intermediate, seq, heads, head_dim,
 # copy MiB, AdamW parameters, all-to-all MiB)
@@ -42,7 +43,7 @@ SIZES = {
         experts=128,
         hidden=2048,
         inter=768,
-        seq=16384,
+        seq=ATTENTION_REFERENCE_SEQ,  # the sequence the planner takes attention's profile rate to be at
         heads=32,
         head_dim=128,
         copy_mib=2048,

@@ -61,10 +61,10 @@ FSDP_GATHER_BYTES_PER_PARAM = 6.0
 FSDP_REDUCE_BYTES_PER_PARAM = 13.0
 ATTENTION_BACKWARD = 2.5  # flash attention's backward over its forward FLOPs
 # Flash attention's share of peak falls at shorter sequences (fewer tiles a head, the causal diagonal a larger part):
-# the profile's rate is at calibrate's seq 16384; the full-depth share's attention at seq 4096 x 4 took 1.25x what
-# that rate gives, in both precisions (experiments/tune/records/h200_1gpu_share/2026-12-04_20-56_trace: 209-214 ms
-# against 170), which a share of s / (s + 1460) fits. Longer sequences keep the profile's rate (seq 32768's points
-# are planned within 1.5 % at it).
+# the profile's rate is at ATTENTION_REFERENCE_SEQ, the sequence calibrate measures it at; the full-depth share's
+# attention at seq 4096 x 4 took 1.25x what that rate gives, in both precisions
+# (experiments/tune/records/h200_1gpu_share/2026-12-04_20-56_trace: 209-214 ms against 170), which a share of
+# s / (s + 1460) fits. Longer sequences keep the profile's rate (seq 32768's points are planned within 1.6 % at it).
 ATTENTION_REFERENCE_SEQ = 16384
 ATTENTION_HALF_SEQ = 1460
 
