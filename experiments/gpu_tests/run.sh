@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests (pytest -m gpu; they skip on a machine without CUDA), one part per 10-minute device call:
 #   bash experiments/gpu_tests/run.sh one_gpu       skeleton, fused dispatcher at EP=1, host reads, trace breakdown,
-#                                                   offload modes, forced routing (about 5 minutes on an H200)
+#                                                   offload modes, forced routing, the loss, precision=fp8, FP8 copies
+#                                                   following the optimizer (about 6 minutes on an H200)
 #   bash experiments/gpu_tests/run.sh one_gpu_more  document masks, routing statistics, gradient accumulation, the
 #                                                   planner's calibration, dispatcher.save, activation offload, FP8,
 #                                                   determinism (the noise-band test alone runs several minutes)
@@ -12,7 +13,7 @@
 source "$(dirname "$0")/../common.sh"
 case "${1:-}" in
 one_gpu) log=$(record 1gpu).log limit=420 select="not expert_parallel"
-         tests="tests/test_gpu_skeleton.py tests/test_fused_gpu.py tests/test_host_read.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py" ;;
+         tests="tests/test_gpu_skeleton.py tests/test_fused_gpu.py tests/test_host_read.py tests/test_trace.py tests/test_offload.py tests/test_moe_layer.py tests/test_loss.py tests/test_precision.py tests/test_fp8_follows_step.py" ;;
 one_gpu_more) log=$(record 1gpu).log limit=540 select="not ep2"
          tests="tests/test_tokens.py tests/test_routing.py tests/test_grad_accum.py tests/test_plan_calibrate.py tests/test_fused_save_gpu.py tests/test_activation_offload.py tests/test_fp8.py tests/test_determinism.py" ;;
 two_gpu) log=$(record 2gpu).log limit=180 select="expert_parallel and ep2 or different_experts"
