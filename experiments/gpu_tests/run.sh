@@ -8,6 +8,7 @@
 #                                                   determinism (the noise-band test alone runs several minutes)
 #   bash experiments/gpu_tests/run.sh two_gpu   fused dispatcher at EP=2, distinct experts per EP rank
 #   bash experiments/gpu_tests/run.sh four_gpu  fused dispatcher at EP=2 and EP=4 (nvidia-h200-x4)
+# SELECT (a pytest -k expression) narrows a part, e.g. SELECT="not ep2 and not deterministic_gpu and not noise_band".
 # Records: records/<machine>_1gpu|2gpu|4gpu/<UTC start>.log, headed by commit, GPU and command (see ../common.sh);
 # each test's outcome is a line (-v), so a log cut by the call's limit still says which passed.
 source "$(dirname "$0")/../common.sh"
@@ -22,7 +23,7 @@ four_gpu) log=$(record 4gpu).log limit=300 select="expert_parallel or different_
          tests="tests/test_fused_gpu.py tests/test_distributed_training.py" ;;
 *) echo "usage: $0 one_gpu|one_gpu_more|two_gpu|four_gpu" >&2; exit 2 ;;
 esac
-command="python3 -m pytest -m gpu $tests -v -rs -p no:cacheprovider -k \"$select\""
+command="python3 -m pytest -m gpu $tests -v -rs -p no:cacheprovider -k \"${SELECT:-$select}\""
 {
   echo "# moe_lab commit ${MOE_LAB_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}$( [ "${MOE_LAB_GIT_DIRTY:-}" = 0 ] || git diff --quiet HEAD -- moe_lab tests 2>/dev/null || echo ' with local changes');" \
     "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
