@@ -10,7 +10,8 @@
 # Overrides after a part go to every point (e.g. trainer.steps=5). A point runs once: one already recorded is skipped
 # (delete its folder to run it again), so a part cut short resumes where it stopped when run again with its record's
 # STAMP (e.g. STAMP=2026-12-01_22-36). POINT_NAMES="full save-inputs"
-# runs only those points, in that order; LIMIT (seconds, default 570) bounds a part.
+# runs only those points, in that order; LIMIT (seconds, default 570) bounds a part. Issue 43's seq 32768 sitting:
+#   POINT_NAMES="full fp8_save-inputs fp8_save-inputs_keep-no-matmul save-inputs" bash experiments/full_depth/run.sh seq32768
 # Records: records/<machine>_1gpu_seq<len>/<UTC start>/<point>/result.json (see ../common.sh); test logs .log.
 source "$(dirname "$0")/../common.sh"
 
@@ -27,6 +28,9 @@ POINTS=(
   "save-inputs_keep-no-matmul|ac=selective dispatcher.save=inputs ac.keep=[attention,router,dispatcher]"
   "save-inputs_offload|ac=selective dispatcher.save=inputs ac.offload_activations=true"
   "none_save-inputs_offload|ac=none dispatcher.save=inputs ac.offload_activations=true"
+  "fp8_selective|ac=selective precision=fp8_experts"
+  "fp8_save-inputs|ac=selective precision=fp8_experts dispatcher.save=inputs"
+  "fp8_save-inputs_keep-no-matmul|ac=selective precision=fp8_experts dispatcher.save=inputs ac.keep=[attention,router,dispatcher]"
 )
 
 # loss=full beside the points above, which run the default loss=chunked (the loss part; issue 43)
