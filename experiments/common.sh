@@ -22,6 +22,12 @@ pack() {  # pack PATH...: with OUT set, these records as $OUT/STUDY-LABEL-NAME.t
   tar -czf "$OUT/$STUDY-$(basename "$(dirname "$1")")-$(basename "$1" .json).tgz" --exclude='trace_rank*' "$@"
 }
 
+log_to() {  # log_to LOG: standard input into LOG and, with OUT set, into $OUT/STUDY-LABEL-NAME as it comes (a device
+  # call cut by its own limit still brings back what ran; pack afterwards brings the finished LOG)
+  [ -z "${OUT:-}" ] || mkdir -p "$OUT"
+  tee ${OUT:+"$OUT/$STUDY-$(basename "$(dirname "$1")")-$(basename "$1")"} > "$1"
+}
+
 run_parts() {  # run_parts PART... [key=value...]: the study's run_part for each PART with the overrides after them,
   # then its records (the study's dirs array) packed
   local parts=() p

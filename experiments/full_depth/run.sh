@@ -68,7 +68,7 @@ tests() {  # tests LABEL LIMIT_S SELECT [FILES]: GPU tests (by default this stud
     echo "# moe_lab commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
     echo "# $command"
     timeout "$2" bash -c "$command"
-  } > "$log" 2>&1
+  } 2>&1 | log_to "$log"
   pack "$log"
 }
 

@@ -11,7 +11,8 @@
 # SELECT (a pytest -k expression) narrows a part, e.g. SELECT="not ep2 and not deterministic_gpu and not noise_band".
 # Records: records/<machine>_1gpu|2gpu|4gpu/<UTC start>.log, headed by commit, GPU and command (see ../common.sh);
 # each test's outcome is a line (-v), so a log cut by the call's limit still says which passed; with OUT set (a device
-# call) the log is also written into $OUT as the tests run, so it comes back when the call's own limit stops the part.
+# call) the log is also written into $OUT as the tests run (../common.sh log_to), so it comes back when the call's own
+# limit stops the part.
 source "$(dirname "$0")/../common.sh"
 case "${1:-}" in
 one_gpu) log=$(record 1gpu).log limit=420 select="not expert_parallel"
@@ -24,12 +25,11 @@ four_gpu) log=$(record 4gpu).log limit=300 select="expert_parallel or different_
          tests="tests/test_fused_gpu.py tests/test_distributed_training.py" ;;
 *) echo "usage: $0 one_gpu|one_gpu_more|two_gpu|four_gpu" >&2; exit 2 ;;
 esac
-[ -z "${OUT:-}" ] || mkdir -p "$OUT"
 command="python3 -m pytest -m gpu $tests -v -rs -p no:cacheprovider -k \"${SELECT:-$select}\""
 {
   echo "# moe_lab commit ${MOE_LAB_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}$( [ "${MOE_LAB_GIT_DIRTY:-}" = 0 ] || git diff --quiet HEAD -- moe_lab tests 2>/dev/null || echo ' with local changes');" \
     "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "# $command"
   timeout "$limit" bash -c "$command"
-} 2>&1 | tee ${OUT:+"$OUT/$STUDY-$(basename "$(dirname "$log")")-$(basename "$log")"} > "$log"
+} 2>&1 | log_to "$log"
 pack "$log"
