@@ -164,9 +164,9 @@ class TorchDispatcherPlan(DispatcherPlan):
     def outside_allocator(self, step: Step) -> dict:
         return {}
 
-    def index_adds(self, step: Step) -> int:
-        """Its permutation backwards outside any scope (``other``): bf16 index_add with atomics, one per layer (the
-        unsort) at EP=1, three at EP>1 (and the received rows' reordering both ways)."""
+    def permutation_backwards(self, step: Step) -> int:
+        """Its permutations' backwards outside any scope (``other``), gathers (``moe_lab.moe.dispatcher.permute_rows``):
+        one per layer (the unsort) at EP=1, three at EP>1 (and the received rows' reordering both ways)."""
         return 3 if step.mesh.ep > 1 else 1
 
 
@@ -262,5 +262,5 @@ class FusedDispatcherPlan(DispatcherPlan):
         workspace = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size
         return {"fused symmetric workspace": workspace}
 
-    def index_adds(self, step: Step) -> int:
+    def permutation_backwards(self, step: Step) -> int:
         return 0
