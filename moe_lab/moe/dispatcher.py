@@ -97,13 +97,15 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
-def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``x[perm]`` for a permutation ``perm`` with inverse ``inverse``, written as each row copied to its place so
-    that autograd's backward is a gather (``grad[inverse]``) where ``x.index_select(0, perm)``'s is a zero fill and a
-    bf16 index_add with atomics: 2.4 ms a [131,072 x 2,048] permutation on an H100, 340 ms of reference_30b's 2.5 s
-    emulated step under the torch dispatcher (experiments/emulate README, "The torch dispatcher's permutations").
-    Plain ops, so a block compiles whole at EP's data-dependent row counts."""
-    return torch.empty_like(x).index_copy(0, inverse, x)
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, how: str) -> torch.Tensor:
+    """``x[perm]`` for a permutation ``perm`` with inverse ``inverse``. ``copy``: each row copied to its place, so
+    autograd's backward is a gather (``grad[inverse]``); ``select``: ``x.index_select(0, perm)``, whose backward is a
+    zero fill and a bf16 index_add with atomics (2.4 ms a [131,072 x 2,048] permutation on an H100: 340 ms of
+    reference_30b's 2.5 s emulated step; experiments/emulate README). Plain ops either way, so a block compiles whole
+    at EP's data-dependent row counts."""
+    if how == "copy":
+        return torch.empty_like(x).index_copy(0, inverse, x)
+    return x.index_select(0, perm)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -151,6 +153,9 @@ class TorchDispatcher(TokenDispatcher):
     reverse path. Works over gloo (CPU) and NCCL (GPU). The collectives are custom ops (``moe_lab.moe.collectives``),
     so a block compiles whole.
 
+    ``permute``: how its permutations of rows run (``permute_rows``): ``copy`` (backward a gather) or ``select``
+    (backward an index_add with atomics, as before ``copy`` existed: the records made then plan as ``select``).
+
     ``expert_precision``: ``bf16`` or ``fp8``: ``grouped_swiglu``'s two GEMMs in blockwise FP8
     (``moe_lab.moe.fp8.grouped.fp8_grouped_mm``: DeepGEMM on SM90+ over a 128-aligned layout sized without reading the
     counts, so no host sync is added; the emulation on CPU); the rows still travel in bf16.
@@ -169,8 +174,8 @@ class TorchDispatcher(TokenDispatcher):
         }
     )
 
-    def __init__(self, expert_precision: Literal["bf16", "fp8"] = "bf16"):
-        self.expert_precision = expert_precision
+    def __init__(self, expert_precision: Literal["bf16", "fp8"] = "bf16", permute: Literal["copy", "select"] = "copy"):
+        self.expert_precision, self.permute = expert_precision, permute
         super().__init__()
 
     def validate(self, cfg, target: Target) -> None:
@@ -221,7 +226,11 @@ class TorchDispatcher(TokenDispatcher):
         expert_major = torch.argsort((segment % local) * ep + segment // local, stable=True)
         source_major = inverse_permutation(expert_major)
         meta = DispatchMeta(order, unsort, topk_weights, send_rows, recv_rows, expert_major, source_major)
-        return permute_rows(received, expert_major, source_major), recv_per_expert.view(ep, local).sum(0), meta
+        return (
+            permute_rows(received, expert_major, source_major, self.permute),
+            recv_per_expert.view(ep, local).sum(0),
+            meta,
+        )
 
     def combine(self, expert_out: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """Expert outputs in ``dispatch``'s row order -> y [T, H]: back to the tokens' ranks, to (token, k) order,
@@ -229,10 +238,12 @@ class TorchDispatcher(TokenDispatcher):
         # permute_rows, not gather_rows: torch 2.11 fails to compile an autograd.Function's backward over EP's
         # data-dependent row counts under selective AC.
         if self.ep_size > 1:
-            expert_out = permute_rows(expert_out, meta.source_major, meta.expert_major)
+            expert_out = permute_rows(expert_out, meta.source_major, meta.expert_major, self.permute)
             expert_out = all_to_all_rows(expert_out, meta.recv_rows, meta.send_rows, self.group_name)
         slots = rearrange(
-            permute_rows(expert_out, meta.unsort, meta.order), "(t k) h -> t k h", k=meta.topk_weights.shape[1]
+            permute_rows(expert_out, meta.unsort, meta.order, self.permute),
+            "(t k) h -> t k h",
+            k=meta.topk_weights.shape[1],
         )
         return (slots * meta.topk_weights.unsqueeze(-1)).sum(dim=1)
 

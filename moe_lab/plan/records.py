@@ -54,9 +54,16 @@ def made_before(record: dict, commit: str, repo: Path = REPO) -> bool:
 LOSS_GROUP = "0661658"
 
 
+# The commit from which the torch dispatcher permutes rows by copies (dispatcher.permute=copy): a record made before
+# it ran index_select's (select).
+PERMUTE_COPY = "ba8b861"
+
+
 def plan_record(record: dict, extra: list[str] = (), search: bool = False) -> dict:
-    before_loss = ["loss=full"] if made_before(record, LOSS_GROUP) else []
-    cfg = compose(record_overrides(record) + before_loss + list(extra))
+    before = ["loss=full"] if made_before(record, LOSS_GROUP) else []
+    if (record.get("choices") or {}).get("dispatcher") == "torch" and made_before(record, PERMUTE_COPY):
+        before.append("dispatcher.permute=select")
+    cfg = compose(record_overrides(record) + before + list(extra))
     measured = OmegaConf.create(record["config"])
     for section in ("model", "data", "trainer", "parallel", "dispatcher", "ac", "offload", "optimizer", "loss"):
         if section in measured:
@@ -79,16 +86,17 @@ def read(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def allocator_reserve(repo: Path = REPO, edge_share: float = 0.5) -> tuple[float, float]:
+def allocator_reserve(repo: Path = REPO, edge_share: float = 0.5, gpu: str = "h200") -> tuple[float, float]:
     """The caching allocator's reserved memory over its allocated peak (``peak_gpu_reserved_gib`` over
-    ``peak_gpu_mem_gib``) at memory's edge: over the committed records of runs whose peak reached ``edge_share`` of
-    their GPU's memory, (the median, the largest). A run whose allocator retried (``gpu_alloc_retries``) reserved all
+    ``peak_gpu_mem_gib``) at memory's edge: over the committed records of runs on ``gpu`` (the profile the planner's
+    other terms are fitted on) whose peak reached ``edge_share`` of its memory, (the median, the largest). A run whose allocator retried (``gpu_alloc_retries``) reserved all
     it could: its ratio is a lower bound of what it would have reserved, and counts towards the largest only."""
     ratios, retried = [], []
     for path in sorted((repo / "experiments").glob("**/result.json")):
         record = read(path)
-        m, gpu = record.get("metrics") or {}, hardware_option((record.get("environment") or {}).get("gpu"))
-        if record.get("kind") == "plan" or not m.get("peak_gpu_reserved_gib") or gpu is None:
+        m = record.get("metrics") or {}
+        ran_on = hardware_option((record.get("environment") or {}).get("gpu"))
+        if record.get("kind") == "plan" or not m.get("peak_gpu_reserved_gib") or ran_on != gpu:
             continue
         memory = yaml.safe_load((HARDWARE_CONF / f"{gpu}.yaml").read_text())["hbm_gib"]
         if m["peak_gpu_mem_gib"] >= edge_share * memory:
@@ -149,8 +157,8 @@ def reference_235b() -> list[dict]:
     (``compared``: the row the check holds to 20 %; the torch dispatcher with ac=full is shown, not compared: the
     reference names no AC mode for its torch-dispatch row)."""
 
-    def planned(dispatcher: str, ac: str) -> dict:
-        return plan(compose(REFERENCE_235B + [f"dispatcher={dispatcher}", f"ac={ac}"]), search=False)
+    def planned(dispatcher: str, ac: str, *extra: str) -> dict:
+        return plan(compose(REFERENCE_235B + [f"dispatcher={dispatcher}", f"ac={ac}", *extra]), search=False)
 
     rows = []
     for reference, dispatcher, ac, compared in (
@@ -173,16 +181,18 @@ def reference_235b() -> list[dict]:
                 "peak_gpu_mem_gib": p["metrics"]["peak_gpu_mem_gib"],
             }
         )
+    # the ratio's moe_lab step was the torch dispatcher as it ran then: its permutations by index_select
     torch_selective = next(r for r in rows if r["dispatcher"] == "torch" and r["ac"] == "selective")
+    as_measured = planned("torch", "selective", "dispatcher.permute=select")["metrics"]
     ratio = torchtitan_ratio()
     rows.append(
         {
             **torch_selective,
             "reference": "torchtitan",
-            "dispatcher": f"torch x {ratio:.3f} (torchtitan / moe_lab, H200)",
+            "dispatcher": f"torch (permute=select) x {ratio:.3f} (torchtitan / moe_lab, H200)",
             "published_s": PUBLISHED_235B["torchtitan"],
-            "planned_s": torch_selective["planned_s"] * ratio,
-            "planned_mfu": torch_selective["planned_mfu"] / ratio,
+            "planned_s": as_measured["s_per_step"] * ratio,
+            "planned_mfu": as_measured["mfu"] / ratio,
         }
     )
     return rows

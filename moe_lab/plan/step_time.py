@@ -39,11 +39,6 @@ from moe_lab.metrics.trace import CATEGORIES
 from moe_lab.plan.hardware import Hardware
 from moe_lab.plan.memory import Step, offloaded_bytes, routed_rows, routed_slots
 
-# The HBM traffic per element of a dispatcher's permutation backward (its model's ``permutation_backwards``): a
-# gather, each bf16 element read and written once. (Until the torch dispatcher's permutations were written as copies,
-# each was a zero fill and an index_add with atomics: 32 bytes, fitted on the H200's 10 ms per 4 layers of 131,072
-# rows x 2048.)
-PERMUTATION_BACKWARD_BYTES_PER_ELEMENT = 4.0
 # The grouped GEMMs' share of peak grows with the experts' narrower side (min(H, I)): the profile's share is at the
 # 30B proxy's experts (I = 768); the 235B's (I = 1536) ran at 1.16x it (experiments/moe_layer/records/h200_ep2/
 # 2026-11-30_09-45.json: 735 vs 633 TFLOP/s), which a share of d / (d + 284) fits.
@@ -177,10 +172,9 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if dispatcher.exchange_in_kernels else 0.0),
         "ep_all_to_all": 0.0 if dispatcher.exchange_in_kernels else exchange,
         "other": c.num_layers
-        * dispatcher.permutation_backwards(step)
+        * dispatcher.permutation_backward_bytes_per_element(step)
         * rows
         * c.hidden_size
-        * PERMUTATION_BACKWARD_BYTES_PER_ELEMENT
         / hw.hbm_bytes_per_s,
     }
 

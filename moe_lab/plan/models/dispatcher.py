@@ -28,6 +28,10 @@ FP8_GLUE_BYTES_PER_ELEMENT = 1.5
 # The torch dispatcher's FP8 GEMMs place their e4m3 rows in a 128-aligned layout and take their bf16 outputs back
 # (moe_lab.moe.fp8.grouped.fp8_grouped_mm), per routed row element and pass: an estimate, not fitted yet.
 ALIGNED_LAYOUT_BYTES_PER_ELEMENT = 6.0
+# A torch-dispatcher permutation's backward per element, by ``permute``: copy's gather reads and writes each bf16
+# element once; select's zero fill and index_add with atomics, fitted on the H200's 10 ms per 4 layers of 131,072
+# rows x 2048 (experiments/plan/README.md).
+PERMUTATION_BACKWARD_BYTES_PER_ELEMENT = {"copy": 4.0, "select": 32.0}
 FUSED_GLUE_BYTES_PER_ELEMENT = 10.25  # the fused op's dispatch, SwiGLU and combine kernels (bf16)
 FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 10.0
 # The fused op's FP8 weight gradients (where ``dispatcher.wgrad_precision=fp8``): DeepGEMM 0.1.5's
@@ -164,10 +168,12 @@ class TorchDispatcherPlan(DispatcherPlan):
     def outside_allocator(self, step: Step) -> dict:
         return {}
 
-    def permutation_backwards(self, step: Step) -> int:
-        """Its permutations' backwards outside any scope (``other``), gathers (``moe_lab.moe.dispatcher.permute_rows``):
-        one per layer (the unsort) at EP=1, three at EP>1 (and the received rows' reordering both ways)."""
-        return 3 if step.mesh.ep > 1 else 1
+    def permutation_backward_bytes_per_element(self, step: Step) -> float:
+        """HBM traffic of its permutations' backwards outside any scope (``other``) per layer and element of a routed
+        row (H wide): one permutation per layer (the unsort) at EP=1, three at EP>1 (and the received rows'
+        reordering both ways), each as its ``permute`` runs it (``moe_lab.moe.dispatcher.permute_rows``)."""
+        per_permutation = PERMUTATION_BACKWARD_BYTES_PER_ELEMENT[self.option.permute]
+        return per_permutation * (3 if step.mesh.ep > 1 else 1)
 
 
 @planner_model("dispatcher", FusedDispatcher)
@@ -262,5 +268,5 @@ class FusedDispatcherPlan(DispatcherPlan):
         workspace = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size
         return {"fused symmetric workspace": workspace}
 
-    def permutation_backwards(self, step: Step) -> int:
-        return 0
+    def permutation_backward_bytes_per_element(self, step: Step) -> float:
+        return 0.0
