@@ -2,8 +2,9 @@
 
 moe_lab's own ops need no switch of their own: none of its Triton kernels uses an atomic (the fused op's combine is a
 gather-sum over each token's K rows in a fixed order, its dispatch writes each received row once, its weight
-gradients are grouped GEMMs), and the torch dispatcher's index_add / scatter in backward are over permutations (one
-value per row: exact in any order) and take torch's deterministic index_add under ``use_deterministic_algorithms``.
+gradients are grouped GEMMs), and the torch dispatcher's permutations (``index_copy`` forward and a gather backward,
+or ``permute=select``'s index_add backward) write or add one value per row: exact in any order, and torch's
+deterministic variants under ``use_deterministic_algorithms``.
 tests/test_determinism.py holds the kernels to that.
 """
 
