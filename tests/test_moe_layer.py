@@ -8,10 +8,13 @@ router gradients come from its own tokens, the expert gradients from every rank'
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig, SparseMoeBlock
 from moe_lab.moe.dispatcher import TorchDispatcher
@@ -76,9 +79,9 @@ def reference(x, grad_out, router_w, gate_up, down, ids=None):
     return y.detach(), x.grad, router_w.grad, gate_up.grad, down.grad
 
 
-def forward_backward(case, ep_group, ep_rank: int, ep: int):
-    """The block under test on this rank: returns (y, ids, grad_x, grad_router, grad_gate_up, grad_down) with the
-    expert gradients of this rank's experts only."""
+def forward_backward(case, ep_group, ep_rank: int, ep: int, permute: str = "copy"):
+    """The block under test on this rank (the torch dispatcher's ``permute`` as given): returns (y, ids, grad_x,
+    grad_router, grad_gate_up, grad_down) with the expert gradients of this rank's experts only."""
     routing, skew, dead_experts = case
     router_w, gate_up, down = global_weights(dead_experts)
     cfg = Qwen3MoeConfig.preset(
@@ -95,7 +98,7 @@ def forward_backward(case, ep_group, ep_rank: int, ep: int):
         block.gate.weight.copy_(router_w)
         block.experts.gate_up_proj.copy_(gate_up)
         block.experts.down_proj.copy_(down)
-    apply_expert_parallel(block, TorchDispatcher().set_ep_group(ep_group), ep_rank, ep)
+    apply_expert_parallel(block, TorchDispatcher(permute=permute).set_ep_group(ep_group), ep_rank, ep)
     assert block.experts.expert_offset == ep_rank * (E // ep)
     x, grad_out = rank_tokens(dist.get_rank() if dist.is_initialized() else 0, dead_experts)
     x.requires_grad_()
@@ -153,6 +156,53 @@ def assert_coverage(loads: dict) -> None:
 
 def test_ep1_matches_dense_reference():
     assert_coverage(check_all_cases(1))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def permutation_backwards(ep_group, ep_rank: int, ep: int) -> dict:
+    """Per ``permute`` mode: the block's outputs and gradients, and the index_adds and gathers its backward ran."""
+    out = {}
+    for permute in ("copy", "select"):
+        with OpCounter() as ops:
+            results = forward_backward(CASES[0], ep_group, ep_rank, ep, permute)
+        out[permute] = (results, ops.counts[torch.ops.aten.index_add.default])
+    return out
+
+
+def check_permute_modes(ep: int) -> None:
+    if ep > 1:
+        meshes = build_meshes("cpu", ep)
+        found = permutation_backwards(meshes.ep.get_group(), meshes.ep.get_local_rank(), ep)
+    else:
+        found = permutation_backwards(None, 0, 1)
+    (copied, copy_adds), (selected, select_adds) = found["copy"], found["select"]
+    # a permutation gives each row one value: the gather and the scatter-add agree bit for bit
+    for a, b in zip(copied, selected, strict=True):
+        assert torch.equal(a, b)
+    # copy's backwards are gathers; select's are index_adds: the unsort, and at EP > 1 the received rows' reordering
+    # both ways (the planner's ``permutation_backward_bytes_per_element`` counts the same)
+    assert (copy_adds, select_adds) == (0, 3 if ep > 1 else 1)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_permute_modes_agree_bitwise_and_copy_backward_adds_nothing(ep):
+    """dispatcher.permute: ``copy`` (rows written into place) and ``select`` (index_select) give the same outputs and
+    gradients bit for bit; only select's backward runs index_add (with atomics on a GPU)."""
+    if ep == 1:
+        check_permute_modes(1)
+    else:
+        run_world(ep, check_permute_modes, ep)
 
 
 @pytest.mark.parametrize("ep", [2, 4, 8])  # 8: one expert per rank, the EP=8 layout of a full node, on CPU

@@ -343,6 +343,34 @@ def test_moe_layer_within_tolerance(ep):
             assert 1e3 * planned == pytest.approx(point[f"{dispatcher}_ms"], rel=0.15), (point["model"], dispatcher)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_torch_permute_modes_planned_by_their_backwards(ep):
+    """dispatcher.permute: the torch dispatcher's permutation backwards, one per layer at EP=1 and three at EP>1,
+    planned in ``other`` at a gather's 4 bytes an element (copy) or index_add's fitted 32 (select)."""
+    from moe_lab.plan.step_time import moe_seconds
+
+    def other(permute):
+        cfg = compose(
+            [
+                "model=qwen3_30b",
+                "model.num_layers=2",
+                f"parallel.ep={ep}",
+                f"hardware.gpus_per_node={ep}",
+                "dispatcher=torch",
+                f"dispatcher.permute={permute}",
+            ]
+        )
+        hw = build_hardware(cfg.hardware)
+        train, options = validated(cfg, hw)
+        step = step_of(train, options, hw)
+        rows = step.dispatcher.kernel_rows(step) * step.cfg.hidden_size * step.cfg.num_layers
+        return moe_seconds(step, hw)["other"], rows / hw.hbm_bytes_per_s
+
+    (copy, per_byte), (select, _) = other("copy"), other("select")
+    permutations = 3 if ep > 1 else 1
+    assert copy == pytest.approx(4 * permutations * per_byte) and select == pytest.approx(32 * permutations * per_byte)
+
+
 FULL_DEPTH = ROOT / "experiments" / "full_depth" / "records"
 
 
