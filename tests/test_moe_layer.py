@@ -191,7 +191,7 @@ def check_permute_modes(ep: int) -> None:
     for a, b in zip(copied, selected, strict=True):
         assert torch.equal(a, b)
     # copy's backwards are gathers; select's are index_adds: the unsort, and at EP > 1 the received rows' reordering
-    # both ways (the planner's ``permutation_backward_bytes_per_element`` counts the same)
+    # both ways (the planner's ``permutation_bytes_per_element`` counts the same)
     assert (copy_adds, select_adds) == (0, 3 if ep > 1 else 1)
 
 

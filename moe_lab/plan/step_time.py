@@ -151,7 +151,7 @@ def fsdp_bytes(step: Step) -> dict[str, tuple[float, bool]]:
 def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
     """One micro-batch's time in the MoE blocks' dispatch, experts and combine, by category: the grouped GEMMs, the
     dispatcher's glue (with the fused op's exchange, which its kernels do), the torch dispatcher's all-to-all, and
-    its permutations' backwards (gathers, which the trace puts in ``other``)."""
+    its permutations (billed in ``other``)."""
     c, dispatcher = step.cfg, step.dispatcher
     rebuild = dispatcher.backward_rebuild(step)  # what its backward runs again beyond the AC mode's recompute
     expert_passes = passes(step, "experts") + GATE_UP_SHARE * rebuild["gate_up"]
@@ -172,7 +172,7 @@ def moe_seconds(step: Step, hw: Hardware) -> dict[str, float]:
         "dispatch_glue": glue_bytes / hw.hbm_bytes_per_s + (exchange if dispatcher.exchange_in_kernels else 0.0),
         "ep_all_to_all": 0.0 if dispatcher.exchange_in_kernels else exchange,
         "other": c.num_layers
-        * dispatcher.permutation_backward_bytes_per_element(step)
+        * dispatcher.permutation_bytes_per_element(step)
         * rows
         * c.hidden_size
         / hw.hbm_bytes_per_s,

@@ -28,10 +28,13 @@ FP8_GLUE_BYTES_PER_ELEMENT = 1.5
 # The torch dispatcher's FP8 GEMMs place their e4m3 rows in a 128-aligned layout and take their bf16 outputs back
 # (moe_lab.moe.fp8.grouped.fp8_grouped_mm), per routed row element and pass: an estimate, not fitted yet.
 ALIGNED_LAYOUT_BYTES_PER_ELEMENT = 6.0
-# A torch-dispatcher permutation's backward per element, by ``permute``: copy's gather reads and writes each bf16
-# element once; select's zero fill and index_add with atomics, fitted on the H200's 10 ms per 4 layers of 131,072
-# rows x 2048 (experiments/plan/README.md).
-PERMUTATION_BACKWARD_BYTES_PER_ELEMENT = {"copy": 4.0, "select": 32.0}
+# What a torch-dispatcher permutation costs beyond its glue, per element, by ``permute``. select: its backward's zero
+# fill and index_add with atomics, fitted on the H200's 10 ms per 4 layers of 131,072 rows x 2048 (experiments/plan/
+# README.md). copy: its backward's gather and its forward's materialized scatter (Inductor's index_copy kernels, at
+# about a quarter of HBM's rate in the trace), fitted on one H100 (no H200 could be started): select -> copy took
+# 321 ms off reference_30b's emulated rank 0 of 8 (torch + full AC, 2.499 -> 2.178 s), where 28 bytes less plan 442
+# (experiments/emulate/README.md, "The torch dispatcher's permutations").
+PERMUTATION_BYTES_PER_ELEMENT = {"copy": 12.0, "select": 32.0}
 FUSED_GLUE_BYTES_PER_ELEMENT = 10.25  # the fused op's dispatch, SwiGLU and combine kernels (bf16)
 FP8_WEIGHT_QUANT_BYTES_PER_PARAM = 10.0
 # The fused op's FP8 weight gradients (where ``dispatcher.wgrad_precision=fp8``): DeepGEMM 0.1.5's
@@ -168,11 +171,12 @@ class TorchDispatcherPlan(DispatcherPlan):
     def outside_allocator(self, step: Step) -> dict:
         return {}
 
-    def permutation_backward_bytes_per_element(self, step: Step) -> float:
-        """HBM traffic of its permutations' backwards outside any scope (``other``) per layer and element of a routed
-        row (H wide): one permutation per layer (the unsort) at EP=1, three at EP>1 (and the received rows'
-        reordering both ways), each as its ``permute`` runs it (``moe_lab.moe.dispatcher.permute_rows``)."""
-        per_permutation = PERMUTATION_BACKWARD_BYTES_PER_ELEMENT[self.option.permute]
+    def permutation_bytes_per_element(self, step: Step) -> float:
+        """HBM traffic of its permutations beyond its glue, billed in ``other`` (where select's backwards fall), per
+        layer and element of a routed row (H wide): one permutation per layer (the unsort) at EP=1, three at EP>1
+        (and the received rows' reordering both ways), each as its ``permute`` runs it
+        (``moe_lab.moe.dispatcher.permute_rows``)."""
+        per_permutation = PERMUTATION_BYTES_PER_ELEMENT[self.option.permute]
         return per_permutation * (3 if step.mesh.ep > 1 else 1)
 
 
@@ -268,5 +272,5 @@ class FusedDispatcherPlan(DispatcherPlan):
         workspace = rows * (8 + 4 + 4 + 2 * c.hidden_size) + 2 * 2 * step.tokens * c.hidden_size
         return {"fused symmetric workspace": workspace}
 
-    def permutation_backward_bytes_per_element(self, step: Step) -> float:
+    def permutation_bytes_per_element(self, step: Step) -> float:
         return 0.0
