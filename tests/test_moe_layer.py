@@ -171,7 +171,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def permutation_backwards(ep_group, ep_rank: int, ep: int) -> dict:
-    """Per ``permute`` mode: the block's outputs and gradients, and the index_adds and gathers its backward ran."""
+    """Per ``permute`` mode: the block's outputs and gradients, and the index_adds its forward and backward ran."""
     out = {}
     for permute in ("copy", "select"):
         with OpCounter() as ops:

@@ -59,10 +59,15 @@ LOSS_GROUP = "0661658"
 PERMUTE_COPY = "ba8b861"
 
 
+def permute_as_made(record: dict, dispatcher: str | None) -> list[str]:
+    """The override that plans a record's ``dispatcher`` permuting rows as its code did: select for the torch
+    dispatcher before ``PERMUTE_COPY``; nothing otherwise."""
+    return ["dispatcher.permute=select"] if dispatcher == "torch" and made_before(record, PERMUTE_COPY) else []
+
+
 def plan_record(record: dict, extra: list[str] = (), search: bool = False) -> dict:
     before = ["loss=full"] if made_before(record, LOSS_GROUP) else []
-    if (record.get("choices") or {}).get("dispatcher") == "torch" and made_before(record, PERMUTE_COPY):
-        before.append("dispatcher.permute=select")
+    before += permute_as_made(record, (record.get("choices") or {}).get("dispatcher"))
     cfg = compose(record_overrides(record) + before + list(extra))
     measured = OmegaConf.create(record["config"])
     for section in ("model", "data", "trainer", "parallel", "dispatcher", "ac", "offload", "optimizer", "loss"):
@@ -89,8 +94,9 @@ def read(path: str | Path) -> dict:
 def allocator_reserve(repo: Path = REPO, edge_share: float = 0.5, gpu: str = "h200") -> tuple[float, float]:
     """The caching allocator's reserved memory over its allocated peak (``peak_gpu_reserved_gib`` over
     ``peak_gpu_mem_gib``) at memory's edge: over the committed records of runs on ``gpu`` (the profile the planner's
-    other terms are fitted on) whose peak reached ``edge_share`` of its memory, (the median, the largest). A run whose allocator retried (``gpu_alloc_retries``) reserved all
-    it could: its ratio is a lower bound of what it would have reserved, and counts towards the largest only."""
+    other terms are fitted on) whose peak reached ``edge_share`` of its memory, (the median, the largest). A run whose
+    allocator retried (``gpu_alloc_retries``) reserved all it could: its ratio is a lower bound of what it would have
+    reserved, and counts towards the largest only."""
     ratios, retried = [], []
     for path in sorted((repo / "experiments").glob("**/result.json")):
         record = read(path)
