@@ -17,7 +17,7 @@ from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
 from moe_lab.plan.config import compose
 from moe_lab.plan.memory import busiest_rank_share
 from moe_lab.plan.planner import build_hardware, plan, step_of, validated
-from moe_lab.plan.records import depth_search_plans, permute_as_made, plan_record, read, reference_235b
+from moe_lab.plan.records import as_made, depth_search_plans, plan_record, read, reference_235b
 from tests.sweep import ROOT
 
 GRID = ROOT / "experiments" / "grid_30b" / "records"
@@ -333,7 +333,7 @@ def test_moe_layer_within_tolerance(ep):
                     f"hardware.gpus_per_node={ep}",
                     f"dispatcher={dispatcher}",
                     "ac=selective",
-                    *permute_as_made({"environment": record}, dispatcher),
+                    *as_made({"environment": record}, dispatcher),
                 ]
             )
             hw = build_hardware(cfg.hardware)

@@ -50,24 +50,26 @@ def made_before(record: dict, commit: str, repo: Path = REPO) -> bool:
     return done.returncode != 0
 
 
-# The commit of the loss group: a record made before it computed every token's logits at once (loss=full).
+# Commits that changed what a configuration runs, each with the override that plans a record made before it as its
+# code ran: the loss group (before it every token's logits at once), fused AdamW by default (before it torch's
+# foreach AdamW, a larger transient on the GPU), the torch dispatcher's permutations by copies (before it by
+# index_select).
 LOSS_GROUP = "0661658"
-
-
-# The commit from which the torch dispatcher permutes rows by copies (dispatcher.permute=copy): a record made before
-# it ran index_select's (select).
+ADAMW_FUSED = "8ae07e6"
 PERMUTE_COPY = "ba8b861"
 
 
-def permute_as_made(record: dict, dispatcher: str | None) -> list[str]:
-    """The override that plans a record's ``dispatcher`` permuting rows as its code did: select for the torch
-    dispatcher before ``PERMUTE_COPY``; nothing otherwise."""
-    return ["dispatcher.permute=select"] if dispatcher == "torch" and made_before(record, PERMUTE_COPY) else []
+def as_made(record: dict, dispatcher: str | None = None) -> list[str]:
+    """The overrides that plan a record (its ``dispatcher`` choice, when it has one) as its code ran."""
+    overrides = ["loss=full"] if made_before(record, LOSS_GROUP) else []
+    overrides += ["optimizer.fused=false"] if made_before(record, ADAMW_FUSED) else []
+    if dispatcher == "torch" and made_before(record, PERMUTE_COPY):
+        overrides.append("dispatcher.permute=select")
+    return overrides
 
 
 def plan_record(record: dict, extra: list[str] = (), search: bool = False) -> dict:
-    before = ["loss=full"] if made_before(record, LOSS_GROUP) else []
-    before += permute_as_made(record, (record.get("choices") or {}).get("dispatcher"))
+    before = as_made(record, (record.get("choices") or {}).get("dispatcher"))
     cfg = compose(record_overrides(record) + before + list(extra))
     measured = OmegaConf.create(record["config"])
     for section in ("model", "data", "trainer", "parallel", "dispatcher", "ac", "offload", "optimizer", "loss"):
@@ -124,18 +126,13 @@ TORCHTITAN_RATIO_RECORDS = (
 )
 
 
-# The commit from which adamw.yaml sets fused=true (before it: torch's foreach AdamW, a larger transient on the GPU).
-ADAMW_FUSED = "8ae07e6"
-
-
 def depth_search_plans(record: dict) -> dict[str, int]:
     """The deepest proxy the planner fits per mode for an offload depth search (``experiments/offload_depth/offload_gpu.py``'s
     record): each mode's 4-layer command planned on the record's GPU and on the host the search saw, whose available
     memory is what the planner's host check allows (its total, and in use whatever leaves that; a record without the
     total: the available memory as the allowed share of a host with nothing else in use)."""
     env = next(iter(record["environment"].values()))
-    extra = ["optimizer.fused=false"] if made_before({"environment": env}, ADAMW_FUSED) else []
-    extra += ["loss=full"] if made_before({"environment": env}, LOSS_GROUP) else []
+    extra = as_made({"environment": env})
     host = record["environment"].get("search", env)  # the search phase's host, as it saw it
     if "host_mem_total_gib" in host:
         total = host["host_mem_total_gib"]
