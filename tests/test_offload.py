@@ -43,6 +43,9 @@ from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.optim.optimizers import SignSGD
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel.sharding import local_shard
+from moe_lab.plan.config import compose as compose_plan
+from moe_lab.plan.planner import plan
+from moe_lab.runtime import device as runtime_device
 from tests import configs
 from tests.distributed import run_world
 from tests.test_schedule import expected_factor
@@ -779,7 +782,7 @@ def test_validate_rejects_a_gpu_host_without_sysfs_topology(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # the target's GPU
-    monkeypatch.setattr(numa, "pci_address", lambda gpu: "0000:18:00.0")
+    monkeypatch.setattr(runtime_device, "gpu_pci_address", lambda gpu: "0000:18:00.0")
     cfg = compose_train(["offload=full", f"offload.sysfs_root={tmp_path}"])
     with pytest.raises(ConfigError) as e:
         config.validate(cfg)
@@ -787,6 +790,21 @@ def test_validate_rejects_a_gpu_host_without_sysfs_topology(tmp_path, monkeypatc
     fake_sysfs(tmp_path, {"0000:18:00.0": "0"}, {0: "0-1"})
     config.validate(cfg)
     config.validate(compose_train(["offload=full", "offload.numa_bind=false", "offload.sysfs_root=/nonexistent"]))
+
+
+def test_planning_offload_full_touches_no_cuda(monkeypatch):
+    """A plan's target is its profile's GPUs, not this machine's: validating offload=full for it reads no GPU here.
+    The tune plans in forked workers, where CUDA cannot start again once the parent started it (every offload=full
+    point failed to plan so on the H100 and H200 tunes: experiments/tune/records/h100_30b_8gpu/2026-12-06_14-19)."""
+
+    def forked(*args, **kwargs):
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", forked)
+    result = plan(compose_plan(["offload=full", "offload.numa_bind=true", "hardware=h100"]), search=False)
+    assert result["metrics"]["s_per_step"] > 0
 
 
 def test_bind_threads_pins_this_process(tmp_path):

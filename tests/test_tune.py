@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 
 import pandas as pd
 import pytest
@@ -24,6 +25,7 @@ from moe_lab.plan.planner import plan
 from moe_lab.results.tune import CANDIDATES, PLANS, TUNE
 from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune.__main__ import run
+from moe_lab.tune.report import report
 from moe_lab.tune.space import is_group, options_of
 from tests.sweep import ROOT
 
@@ -100,6 +102,22 @@ def test_the_ranking_is_the_planners_own(small_tune):
     assert f"Winner (planned): `{ranked.iloc[0]['point']}`" in report
     assert "python -m moe_lab.train model=qwen3_30b model.num_layers=2" in report
     assert "tune." not in report.split("```bash")[1].split("```")[0]
+
+
+def test_the_report_names_why_the_planner_failed(small_tune, tmp_path):
+    """A point the planner failed on is a bug, not a misfit: the report counts them and names the most frequent
+    reason (every offload=full point once failed so, unseen, on the GPU machine's tunes)."""
+    assert "The planner failed" not in (small_tune / "report.md").read_text()
+    failing = tmp_path / "failing"
+    shutil.copytree(small_tune, failing)
+    plans = pd.read_csv(failing / PLANS)
+    invalid = plans.index[plans["status"] == "invalid"][:3]
+    plans.loc[invalid, "status"] = "error"
+    plans.loc[invalid, "why"] = ["RuntimeError: the first"] * 2 + ["ValueError: the second"]
+    plans.to_csv(failing / PLANS, index=False)
+    text = report(failing)
+    assert "3 failed to plan" in text
+    assert "The planner failed on 3 points; the most frequent reason (2 of them): `RuntimeError: the first`" in text
 
 
 def test_the_default_space_covers_what_exists():

@@ -1,5 +1,5 @@
 """Where a config runs, as validation is told it (``Target``), and facts about this machine that building needs:
-its device, its compute precision, whether DeepGEMM imports."""
+its device, its compute precision, whether DeepGEMM imports, its GPUs' PCI addresses."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ class Target:
     compute_capability: tuple[int, int] | None
     deep_gemm_error: str | None  # why deep_gemm does not import there; None where it does
     outer_launcher: bool = False  # the job's ranks were started by torchrun / srun, not by the job
+    # This machine's GPUs' PCI addresses, whose NUMA nodes offload=full binds to; empty for a planned GPU (a profile's
+    # GPUs are not this machine's). Read here once, so that validate touches no CUDA: the tune validates its points in
+    # forked workers, where CUDA cannot start again once its parent has started it.
+    gpu_pci_addresses: tuple[str, ...] = ()
 
     def runs_on_cuda(self, trainer) -> bool:
         """The job's device is a GPU: ``trainer.device`` cuda, or auto where the target has one."""
@@ -43,7 +47,14 @@ def machine_target(world_size: int, ranks_per_node: int, outer_launcher: bool = 
         compute_capability=torch.cuda.get_device_capability() if cuda else None,
         deep_gemm_error=deep_gemm_import_error(),
         outer_launcher=outer_launcher,
+        gpu_pci_addresses=tuple(gpu_pci_address(gpu) for gpu in range(torch.cuda.device_count())) if cuda else (),
     )
+
+
+def gpu_pci_address(gpu_index: int) -> str:
+    """sysfs name of a CUDA device's PCI function, e.g. '0000:18:00.0'."""
+    props = torch.cuda.get_device_properties(gpu_index)
+    return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from moe_lab.results.table import pareto_front
-from moe_lab.results.tune import load_tune, read_tune
+from moe_lab.results.tune import PLANS, load_tune, read_tune
 
 PLOT = "tune.png"
 REPORT = "report.md"
@@ -170,6 +170,13 @@ def report(tune_dir: Path) -> str:
         f"to plan ({tune['plan_seconds']:.0f} s). {tune['measure_note']}",
         "",
     ]
+    if failed := counts.get("error", 0):  # a planner failure is a bug to report, not a point that does not fit
+        reasons = df.loc[df["status"] == "error", "why"].value_counts()
+        lines += [
+            f"The planner failed on {failed} points; the most frequent reason ({reasons.iloc[0]} of them): "
+            f"`{reasons.index[0]}` (every point's in {PLANS}, column `why`).",
+            "",
+        ]
     if fitting:
         lines += [markdown(candidates_table(df)), ""]
         if note := order_note(df):

@@ -32,7 +32,7 @@ from moe_lab.optim.offload import numa
 from moe_lab.optim.offload.full import InBackwardOptimizer
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel.sharding import local_shard
-from moe_lab.runtime.device import Target
+from moe_lab.runtime.device import Target, gpu_pci_address
 from moe_lab.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -198,8 +198,8 @@ class FullOffload(Offload):
             )
         if self.numa_bind and target.runs_on_cuda(cfg.trainer):
             try:
-                for gpu in range(min(target.ranks_per_node, torch.cuda.device_count())):
-                    numa.numa_node(numa.pci_address(gpu), self.sysfs_root)
+                for address in target.gpu_pci_addresses[: target.ranks_per_node]:
+                    numa.numa_node(address, self.sysfs_root)
             except numa.NumaTopologyError as e:
                 raise ConfigError(
                     "offload.numa_bind", f"{e}; set offload.numa_bind=false to run without binding"
@@ -246,7 +246,7 @@ class FullOffload(Offload):
             log.info("offload=full on CPU: no GPU, so no NUMA node to bind to; threads keep the process's affinity")
             return None
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        addresses = [numa.pci_address(g) for g in range(local_world)]
+        addresses = [gpu_pci_address(g) for g in range(local_world)]
         cpus = numa.rank_cpus(addresses[device.index], addresses, self.sysfs_root)
         if cpus is None:
             return None

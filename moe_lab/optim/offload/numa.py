@@ -10,8 +10,6 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 
@@ -28,12 +26,6 @@ def parse_cpulist(text: str) -> list[int]:
         first, _, last = part.partition("-")
         cpus.extend(range(int(first), int(last or first) + 1))
     return cpus
-
-
-def pci_address(gpu_index: int) -> str:
-    """sysfs name of a CUDA device's PCI function, e.g. '0000:18:00.0'."""
-    props = torch.cuda.get_device_properties(gpu_index)
-    return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
 
 def numa_node(address: str, sysfs_root: str | Path = "/sys") -> int:
