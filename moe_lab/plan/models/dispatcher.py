@@ -32,7 +32,7 @@ ALIGNED_LAYOUT_BYTES_PER_ELEMENT = 6.0
 # fill and index_add with atomics, fitted on the H200's 10 ms per 4 layers of 131,072 rows x 2048 (experiments/plan/
 # README.md). copy: its backward's gather and its forward's materialized scatter (Inductor's index_copy kernels, at
 # about a quarter of HBM's rate in the trace), fitted on one H100 (no H200 could be started): select -> copy took
-# 321 ms off reference_30b's emulated rank 0 of 8 (torch + full AC, 2.499 -> 2.178 s), where 28 bytes less plan 442
+# 321 ms off reference_30b's emulated rank 0 of 8 (torch + full AC, 2.499 -> 2.178 s), where 20 bytes less plan 316
 # (experiments/emulate/README.md, "The torch dispatcher's permutations").
 PERMUTATION_BYTES_PER_ELEMENT = {"copy": 12.0, "select": 32.0}
 FUSED_GLUE_BYTES_PER_ELEMENT = 10.25  # the fused op's dispatch, SwiGLU and combine kernels (bf16)
