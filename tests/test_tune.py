@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 
 import pandas as pd
 import pytest
@@ -196,24 +197,42 @@ TINY_CPU = [
 
 
 @pytest.mark.slow
-def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path):
+def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path, monkeypatch):
+    """The first candidate runs out of memory (tests/sweep.py injects it): the next point is measured in its
+    place, in a sweep of its own, and the same command afterwards runs nothing again."""
+    from moe_lab.tune import measure as measuring
+
+    sweep_command = measuring.sweep_command  # each round's sweep through tests/sweep.py, which injects the failure
+    monkeypatch.setattr(measuring, "sweep_command", lambda *a: [sys.executable, str(ROOT / "tests" / "sweep.py"),
+                                                                *sweep_command(*a)[3:]])  # fmt: skip
+    monkeypatch.setenv("MOE_LAB_INJECT", json.dumps([["oom", {"dispatcher": "torch"}]]))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the script runs from tests/, the package from the checkout
     directory = tmp_path / "tune"
     run(TINY_CPU + [f"tune.dir={directory}"], progress=False)
     tune = json.loads((directory / TUNE).read_text())
     assert tune["measured"]["returncode"] == 0 and tune["measured"]["layout"]["emulated"]
-    points = [c["point"] for c in tune["candidates"]]
-    assert len(points) == 2 and yaml.safe_load((directory / CANDIDATES).read_text()) == [p.split() for p in points]
+    assert [s["round"] for s in tune["measured"]["sweeps"]] == [1, 2]
+    candidates = tune["candidates"]
+    points = [c["point"] for c in candidates]
+    assert points[0].startswith("dispatcher=torch") and not any(p.startswith("dispatcher=torch") for p in points[1:])
+    assert [(c["candidate"], c["replaces"], c["run_dir"]) for c in candidates] == [
+        (1, None, "measured/0"), (2, None, "measured/1"), (3, 1, "measured_2/0")
+    ]  # fmt: skip
+    assert yaml.safe_load((directory / CANDIDATES).read_text()) == [p.split() for p in points[:2]]
+    assert yaml.safe_load((directory / "candidates_2.yaml").read_text()) == [points[2].split()]
 
-    records = moe_lab.results.load(directory)  # the measured sweep's records, as any sweep's
-    assert list(records["status"]) == ["ok", "ok"] and records["emulated"].notna().all()
+    records = moe_lab.results.load(directory)  # the measured sweeps' records, as any sweep's
+    assert list(records["status"]) == ["oom", "ok", "ok"] and records["emulated"].notna().all()
     for point, (_, record) in zip(points, records.iterrows()):
         assert set(point.split()) <= set(record["overrides"].split())
     table = moe_lab.results.load_tune(directory)
     measured = table[table["candidate"].notna()].sort_values("candidate")
-    assert list(measured["point"]) == points and (measured["measured_status"] == "ok").all()
-    assert (measured["measured_s_per_step"] > 0).all() and measured["step_error"].notna().all()
+    assert list(measured["point"]) == points and list(measured["measured_status"]) == ["oom", "ok", "ok"]
+    ok = measured[measured["measured_status"] == "ok"]
+    assert (ok["measured_s_per_step"] > 0).all() and ok["step_error"].notna().all()
     report = (directory / "report.md").read_text()
-    assert "Winner (measured)" in report and "emulated on one cpu" in report
+    assert "Winner (measured)" in report and "emulated on one cpu" in report and "| ok, in place of #1 |" in report
+    assert f"Winner (measured): `{points[0]}`" not in report
 
     papermill = pytest.importorskip("papermill")
     notebook = tmp_path / "tune.ipynb"  # notebooks/sweep_analysis.ipynb shows the tune beside its records
@@ -224,12 +243,14 @@ def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path
     shown = notebook.read_text()
     assert '"output_type": "error"' not in shown and "winner (measured): python -m moe_lab.train model=tiny" in shown
 
-    first = {p: os.path.getmtime(p) for p in directory.glob("measured/*/result.json")}
-    run(TINY_CPU + [f"tune.dir={directory}"], progress=False)  # the same command: the sweep resumes, nothing reruns
-    assert {p: os.path.getmtime(p) for p in directory.glob("measured/*/result.json")} == first
-    with pytest.raises(ConfigError) as refused:  # another space into the same directory
+    first = {p: os.path.getmtime(p) for p in directory.glob("measured*/*/result.json")}
+    run(TINY_CPU + [f"tune.dir={directory}"], progress=False)  # the same command: the sweeps resume, nothing reruns
+    assert {p: os.path.getmtime(p) for p in directory.glob("measured*/*/result.json")} == first and len(first) == 3
+    held = {p: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    with pytest.raises(ConfigError) as refused:  # another space into the same directory: refused, nothing rewritten
         run([o for o in TINY_CPU if not o.startswith("ac=")] + ["ac=full", f"tune.dir={directory}"], progress=False)
-    assert refused.value.key == "tune.dir"
+    assert refused.value.key == "tune.dir" and "holds another tune" in str(refused.value)
+    assert {p: p.read_bytes() for p in directory.iterdir() if p.is_file()} == held
 
 
 @pytest.mark.slow

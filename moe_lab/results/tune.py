@@ -5,6 +5,8 @@ The directory holds ``tune.json`` (the tune: its command, space, layout, candida
 winner), ``plans.csv.gz`` (every point's plan, one row each: ``point`` its overrides, ``status`` ok | invalid | error,
 ``fits`` and ``why``, ``rank`` among the fitting, ``same_plan_as``, the ``planned_*`` metrics) and ``measured/``
 (the candidates' sweep: an ordinary ``moe_lab.train -m`` sweep, ``moe_lab.results.load`` reads it as any other).
+A candidate that ran out of memory is replaced by the next one in a sweep of its own: round ``n`` > 1 of replacements
+is ``candidates_<n>.yaml`` and ``measured_<n>/``; each candidate in ``tune.json`` names its ``run_dir``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,22 @@ from pathlib import Path
 
 import pandas as pd
 
-from moe_lab.results.table import result_files
+from moe_lab.results.record import read_result
 
 TUNE, PLANS, MEASURED, CANDIDATES = "tune.json", "plans.csv.gz", "measured", "candidates.yaml"
+
+
+def round_files(round_number: int) -> tuple[str, str]:
+    """A measuring round's candidates file and sweep directory, relative to the tune's directory."""
+    if round_number == 1:
+        return CANDIDATES, MEASURED
+    return f"candidates_{round_number}.yaml", f"{MEASURED}_{round_number}"
+
+
+def run_dir_of(candidate: dict) -> str:
+    """Where a candidate's record is: its own ``run_dir``, or (a tune of one round, before replacements) the job of
+    the first sweep its number names."""
+    return candidate.get("run_dir") or f"{MEASURED}/{candidate['candidate'] - 1}"
 
 
 def read_tune(tune_dir: str | Path) -> dict:
@@ -54,36 +69,26 @@ def measured_row(record: dict, planned: pd.Series) -> dict:
     }
 
 
-def measured_records(tune_dir: str | Path) -> list[tuple[Path, dict]]:
-    out = []
-    for path in result_files(Path(tune_dir) / MEASURED) if (Path(tune_dir) / MEASURED).is_dir() else []:
-        try:
-            out.append((path.parent, json.loads(path.read_text())))
-        except (OSError, ValueError):
-            continue  # a record being written or damaged: the point is not measured yet
-    return out
-
-
 def load_tune(tune_dir: str | Path) -> pd.DataFrame:
-    """Every planned point, ranked (fitting first), with ``candidate`` (1..K: the order measured) and, for each
-    measured candidate, ``measured_*``, the planner's errors (``step_error``, ``compute_error``, ``memory_error``:
-    measured / planned - 1) and its ``run_dir``."""
+    """Every planned point, ranked (fitting first), with ``candidate`` (1..: the order measured; a replacement's
+    ``replaces``, the candidate it stands in for) and, for each measured candidate, ``measured_*``, the planner's
+    errors (``step_error``, ``compute_error``, ``memory_error``: measured / planned - 1) and its ``run_dir``."""
     tune = read_tune(tune_dir)
     df = pd.read_csv(Path(tune_dir) / PLANS, dtype={"point": str})
     df["candidate"] = pd.NA
-    records = measured_records(tune_dir)
+    df["replaces"] = pd.NA
     for candidate in tune.get("candidates", []):
         index = df.index[df["point"] == candidate["point"]]
         if index.empty:
             continue
         i = index[0]
         df.loc[i, "candidate"] = candidate["candidate"]
-        wanted = set(candidate["point"].split())
-        for run_dir, record in records:
-            if wanted <= set(record.get("overrides") or []):
-                for key, value in {**measured_row(record, df.loc[i]), "run_dir": str(run_dir)}.items():
-                    if key not in df.columns:
-                        df[key] = pd.Series([None] * len(df), dtype=object)
-                    df.at[i, key] = value
-                break
+        df.loc[i, "replaces"] = candidate.get("replaces")
+        run_dir = Path(tune_dir) / run_dir_of(candidate)
+        if (record := read_result(run_dir)) is None:
+            continue  # not measured yet, or a record being written or damaged
+        for key, value in {**measured_row(record, df.loc[i]), "run_dir": str(run_dir)}.items():
+            if key not in df.columns:
+                df[key] = pd.Series([None] * len(df), dtype=object)
+            df.at[i, key] = value
     return df

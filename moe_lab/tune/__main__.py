@@ -30,7 +30,7 @@ from moe_lab.config.validate import check_target_node
 from moe_lab.plan.hardware import GIB
 from moe_lab.plan.planner import build_hardware, plan, usable_device_bytes
 from moe_lab.results.record import git_state
-from moe_lab.results.tune import PLANS, TUNE
+from moe_lab.results.tune import PLANS, TUNE, read_tune
 from moe_lab.tune import config as tune_config
 from moe_lab.tune import measure as measuring
 from moe_lab.tune.planning import candidates, combinations, plan_all, point_config, point_name, rank, workers
@@ -80,6 +80,26 @@ def closest(ranked: list[dict], combos, hw) -> ConfigError:
     return ConfigError("hardware", f"nothing fits ({where}), at any length or depth; {what}")
 
 
+def check_tune_dir(tune_dir: Path, n) -> None:
+    """A directory holding another tune (its model, layout or space) is refused before any work: the same command
+    resumes a tune, another one would overwrite its files."""
+    if not (tune_dir / TUNE).is_file():
+        return
+    held = read_tune(tune_dir)
+    if (held.get("base"), held.get("axes")) != (n.base, json.loads(json.dumps(n.axes))):
+        raise ConfigError(
+            "tune.dir",
+            f"{tune_dir} holds another tune (`{held.get('command')}`); choose another tune.dir, or rerun that tune's "
+            "own command to resume it",
+        )
+
+
+def passed_before(passed: list[dict], chosen: list[dict]) -> list[dict]:
+    """The points passed over on the way to the last of ``chosen`` (all of them where nothing was chosen)."""
+    last = chosen[-1]["rank"] if chosen else float("inf")
+    return [row for row in passed if row["rank"] < last]
+
+
 def title(cfg, hw) -> str:
     m, d = cfg.model, cfg.data
     return (
@@ -112,24 +132,33 @@ def run(argv: list[str], progress: bool = True) -> Path:
             measure_note = f"No GPU on this machine: stopped after planning; the same command on a GPU measures the best {space.measure}."
         else:
             layout = measuring.layout_of(hw, device, devices, gpu)
-            measure_note = f"The best {space.measure} measured as {layout.describe()}."
+            measure_note = (
+                f"The best {space.measure} measured as {layout.describe()}; one that runs out of memory is replaced "
+                f"by the next (at most {space.measure})."
+            )
     started = time.time()
     configs = [(groups, tune_config.compose(n.base + groups)) for groups in group_combinations(n.axes)]
     check_keys_exist(n.axes, [c for _, c in configs])
     tune_dir = Path(space.dir)
+    check_tune_dir(tune_dir, n)
     tune_dir.mkdir(parents=True, exist_ok=True)
     combos = combinations(configs, n.axes)
     ranked = rank(plan_all(combos, workers(space.workers), progress))
     plan_seconds = time.time() - started
-    pd.DataFrame(ranked, columns=PLAN_COLUMNS).to_csv(tune_dir / PLANS, index=False)
+    plans = pd.DataFrame(ranked, columns=PLAN_COLUMNS)
     if not any(r["rank"] for r in ranked):
+        plans.to_csv(tune_dir / PLANS, index=False)
         raise closest(ranked, combos, hw)
-    # plan only: the best PLAN_ONLY_SHOWN planned stand in the table as what a measurement would take
-    chosen, passed = candidates(
-        ranked,
-        space.measure or PLAN_ONLY_SHOWN,
-        measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None,
+    # plan only: the best PLAN_ONLY_SHOWN planned stand in the table as what a measurement would take; measuring,
+    # as many again stand by, in rank order, for candidates that run out of memory
+    k = space.measure or PLAN_ONLY_SHOWN
+    queue, passed = candidates(
+        ranked, 2 * k if layout else k, measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None
     )
+    chosen = queue[:k]
+    if layout is not None and chosen:  # a resumed tune's candidates are checked before its files are rewritten
+        measuring.write_candidates(tune_dir, [row["point"] for row in chosen])
+    plans.to_csv(tune_dir / PLANS, index=False)
     tune = {
         "title": title(cfg, hw),
         "started_utc": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
@@ -149,7 +178,7 @@ def run(argv: list[str], progress: bool = True) -> Path:
         "points": len(ranked),
         "plan_seconds": plan_seconds,
         "candidates": [{"candidate": i, "rank": r["rank"], "point": r["point"]} for i, r in enumerate(chosen, 1)],
-        "passed_over": passed,
+        "passed_over": passed_before(passed, chosen),
         "measure_note": measure_note,
         "measured": None,
     }
@@ -157,8 +186,12 @@ def run(argv: list[str], progress: bool = True) -> Path:
     if layout is not None and not chosen:
         tune["measure_note"] = f"Nothing measured: no candidate this machine can measure ({len(passed)} passed over)."
     elif layout is not None:
-        measuring.write_candidates(tune_dir, [c["point"] for c in tune["candidates"]])
-        tune["measured"] = measuring.measure(tune_dir, n.base, layout, len(chosen), progress)
+
+        def on_round(measuring_now: list[dict]) -> None:
+            tune["candidates"], tune["passed_over"] = measuring_now, passed_before(passed, measuring_now)
+            (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
+
+        tune["measured"] = measuring.measure(tune_dir, n.base, layout, queue, len(chosen), on_round, progress)
         if tune["measured"]["returncode"]:
             tune["measure_note"] += (
                 f" The sweep exited {tune['measured']['returncode']}: see {tune['measured']['log']}."

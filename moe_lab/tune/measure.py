@@ -1,7 +1,8 @@
 """The candidates measured on the device at hand as one ordinary ``python -m moe_lab.train -m`` sweep into the tune's
 ``measured/`` (``hydra/sweeper=candidates``: the shared overrides once per candidate), each point a normal record:
-real ranks where the layout fits this machine, else one emulated rank of it (``parallel.emulate``). The same tune
-command resumes the sweep as any sweep resumes (``trainer.skip_done``)."""
+real ranks where the layout fits this machine, else one emulated rank of it (``parallel.emulate``). Candidates that
+ran out of memory are replaced by the next ones, measured as a sweep of their own (``measured_2/``, ...). The same
+tune command resumes the sweeps as any sweep resumes (``trainer.skip_done``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from moe_lab.metrics.flops import hardware_option
 from moe_lab.optim.offload.host import usable_host_bytes
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.planner import HOST_PROCESS
-from moe_lab.results.record import RESULT
-from moe_lab.results.tune import CANDIDATES, MEASURED
+from moe_lab.results.record import RESULT, read_result
+from moe_lab.results.tune import round_files, run_dir_of
 from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune import config as tune_config
 
@@ -131,7 +132,8 @@ def train_overrides(base: list[str], layout: Layout | None = None) -> list[str]:
     return kept
 
 
-def sweep_command(tune_dir: Path, base: list[str], layout: Layout) -> list[str]:
+def sweep_command(tune_dir: Path, base: list[str], layout: Layout, round_number: int = 1) -> list[str]:
+    candidates, sweep_dir = round_files(round_number)
     return [
         sys.executable,
         "-m",
@@ -140,15 +142,15 @@ def sweep_command(tune_dir: Path, base: list[str], layout: Layout) -> list[str]:
         *train_overrides(base, layout),
         *layout.overrides(),
         "hydra/sweeper=candidates",
-        f"hydra.sweeper.candidates={tune_dir.resolve() / CANDIDATES}",
-        f"hydra.sweep.dir={tune_dir.resolve() / MEASURED}",
+        f"hydra.sweeper.candidates={tune_dir.resolve() / candidates}",
+        f"hydra.sweep.dir={tune_dir.resolve() / sweep_dir}",
     ]
 
 
-def write_candidates(tune_dir: Path, points: list[str]) -> list[str]:
-    """The candidates' overrides into ``candidates.yaml``; a resumed tune keeps the ones its directory holds (the
-    sweep's points are numbered by them), and refuses a directory holding candidates of another space."""
-    path = tune_dir / CANDIDATES
+def write_candidates(tune_dir: Path, points: list[str], round_number: int = 1) -> list[str]:
+    """A round's candidates' overrides into its candidates file; a resumed tune keeps the ones its directory holds
+    (the sweep's points are numbered by them), and refuses a directory holding candidates of another space."""
+    path = tune_dir / round_files(round_number)[0]
     wanted = [p.split() for p in points]
     if path.exists():
         held = yaml.safe_load(path.read_text())
@@ -163,35 +165,84 @@ def write_candidates(tune_dir: Path, points: list[str]) -> list[str]:
     return points
 
 
-def done(tune_dir: Path, started: float) -> int:
-    """Points of the sweep finished: a record written since ``started``, or an ok one from before (skipped)."""
-    count = 0
-    for path in (tune_dir / MEASURED).glob(f"*/{RESULT}"):
-        try:
-            fresh = path.stat().st_mtime >= started
-            count += fresh or '"status": "ok"' in path.read_text()
-        except OSError:
-            continue
-    return count
+def status(tune_dir: Path, candidate: dict) -> str | None:
+    return (read_result(tune_dir / run_dir_of(candidate)) or {}).get("status")
 
 
-def measure(tune_dir: Path, base: list[str], layout: Layout, k: int, progress: bool = True) -> dict:
-    """Runs the candidates' sweep, showing candidates measured and the time left; returns how it ended."""
-    command = sweep_command(tune_dir, base, layout)
+def measure(
+    tune_dir: Path, base: list[str], layout: Layout, queue: list[dict], k: int, on_round, progress: bool = True
+) -> dict:
+    """Measures the first ``k`` of ``queue`` (ranked rows, in the order to measure) as one sweep, then, round by
+    round, the next ones in place of those that ran out of memory (the planner's miss: the next point may fit), at
+    most ``k`` replacements in all; shows candidates measured and the time left. ``on_round(candidates)`` is told
+    the candidates so far (``candidate``, ``rank``, ``point``, ``run_dir``, ``replaces``) before each round runs.
+    A round whose candidates all ended ok or out of memory (a resumed tune) is not run again. Returns how the
+    sweeps ended."""
     log_path = tune_dir / "measured.log"
     started = time.time()
+    chosen: list[dict] = []
+    sweeps: list[dict] = []
+    replaced_by: list[int | None] = [None] * k  # the first round replaces none
     bar = tqdm(total=k, desc="candidates measured", unit="point", disable=not progress)
+    while replaced_by and queue:
+        round_number = len(sweeps) + 1
+        rows, queue = queue[: len(replaced_by)], queue[len(replaced_by) :]
+        sweep_dir = round_files(round_number)[1]
+        batch = [
+            {"candidate": len(chosen) + i, "rank": row["rank"], "point": row["point"],
+             "run_dir": f"{sweep_dir}/{i - 1}", "replaces": replaces}
+            for i, (row, replaces) in enumerate(zip(rows, replaced_by), start=1)
+        ]  # fmt: skip
+        chosen += batch
+        write_candidates(tune_dir, [c["point"] for c in batch], round_number)
+        on_round(chosen)
+        if any(status(tune_dir, c) not in ("ok", "oom") for c in batch):
+            sweeps.append(_run_round(tune_dir, base, layout, round_number, batch, log_path, bar))
+        else:
+            sweeps.append({"round": round_number, "returncode": 0, "seconds": 0.0, "skipped": "measured before"})
+            bar.update(len(batch))
+        out_of_memory = [c["candidate"] for c in batch if status(tune_dir, c) == "oom"]
+        replaced_by = out_of_memory[: k - (len(chosen) - k)]
+        bar.total += len(replaced_by)
+    bar.close()
+    failed = next((s["returncode"] for s in sweeps if s["returncode"]), 0)
+    return {
+        "command": sweeps[0].get("command"),
+        "returncode": failed,
+        "log": log_path.name,
+        "layout": asdict(layout),
+        "seconds": time.time() - started,
+        "sweeps": sweeps,
+    }
+
+
+def _run_round(tune_dir: Path, base, layout: Layout, round_number: int, batch: list[dict], log_path, bar) -> dict:
+    command = sweep_command(tune_dir, base, layout, round_number)
+    started = time.time()
+    measured_before = bar.n
+
+    def update() -> None:
+        bar.update(measured_before + sum(_finished(tune_dir, c, started) for c in batch) - bar.n)
+
     with open(log_path, "ab") as log:
         job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         while job.poll() is None:
             time.sleep(POLL_S)
-            bar.update(min(k, done(tune_dir, started)) - bar.n)
-    bar.update(min(k, done(tune_dir, started)) - bar.n)
-    bar.close()
+            update()
+    update()
     return {
+        "round": round_number,
         "command": shlex.join(["python", *command[1:]]),
         "returncode": job.returncode,
-        "log": log_path.name,
-        "layout": asdict(layout),
         "seconds": time.time() - started,
     }
+
+
+def _finished(tune_dir: Path, candidate: dict, started: float) -> bool:
+    """The candidate's record written since ``started``, or an ok one from before (the sweep skips it)."""
+    path = tune_dir / run_dir_of(candidate) / RESULT
+    try:
+        fresh = path.stat().st_mtime >= started
+    except OSError:
+        return False
+    return (fresh and status(tune_dir, candidate) is not None) or status(tune_dir, candidate) == "ok"

@@ -45,7 +45,9 @@ def candidates_table(df: pd.DataFrame) -> pd.DataFrame:
             "measured peak GiB": [_number(get(r, "measured_peak_gpu_mem_gib"), ".1f") for _, r in rows.iterrows()],
             "memory error": [_number(get(r, "memory_error"), "+.1%") for _, r in rows.iterrows()],
             "status": [
-                get(r, "measured_status") or ("not measured" if measured else "planned") for _, r in rows.iterrows()
+                (get(r, "measured_status") or ("not measured" if measured else "planned"))
+                + ("" if pd.isna(r["replaces"]) else f", in place of #{int(r['replaces'])}")
+                for _, r in rows.iterrows()
             ],
         }
     )
@@ -81,6 +83,33 @@ def order_note(df: pd.DataFrame) -> str | None:
     if planned == measured:
         return f"measured order agrees with the planned order ({named(planned)})"
     return f"measured order {named(measured)} differs from the planned {named(planned)}"
+
+
+def passed_over_lines(passed: list[dict]) -> list[str]:
+    """The points this machine could not measure, one line per reason: their planned ranks and the first of them."""
+    by_why: dict[str, list[dict]] = {}
+    for row in passed:
+        by_why.setdefault(row["why"], []).append(row)
+    lines = []
+    for why, rows in by_why.items():
+        first, ranks = rows[0], spans([row["rank"] for row in rows])
+        if len(rows) == 1:
+            named = f"planned rank {ranks}, `{first['point']}`"
+        else:
+            named = f"planned ranks {ranks} ({len(rows)} points; the first, `{first['point']}`)"
+        lines += [f"Not measured here: {named}: {why}.", ""]
+    return lines
+
+
+def spans(numbers: list[int]) -> str:
+    """``[1, 2, 3, 5, 7, 8]`` as ``1-3, 5, 7-8``."""
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        start = n if start is None else start
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(str(n) if n == start else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
 
 
 def train_line(tune: dict, point: str) -> str:
@@ -181,8 +210,7 @@ def report(tune_dir: Path) -> str:
         lines += [markdown(candidates_table(df)), ""]
         if note := order_note(df):
             lines += [note + ".", ""]
-        for row in tune.get("passed_over", []):
-            lines += [f"Not measured here: planned rank {row['rank']}, `{row['point']}`: {row['why']}.", ""]
+        lines += passed_over_lines(tune.get("passed_over", []))
         best, by = winner(df)
         lines += [f"Winner ({by}): `{best['point']}`", "", "```bash", train_line(tune, best["point"]), "```", ""]
         plot(df, tune, tune_dir / PLOT)
