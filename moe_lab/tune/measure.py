@@ -196,18 +196,21 @@ def measure(
         chosen += batch
         write_candidates(tune_dir, [c["point"] for c in batch], round_number)
         on_round(chosen)
+        command = sweep_command(tune_dir, base, layout, round_number)
+        sweep = {"round": round_number, "command": shlex.join(["python", *command[1:]]), "returncode": 0}
         if any(status(tune_dir, c) not in ("ok", "oom") for c in batch):
-            sweeps.append(_run_round(tune_dir, base, layout, round_number, batch, log_path, bar))
+            sweep["returncode"], sweep["seconds"] = _run(command, tune_dir, batch, log_path, bar)
         else:
-            sweeps.append({"round": round_number, "returncode": 0, "seconds": 0.0, "skipped": "measured before"})
+            sweep["seconds"], sweep["skipped"] = 0.0, "measured before"
             bar.update(len(batch))
+        sweeps.append(sweep)
         out_of_memory = [c["candidate"] for c in batch if status(tune_dir, c) == "oom"]
         replaced_by = out_of_memory[: k - (len(chosen) - k)]
         bar.total += len(replaced_by)
     bar.close()
     failed = next((s["returncode"] for s in sweeps if s["returncode"]), 0)
     return {
-        "command": sweeps[0].get("command"),
+        "command": sweeps[0]["command"],
         "returncode": failed,
         "log": log_path.name,
         "layout": asdict(layout),
@@ -216,8 +219,8 @@ def measure(
     }
 
 
-def _run_round(tune_dir: Path, base, layout: Layout, round_number: int, batch: list[dict], log_path, bar) -> dict:
-    command = sweep_command(tune_dir, base, layout, round_number)
+def _run(command: list[str], tune_dir: Path, batch: list[dict], log_path: Path, bar) -> tuple[int, float]:
+    """One round's sweep, the bar moved as its candidates finish: (its exit code, its seconds)."""
     started = time.time()
     measured_before = bar.n
 
@@ -230,12 +233,7 @@ def _run_round(tune_dir: Path, base, layout: Layout, round_number: int, batch: l
             time.sleep(POLL_S)
             update()
     update()
-    return {
-        "round": round_number,
-        "command": shlex.join(["python", *command[1:]]),
-        "returncode": job.returncode,
-        "seconds": time.time() - started,
-    }
+    return job.returncode, time.time() - started
 
 
 def _finished(tune_dir: Path, candidate: dict, started: float) -> bool:
