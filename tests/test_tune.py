@@ -26,6 +26,7 @@ from moe_lab.plan.planner import plan
 from moe_lab.results.tune import CANDIDATES, PLANS, TUNE
 from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune.__main__ import run
+from moe_lab.tune.planning import CandidateQueue
 from moe_lab.tune.report import report
 from moe_lab.tune.space import is_group, options_of
 from tests.sweep import ROOT
@@ -103,6 +104,23 @@ def test_the_ranking_is_the_planners_own(small_tune):
     assert f"Winner (planned): `{ranked.iloc[0]['point']}`" in report
     assert "python -m moe_lab.train model=qwen3_30b model.num_layers=2" in report
     assert "tune." not in report.split("```bash")[1].split("```")[0]
+
+
+def test_the_candidates_are_the_best_measurable_of_each_plan():
+    """In rank order, one point per plan (the first this machine can measure; those it cannot are passed over with
+    why), and a replacement only among points planned to hold less than the one that ran out of memory."""
+    rows = [  # rank, same plan as, planned peak
+        (1, None, 70.0), (2, 1, 70.0), (3, None, 75.0), (4, None, 72.0), (5, None, 60.0), (6, None, 74.0)
+    ]  # fmt: skip
+    ranked = [{"rank": r, "same_plan_as": same, "planned_peak_gpu_mem_gib": gib, "point": f"p{r}"}
+              for r, same, gib in rows] + [{"rank": None, "same_plan_as": None, "planned_peak_gpu_mem_gib": 1.0,
+                                            "point": "does-not-fit"}]  # fmt: skip
+    queue = CandidateQueue(ranked, lambda row: "refused here" if row["point"] in ("p1", "p4") else None)
+    assert [queue.take()["point"] for _ in range(2)] == ["p2", "p3"]  # p1 refused: p2, of its plan, stands in
+    assert queue.passed == [{"rank": 1, "point": "p1", "why": "refused here"}]
+    assert queue.take(below_gib=75.0)["point"] == "p5"  # p4 refused: p5 is the best left below 75 GiB
+    assert queue.take(below_gib=74.0) is None and queue.take()["point"] == "p6"
+    assert queue.take() is None and [p["point"] for p in queue.passed] == ["p1", "p4"]
 
 
 def test_the_report_names_why_the_planner_failed(small_tune, tmp_path):
@@ -219,6 +237,13 @@ def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path
         (1, None, "measured/0"), (2, None, "measured/1"), (3, 1, "measured_2/0")
     ]  # fmt: skip
     assert yaml.safe_load((directory / CANDIDATES).read_text()) == [p.split() for p in points[:2]]
+    plans = pd.read_csv(directory / PLANS).set_index("point")
+    below = plans[
+        (plans["rank"] > plans.loc[points[1], "rank"])
+        & plans["same_plan_as"].isna()
+        & (plans["planned_peak_gpu_mem_gib"] < plans.loc[points[0], "planned_peak_gpu_mem_gib"])
+    ]
+    assert points[2] == below.sort_values("rank").index[0]  # the best point left planned to hold less than #1
     assert yaml.safe_load((directory / "candidates_2.yaml").read_text()) == [points[2].split()]
 
     records = moe_lab.results.load(directory)  # the measured sweeps' records, as any sweep's

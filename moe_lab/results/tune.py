@@ -5,8 +5,8 @@ The directory holds ``tune.json`` (the tune: its command, space, layout, candida
 winner), ``plans.csv.gz`` (every point's plan, one row each: ``point`` its overrides, ``status`` ok | invalid | error,
 ``fits`` and ``why``, ``rank`` among the fitting, ``same_plan_as``, the ``planned_*`` metrics) and ``measured/``
 (the candidates' sweep: an ordinary ``moe_lab.train -m`` sweep, ``moe_lab.results.load`` reads it as any other).
-A candidate that ran out of memory is replaced by the next one in a sweep of its own: round ``n`` > 1 of replacements
-is ``candidates_<n>.yaml`` and ``measured_<n>/``; each candidate in ``tune.json`` names its ``run_dir``.
+Candidates that ran out of memory are replaced in a sweep of their own: round ``n`` > 1, the replacements of round
+``n - 1``'s, is ``candidates_<n>.yaml`` and ``measured_<n>/``; each candidate in ``tune.json`` names its ``run_dir``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from moe_lab.results.record import git_state
 from moe_lab.results.tune import PLANS, TUNE, read_tune
 from moe_lab.tune import config as tune_config
 from moe_lab.tune import measure as measuring
-from moe_lab.tune.planning import candidates, combinations, plan_all, point_config, point_name, rank, workers
+from moe_lab.tune.planning import CandidateQueue, combinations, plan_all, point_config, point_name, rank, workers
 from moe_lab.tune.report import report
 from moe_lab.tune.space import Space, check_keys_exist, group_combinations, narrowed
 
@@ -95,9 +95,9 @@ def check_tune_dir(tune_dir: Path, n) -> None:
 
 
 def passed_before(passed: list[dict], chosen: list[dict]) -> list[dict]:
-    """The points passed over on the way to the last of ``chosen`` (all of them where nothing was chosen)."""
-    last = chosen[-1]["rank"] if chosen else float("inf")
-    return [row for row in passed if row["rank"] < last]
+    """The points passed over on the way to the lowest ranked of ``chosen`` (all of them where nothing was)."""
+    last = max((row["rank"] for row in chosen), default=float("inf"))
+    return sorted((row for row in passed if row["rank"] < last), key=lambda row: row["rank"])
 
 
 def title(cfg, hw) -> str:
@@ -134,7 +134,7 @@ def run(argv: list[str], progress: bool = True) -> Path:
             layout = measuring.layout_of(hw, device, devices, gpu)
             measure_note = (
                 f"The best {space.measure} measured as {layout.describe()}; one that runs out of memory is replaced "
-                f"by the next (at most {space.measure})."
+                f"by the best point left planned to hold less (at most {space.measure})."
             )
     started = time.time()
     configs = [(groups, tune_config.compose(n.base + groups)) for groups in group_combinations(n.axes)]
@@ -149,13 +149,10 @@ def run(argv: list[str], progress: bool = True) -> Path:
     if not any(r["rank"] for r in ranked):
         plans.to_csv(tune_dir / PLANS, index=False)
         raise closest(ranked, combos, hw)
-    # plan only: the best PLAN_ONLY_SHOWN planned stand in the table as what a measurement would take; measuring,
-    # as many again stand by, in rank order, for candidates that run out of memory
-    k = space.measure or PLAN_ONLY_SHOWN
-    queue, passed = candidates(
-        ranked, 2 * k if layout else k, measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None
-    )
-    chosen = queue[:k]
+    # plan only: the best PLAN_ONLY_SHOWN planned stand in the table as what a measurement would take
+    queue = CandidateQueue(ranked, measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None)
+    chosen = [row for row in (queue.take() for _ in range(space.measure or PLAN_ONLY_SHOWN)) if row]
+    passed = queue.passed
     if layout is not None and chosen:  # a resumed tune's candidates are checked before its files are rewritten
         measuring.write_candidates(tune_dir, [row["point"] for row in chosen])
     plans.to_csv(tune_dir / PLANS, index=False)
@@ -191,7 +188,7 @@ def run(argv: list[str], progress: bool = True) -> Path:
             tune["candidates"], tune["passed_over"] = measuring_now, passed_before(passed, measuring_now)
             (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
 
-        tune["measured"] = measuring.measure(tune_dir, n.base, layout, queue, len(chosen), on_round, progress)
+        tune["measured"] = measuring.measure(tune_dir, n.base, layout, chosen, queue.take, on_round, progress)
         if tune["measured"]["returncode"]:
             tune["measure_note"] += (
                 f" The sweep exited {tune['measured']['returncode']}: see {tune['measured']['log']}."

@@ -1,7 +1,8 @@
 """The candidates measured on the device at hand as one ordinary ``python -m moe_lab.train -m`` sweep into the tune's
 ``measured/`` (``hydra/sweeper=candidates``: the shared overrides once per candidate), each point a normal record:
 real ranks where the layout fits this machine, else one emulated rank of it (``parallel.emulate``). Candidates that
-ran out of memory are replaced by the next ones, measured as a sweep of their own (``measured_2/``, ...). The same
+ran out of memory are replaced by points planned to hold less, measured as a sweep of their own (``measured_2/``,
+...). The same
 tune command resumes the sweeps as any sweep resumes (``trainer.skip_done``)."""
 
 from __future__ import annotations
@@ -170,29 +171,30 @@ def status(tune_dir: Path, candidate: dict) -> str | None:
 
 
 def measure(
-    tune_dir: Path, base: list[str], layout: Layout, queue: list[dict], k: int, on_round, progress: bool = True
+    tune_dir: Path, base: list[str], layout: Layout, first: list[dict], replacement, on_round, progress: bool = True
 ) -> dict:
-    """Measures the first ``k`` of ``queue`` (ranked rows, in the order to measure) as one sweep, then, round by
-    round, the next ones in place of those that ran out of memory (the planner's miss: the next point may fit), at
-    most ``k`` replacements in all; shows candidates measured and the time left. ``on_round(candidates)`` is told
-    the candidates so far (``candidate``, ``rank``, ``point``, ``run_dir``, ``replaces``) before each round runs.
-    A round whose candidates all ended ok or out of memory (a resumed tune) is not run again. Returns how the
-    sweeps ended."""
+    """Measures ``first`` (ranked rows) as one sweep, then, round by round, a replacement for each that ran out of
+    memory: ``replacement(gib)``, the best point left planned to hold less than the one that ran out (a point
+    planned at as much would miss as it did), at most ``len(first)`` replacements in all. Shows candidates measured
+    and the time left. ``on_round(candidates)`` is told the candidates so far (``candidate``, ``rank``, ``point``,
+    ``run_dir``, ``replaces``) before each round runs. A round whose candidates all ended ok or out of memory (a
+    resumed tune) is not run again. Returns how the sweeps ended."""
     log_path = tune_dir / "measured.log"
     started = time.time()
     chosen: list[dict] = []
+    planned_gib: dict[int, float] = {}  # candidate -> its planned peak
     sweeps: list[dict] = []
-    replaced_by: list[int | None] = [None] * k  # the first round replaces none
-    bar = tqdm(total=k, desc="candidates measured", unit="point", disable=not progress)
-    while replaced_by and queue:
+    rows, replaces = first, [None] * len(first)  # the first round replaces none
+    bar = tqdm(total=len(first), desc="candidates measured", unit="point", disable=not progress)
+    while rows:
         round_number = len(sweeps) + 1
-        rows, queue = queue[: len(replaced_by)], queue[len(replaced_by) :]
         sweep_dir = round_files(round_number)[1]
         batch = [
             {"candidate": len(chosen) + i, "rank": row["rank"], "point": row["point"],
-             "run_dir": f"{sweep_dir}/{i - 1}", "replaces": replaces}
-            for i, (row, replaces) in enumerate(zip(rows, replaced_by), start=1)
+             "run_dir": f"{sweep_dir}/{i - 1}", "replaces": replaced}
+            for i, (row, replaced) in enumerate(zip(rows, replaces), start=1)
         ]  # fmt: skip
+        planned_gib.update({c["candidate"]: row["planned_peak_gpu_mem_gib"] for c, row in zip(batch, rows)})
         chosen += batch
         write_candidates(tune_dir, [c["point"] for c in batch], round_number)
         on_round(chosen)
@@ -204,13 +206,15 @@ def measure(
             sweep["seconds"], sweep["skipped"] = 0.0, "measured before"
             bar.update(len(batch))
         sweeps.append(sweep)
-        out_of_memory = [c["candidate"] for c in batch if status(tune_dir, c) == "oom"]
-        replaced_by = out_of_memory[: k - (len(chosen) - k)]
-        bar.total += len(replaced_by)
+        left = 2 * len(first) - len(chosen)
+        out_of_memory = [c["candidate"] for c in batch if status(tune_dir, c) == "oom"][:left]
+        found = [(replacement(planned_gib[c]), c) for c in out_of_memory]
+        rows, replaces = [row for row, _ in found if row], [c for row, c in found if row]
+        bar.total += len(rows)
     bar.close()
     failed = next((s["returncode"] for s in sweeps if s["returncode"]), 0)
     return {
-        "command": sweeps[0]["command"],
+        "command": sweeps[0]["command"] if sweeps else None,
         "returncode": failed,
         "log": log_path.name,
         "layout": asdict(layout),

@@ -4,6 +4,7 @@ one combination of group options at a time, and the fitting ones ranked by plann
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import multiprocessing
 import os
 from dataclasses import dataclass
@@ -147,21 +148,29 @@ def _same_plan(a: dict, b: dict) -> bool:
     return all(abs(a[k] - b[k]) <= TIE * abs(a[k]) for k in ("planned_s_per_step", "planned_peak_gpu_mem_gib"))
 
 
-def candidates(ranked: list[dict], k: int, unmeasurable=lambda row: None) -> tuple[list[dict], list[dict]]:
-    """The best ``k`` fitting points of distinct plans that this machine can measure (of points with the very same
-    plan, the first measurable one), and those passed over on the way (each with ``why``: what
-    ``unmeasurable(row)`` said of it)."""
-    chosen, passed, plans = [], [], set()
-    for row in ranked:
-        if len(chosen) == k or row["rank"] is None:
-            break
-        plan_of = row["same_plan_as"] or row["rank"]
-        if plan_of in plans:
-            continue
-        why = unmeasurable(row)
-        if why:
-            passed.append({"rank": row["rank"], "point": row["point"], "why": why})
-        else:
-            chosen.append(row)
-            plans.add(plan_of)
-    return chosen, passed
+class CandidateQueue:
+    """The fitting points in rank order, of each plan (points with the very same plan) the first one this machine
+    can measure (``unmeasurable(row)``: why not, or None), taken one at a time; ``passed`` holds those passed over
+    on the way, each with ``why``."""
+
+    def __init__(self, ranked: list[dict], unmeasurable=lambda row: None) -> None:
+        self.rows = [row for row in ranked if row["rank"] is not None]
+        self.unmeasurable = unmeasurable
+        self.passed: list[dict] = []
+        self._why: dict[int, str | None] = {}  # rank -> why this machine cannot measure it, asked once
+        self._taken: set[int] = set()  # the plans taken (the rank of each plan's first point)
+
+    def take(self, below_gib: float = math.inf) -> dict | None:
+        """The best point left of a plan not taken, planned to hold less than ``below_gib``; None when none is."""
+        for row in self.rows:
+            plan_of = row["same_plan_as"] or row["rank"]
+            if plan_of in self._taken or row["planned_peak_gpu_mem_gib"] >= below_gib:
+                continue
+            if row["rank"] not in self._why:
+                self._why[row["rank"]] = why = self.unmeasurable(row)
+                if why:
+                    self.passed.append({"rank": row["rank"], "point": row["point"], "why": why})
+            if self._why[row["rank"]] is None:
+                self._taken.add(plan_of)
+                return row
+        return None
