@@ -216,13 +216,21 @@ TINY_CPU = [
 
 @pytest.mark.slow
 def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path, monkeypatch):
-    """The first candidate runs out of memory (tests/sweep.py injects it): the next point is measured in its
-    place, in a sweep of its own, and the same command afterwards runs nothing again."""
+    """The first candidate runs out of memory (tests/sweep.py injects it): the best point left planned to hold less
+    is measured in its place, in a sweep of its own, the report before that round already shows the first round's
+    (what a tune cut short keeps), and the same command afterwards runs nothing again."""
     from moe_lab.tune import measure as measuring
 
     sweep_command = measuring.sweep_command  # each round's sweep through tests/sweep.py, which injects the failure
     monkeypatch.setattr(measuring, "sweep_command", lambda *a: [sys.executable, str(ROOT / "tests" / "sweep.py"),
                                                                 *sweep_command(*a)[3:]])  # fmt: skip
+    reports_before_rounds, run_round = [], measuring._run
+
+    def reporting_run(command, tune_dir, *rest):
+        reports_before_rounds.append((tune_dir / "report.md").read_text())
+        return run_round(command, tune_dir, *rest)
+
+    monkeypatch.setattr(measuring, "_run", reporting_run)
     monkeypatch.setenv("MOE_LAB_INJECT", json.dumps([["oom", {"dispatcher": "torch"}]]))
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the script runs from tests/, the package from the checkout
     directory = tmp_path / "tune"
@@ -230,6 +238,7 @@ def test_a_measured_tune_on_cpu_is_a_sweep_that_results_read_and_resume(tmp_path
     tune = json.loads((directory / TUNE).read_text())
     assert tune["measured"]["returncode"] == 0 and tune["measured"]["layout"]["emulated"]
     assert [s["round"] for s in tune["measured"]["sweeps"]] == [1, 2]
+    assert "| not measured |" in reports_before_rounds[0] and "| oom |" in reports_before_rounds[1]
     candidates = tune["candidates"]
     points = [c["point"] for c in candidates]
     assert points[0].startswith("dispatcher=torch") and not any(p.startswith("dispatcher=torch") for p in points[1:])

@@ -184,9 +184,10 @@ def run(argv: list[str], progress: bool = True) -> Path:
         tune["measure_note"] = f"Nothing measured: no candidate this machine can measure ({len(passed)} passed over)."
     elif layout is not None:
 
-        def on_round(measuring_now: list[dict]) -> None:
+        def on_round(measuring_now: list[dict]) -> None:  # a tune cut short keeps a report of what it measured
             tune["candidates"], tune["passed_over"] = measuring_now, passed_before(passed, measuring_now)
             (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
+            report(tune_dir)
 
         tune["measured"] = measuring.measure(tune_dir, n.base, layout, chosen, queue.take, on_round, progress)
         if tune["measured"]["returncode"]:

@@ -24,9 +24,11 @@ def _number(value, fmt: str) -> str:
     return format(value, fmt)
 
 
-def candidates_table(df: pd.DataFrame) -> pd.DataFrame:
+def candidates_table(df: pd.DataFrame, measuring: bool = False) -> pd.DataFrame:
+    """The candidates' rows; a candidate with no record yet is "not measured" where the tune measures (``measuring``,
+    or any record), else "planned"."""
     rows = df[df["candidate"].notna()].sort_values("candidate")
-    measured = "measured_status" in rows.columns
+    measured = measuring or "measured_status" in rows.columns
     get = lambda row, key: row[key] if key in row.index else None
     table = pd.DataFrame(
         {
@@ -207,7 +209,8 @@ def report(tune_dir: Path) -> str:
             "",
         ]
     if fitting:
-        lines += [markdown(candidates_table(df)), ""]
+        measuring = tune.get("measured") is not None or any("run_dir" in c for c in tune["candidates"])
+        lines += [markdown(candidates_table(df, measuring)), ""]
         if note := order_note(df):
             lines += [note + ".", ""]
         lines += passed_over_lines(tune.get("passed_over", []))
