@@ -152,7 +152,6 @@ def run(argv: list[str], progress: bool = True) -> Path:
     # plan only: the best PLAN_ONLY_SHOWN planned stand in the table as what a measurement would take
     queue = CandidateQueue(ranked, measuring.unmeasurable_here(layout, n.base) if layout else lambda row: None)
     chosen = [row for row in (queue.take() for _ in range(space.measure or PLAN_ONLY_SHOWN)) if row]
-    passed = queue.passed
     if layout is not None and chosen:  # a resumed tune's candidates are checked before its files are rewritten
         measuring.write_candidates(tune_dir, [row["point"] for row in chosen])
     plans.to_csv(tune_dir / PLANS, index=False)
@@ -175,17 +174,19 @@ def run(argv: list[str], progress: bool = True) -> Path:
         "points": len(ranked),
         "plan_seconds": plan_seconds,
         "candidates": [{"candidate": i, "rank": r["rank"], "point": r["point"]} for i, r in enumerate(chosen, 1)],
-        "passed_over": passed_before(passed, chosen),
+        "passed_over": passed_before(queue.passed, chosen),
         "measure_note": measure_note,
         "measured": None,
     }
     (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
     if layout is not None and not chosen:
-        tune["measure_note"] = f"Nothing measured: no candidate this machine can measure ({len(passed)} passed over)."
+        tune["measure_note"] = (
+            f"Nothing measured: no candidate this machine can measure ({len(queue.passed)} passed over)."
+        )
     elif layout is not None:
 
         def on_round(measuring_now: list[dict]) -> None:  # a tune cut short keeps a report of what it measured
-            tune["candidates"], tune["passed_over"] = measuring_now, passed_before(passed, measuring_now)
+            tune["candidates"], tune["passed_over"] = measuring_now, passed_before(queue.passed, measuring_now)
             (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
             report(tune_dir)
 

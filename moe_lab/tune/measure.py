@@ -182,7 +182,6 @@ def measure(
     log_path = tune_dir / "measured.log"
     started = time.time()
     chosen: list[dict] = []
-    planned_gib: dict[int, float] = {}  # candidate -> its planned peak
     sweeps: list[dict] = []
     rows, replaces = first, [None] * len(first)  # the first round replaces none
     bar = tqdm(total=len(first), desc="candidates measured", unit="point", disable=not progress)
@@ -194,7 +193,6 @@ def measure(
              "run_dir": f"{sweep_dir}/{i - 1}", "replaces": replaced}
             for i, (row, replaced) in enumerate(zip(rows, replaces), start=1)
         ]  # fmt: skip
-        planned_gib.update({c["candidate"]: row["planned_peak_gpu_mem_gib"] for c, row in zip(batch, rows)})
         chosen += batch
         write_candidates(tune_dir, [c["point"] for c in batch], round_number)
         on_round(chosen)
@@ -207,8 +205,8 @@ def measure(
             bar.update(len(batch))
         sweeps.append(sweep)
         left = 2 * len(first) - len(chosen)
-        out_of_memory = [c["candidate"] for c in batch if status(tune_dir, c) == "oom"][:left]
-        found = [(replacement(planned_gib[c]), c) for c in out_of_memory]
+        out_of_memory = [(c, row) for c, row in zip(batch, rows) if status(tune_dir, c) == "oom"][:left]
+        found = [(replacement(row["planned_peak_gpu_mem_gib"]), c["candidate"]) for c, row in out_of_memory]
         rows, replaces = [row for row, _ in found if row], [c for row, c in found if row]
         bar.total += len(rows)
     bar.close()
@@ -242,9 +240,10 @@ def _run(command: list[str], tune_dir: Path, batch: list[dict], log_path: Path, 
 
 def _finished(tune_dir: Path, candidate: dict, started: float) -> bool:
     """The candidate's record written since ``started``, or an ok one from before (the sweep skips it)."""
-    path = tune_dir / run_dir_of(candidate) / RESULT
+    state = status(tune_dir, candidate)
     try:
-        fresh = path.stat().st_mtime >= started
+        return state == "ok" or (
+            state is not None and (tune_dir / run_dir_of(candidate) / RESULT).stat().st_mtime >= started
+        )
     except OSError:
         return False
-    return (fresh and status(tune_dir, candidate) is not None) or status(tune_dir, candidate) == "ok"
