@@ -108,7 +108,7 @@ def test_the_ranking_is_the_planners_own(small_tune):
 
 def test_the_candidates_are_the_best_measurable_of_each_plan():
     """In rank order, one point per plan (the first this machine can measure; those it cannot are passed over with
-    why), and a replacement only among points planned to hold less than the one that ran out of memory."""
+    why), and a replacement only among points planned to hold less than a bound (the tune's: what ran out of memory)."""
     rows = [  # rank, same plan as, planned peak
         (1, None, 70.0), (2, 1, 70.0), (3, None, 75.0), (4, None, 72.0), (5, None, 60.0), (6, None, 74.0)
     ]  # fmt: skip
@@ -194,6 +194,35 @@ def test_without_a_gpu_it_stops_after_planning(tmp_path):
     with pytest.raises(ConfigError) as refused:
         run(narrow + [f"tune.dir={tmp_path / 'cuda'}", "tune.device=cuda"], progress=False)
     assert refused.value.key == "tune.device"
+
+
+def test_replacements_hold_less_than_any_candidate_that_ran_out_of_memory(tmp_path, monkeypatch):
+    """Candidates planned at 75 and 70 GiB run out of memory: both replacements are planned below 70 (the 72 GiB
+    point, below 75, would miss as the 70 did); a replacement that runs out lowers the bound again; at most as many
+    replacements as candidates. Each round's records are written by a stand-in for its sweep."""
+    from moe_lab.tune import measure as measuring
+
+    planned = {"p1": 75.0, "p2": 60.0, "p3": 70.0, "p4": 72.0, "p5": 69.0, "p6": 66.0, "p7": 68.5, "p8": 50.0}
+    ends = {"p1": "oom", "p3": "oom", "p5": "oom", "p6": "oom"}  # the rest ok
+
+    def sweep(command, tune_dir, batch, log_path, bar):
+        for candidate in batch:
+            record = tune_dir / measuring.run_dir_of(candidate) / "result.json"
+            record.parent.mkdir(parents=True)
+            record.write_text(json.dumps({"status": ends.get(candidate["point"], "ok"), "config": {}}))
+        return 0, 0.0
+
+    monkeypatch.setattr(measuring, "_run", sweep)
+    queue = CandidateQueue(
+        [{"rank": n, "same_plan_as": None, "point": p, "planned_peak_gpu_mem_gib": gib}
+         for n, (p, gib) in enumerate(planned.items(), start=1)]
+    )  # fmt: skip
+    layout = measuring.Layout("cpu", 1, 2, "h200", emulated=True)
+    first = [queue.take() for _ in range(3)]
+    measured = measuring.measure(tmp_path, [], layout, first, queue.take, lambda chosen: None, progress=False)
+    assert [s["round"] for s in measured["sweeps"]] == [1, 2, 3]
+    assert yaml.safe_load((tmp_path / "candidates_2.yaml").read_text()) == [["p5"], ["p6"]]  # not p4: 72 >= 70
+    assert yaml.safe_load((tmp_path / "candidates_3.yaml").read_text()) == [["p8"]]  # below p6's 66, the last allowed
 
 
 TINY_CPU = [

@@ -134,7 +134,7 @@ def run(argv: list[str], progress: bool = True) -> Path:
             layout = measuring.layout_of(hw, device, devices, gpu)
             measure_note = (
                 f"The best {space.measure} measured as {layout.describe()}; one that runs out of memory is replaced "
-                f"by the best point left planned to hold less (at most {space.measure})."
+                f"by the best point left planned to hold less than any that ran out (at most {space.measure})."
             )
     started = time.time()
     configs = [(groups, tune_config.compose(n.base + groups)) for groups in group_combinations(n.axes)]

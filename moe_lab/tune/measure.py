@@ -1,12 +1,12 @@
 """The candidates measured on the device at hand as one ordinary ``python -m moe_lab.train -m`` sweep into the tune's
 ``measured/`` (``hydra/sweeper=candidates``: the shared overrides once per candidate), each point a normal record:
 real ranks where the layout fits this machine, else one emulated rank of it (``parallel.emulate``). Candidates that
-ran out of memory are replaced by points planned to hold less, measured as a sweep of their own (``measured_2/``,
-...). The same
-tune command resumes the sweeps as any sweep resumes (``trainer.skip_done``)."""
+ran out of memory are replaced by points planned to hold less than any that ran out, measured as a sweep of their
+own (``measured_2/``, ...). The same tune command resumes the sweeps as any sweep resumes (``trainer.skip_done``)."""
 
 from __future__ import annotations
 
+import math
 import shlex
 import subprocess
 import sys
@@ -174,7 +174,7 @@ def measure(
     tune_dir: Path, base: list[str], layout: Layout, first: list[dict], replacement, on_round, progress: bool = True
 ) -> dict:
     """Measures ``first`` (ranked rows) as one sweep, then, round by round, a replacement for each that ran out of
-    memory: ``replacement(gib)``, the best point left planned to hold less than the one that ran out (a point
+    memory: ``replacement(gib)``, the best point left planned to hold less than any candidate that ran out (a point
     planned at as much would miss as it did), at most ``len(first)`` replacements in all. Shows candidates measured
     and the time left. ``on_round(candidates)`` is told the candidates so far (``candidate``, ``rank``, ``point``,
     ``run_dir``, ``replaces``) before each round runs. A round whose candidates all ended ok or out of memory (a
@@ -184,6 +184,7 @@ def measure(
     chosen: list[dict] = []
     sweeps: list[dict] = []
     rows, replaces = first, [None] * len(first)  # the first round replaces none
+    ceiling = math.inf  # the least planned peak that ran out of memory: this machine does not hold what plans as much
     bar = tqdm(total=len(first), desc="candidates measured", unit="point", disable=not progress)
     while rows:
         round_number = len(sweeps) + 1
@@ -204,9 +205,9 @@ def measure(
             sweep["seconds"], sweep["skipped"] = 0.0, "measured before"
             bar.update(len(batch))
         sweeps.append(sweep)
-        left = 2 * len(first) - len(chosen)
-        out_of_memory = [(c, row) for c, row in zip(batch, rows) if status(tune_dir, c) == "oom"][:left]
-        found = [(replacement(row["planned_peak_gpu_mem_gib"]), c["candidate"]) for c, row in out_of_memory]
+        out_of_memory = [(c, row) for c, row in zip(batch, rows) if status(tune_dir, c) == "oom"]
+        ceiling = min([ceiling, *(row["planned_peak_gpu_mem_gib"] for _, row in out_of_memory)])
+        found = [(replacement(ceiling), c["candidate"]) for c, _ in out_of_memory[: 2 * len(first) - len(chosen)]]
         rows, replaces = [row for row, _ in found if row], [c for row, c in found if row]
         bar.total += len(rows)
     bar.close()
