@@ -199,18 +199,21 @@ def test_without_a_gpu_it_stops_after_planning(tmp_path):
 def test_replacements_hold_less_than_any_candidate_that_ran_out_of_memory(tmp_path, monkeypatch):
     """Candidates planned at 75 and 70 GiB run out of memory: both replacements are planned below 70 (the 72 GiB
     point, below 75, would miss as the 70 did); a replacement that runs out lowers the bound again; at most as many
-    replacements as candidates. Each round's records are written by a stand-in for its sweep."""
+    replacements as candidates. Each round's records are written by a stand-in for its sweep; what a sweep left
+    without a record is counted."""
     from moe_lab.tune import measure as measuring
 
     planned = {"p1": 75.0, "p2": 60.0, "p3": 70.0, "p4": 72.0, "p5": 69.0, "p6": 66.0, "p7": 68.5, "p8": 50.0}
-    ends = {"p1": "oom", "p3": "oom", "p5": "oom", "p6": "oom"}  # the rest ok
+    ends = {"p1": "oom", "p3": "oom", "p5": "oom", "p6": "oom", "p8": None}  # the rest ok; p8's sweep dies first
 
     def sweep(command, tune_dir, batch, log_path, bar):
         for candidate in batch:
+            if (end := ends.get(candidate["point"], "ok")) is None:
+                return 1, 0.0
             record = tune_dir / measuring.run_dir_of(candidate) / "result.json"
             record.parent.mkdir(parents=True)
-            record.write_text(json.dumps({"status": ends.get(candidate["point"], "ok"), "config": {}}))
-        return 0, 0.0
+            record.write_text(json.dumps({"status": end, "config": {}}))
+        return int(all(ends.get(c["point"], "ok") != "ok" for c in batch)), 0.0  # none ended ok: the sweep exits 1
 
     monkeypatch.setattr(measuring, "_run", sweep)
     queue = CandidateQueue(
@@ -220,7 +223,11 @@ def test_replacements_hold_less_than_any_candidate_that_ran_out_of_memory(tmp_pa
     layout = measuring.Layout("cpu", 1, 2, "h200", emulated=True)
     first = [queue.take() for _ in range(3)]
     measured = measuring.measure(tmp_path, [], layout, first, queue.take, lambda chosen: None, progress=False)
-    assert [s["round"] for s in measured["sweeps"]] == [1, 2, 3]
+    assert [(s["round"], s["returncode"], s["unrecorded"]) for s in measured["sweeps"]] == [
+        (1, 0, 0),
+        (2, 1, 0),
+        (3, 1, 1),
+    ]
     assert yaml.safe_load((tmp_path / "candidates_2.yaml").read_text()) == [["p5"], ["p6"]]  # not p4: 72 >= 70
     assert yaml.safe_load((tmp_path / "candidates_3.yaml").read_text()) == [["p8"]]  # below p6's 66, the last allowed
 

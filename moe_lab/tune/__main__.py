@@ -191,10 +191,12 @@ def run(argv: list[str], progress: bool = True) -> Path:
             report(tune_dir)
 
         tune["measured"] = measuring.measure(tune_dir, n.base, layout, chosen, queue.take, on_round, progress)
-        if tune["measured"]["returncode"]:
-            tune["measure_note"] += (
-                f" The sweep exited {tune['measured']['returncode']}: see {tune['measured']['log']}."
-            )
+        for sweep in tune["measured"]["sweeps"]:
+            if sweep["returncode"] and sweep["unrecorded"]:
+                tune["measure_note"] += (
+                    f" Round {sweep['round']}'s sweep exited {sweep['returncode']} leaving {sweep['unrecorded']} of "
+                    f"its candidates without a record: see {tune['measured']['log']}."
+                )
         (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
     print(report(tune_dir))
     print(f"tune directory: {tune_dir}")

@@ -178,7 +178,8 @@ def measure(
     planned at as much would miss as it did), at most ``len(first)`` replacements in all. Shows candidates measured
     and the time left. ``on_round(candidates)`` is told the candidates so far (``candidate``, ``rank``, ``point``,
     ``run_dir``, ``replaces``) before each round runs. A round whose candidates all ended ok or out of memory (a
-    resumed tune) is not run again. Returns how the sweeps ended."""
+    resumed tune) is not run again. Returns how the sweeps ended (each with its candidates left without a record:
+    a sweep where none ended ok exits 1, which its records already say)."""
     log_path = tune_dir / "measured.log"
     started = time.time()
     chosen: list[dict] = []
@@ -204,6 +205,7 @@ def measure(
         else:
             sweep["seconds"], sweep["skipped"] = 0.0, "measured before"
             bar.update(len(batch))
+        sweep["unrecorded"] = sum(status(tune_dir, c) is None for c in batch)
         sweeps.append(sweep)
         out_of_memory = [(c, row) for c, row in zip(batch, rows) if status(tune_dir, c) == "oom"]
         ceiling = min([ceiling, *(row["planned_peak_gpu_mem_gib"] for _, row in out_of_memory)])
