@@ -588,7 +588,7 @@ def test_host_step_is_the_optimizer_over_the_whole_masters(make_optimizer, trans
 def test_host_step_kernel_releases_the_gil():
     """A Python thread runs while the kernel steps: it sees the kernel's first writes before its last (one thread
     writes the master in order), which it cannot while a call that holds the GIL runs."""
-    numel = 2**23
+    numel = 2**26  # a step of about 20 ms: at 2**23 (3 ms) a watcher on a loaded 2-core machine missed 20 in a row
     master, transfer = torch.zeros(numel), torch.ones(numel, dtype=torch.bfloat16)
     seen_midway, returned, watching = threading.Event(), threading.Event(), threading.Event()
 
