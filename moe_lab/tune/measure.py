@@ -175,7 +175,7 @@ def measure(
 ) -> dict:
     """Measures ``first`` (ranked rows) as one sweep, then, round by round, a replacement for each that ran out of
     memory: ``replacement(gib)``, the best point left planned to hold less than any candidate that ran out (a point
-    planned at as much would miss as it did), at most ``len(first)`` replacements in all. Shows candidates measured
+    planned at as much would miss as they did), at most ``len(first)`` replacements in all. Shows candidates measured
     and the time left. ``on_round(candidates)`` is told the candidates so far (``candidate``, ``rank``, ``point``,
     ``run_dir``, ``replaces``) before each round runs. A round whose candidates all ended ok or out of memory (a
     resumed tune) is not run again. Returns how the sweeps ended (each with its candidates left without a record:
@@ -205,9 +205,10 @@ def measure(
         else:
             sweep["seconds"], sweep["skipped"] = 0.0, "measured before"
             bar.update(len(batch))
-        sweep["unrecorded"] = sum(status(tune_dir, c) is None for c in batch)
+        ended = [status(tune_dir, c) for c in batch]  # each record read once
+        sweep["unrecorded"] = ended.count(None)
         sweeps.append(sweep)
-        out_of_memory = [(c, row) for c, row in zip(batch, rows) if status(tune_dir, c) == "oom"]
+        out_of_memory = [(c, row) for c, row, end in zip(batch, rows, ended) if end == "oom"]
         ceiling = min([ceiling, *(row["planned_peak_gpu_mem_gib"] for _, row in out_of_memory)])
         found = [(replacement(ceiling), c["candidate"]) for c, _ in out_of_memory[: 2 * len(first) - len(chosen)]]
         rows, replaces = [row for row, _ in found if row], [c for row, c in found if row]
