@@ -63,6 +63,11 @@ def sweep(path: str) -> pd.DataFrame:
     return load(ROOT / path)
 
 
+def results_in_job_order(path: str) -> list[Path]:
+    """A sweep directory's result.json files, ordered by job number (the folder names 0, 1, ..., 10)."""
+    return sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name))
+
+
 @functools.cache
 def raw(path: str) -> dict:
     return json.loads((ROOT / path).read_text())
@@ -500,7 +505,7 @@ def plan(*paths: str) -> str:
 
     rows = []
     for path in paths:
-        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+        for result in results_in_job_order(path):
             record = json.loads(result.read_text())
             if record["status"] != "ok":
                 continue
@@ -551,7 +556,7 @@ def plan_breakdown(*paths: str) -> str:
 
     rows, used = [], set()
     for path in paths:
-        for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name)):
+        for result in results_in_job_order(path):
             record = json.loads(result.read_text())
             measured = (record.get("metrics") or {}).get("trace_breakdown") or {}
             if record["status"] != "ok" or "seconds" not in measured:
@@ -633,7 +638,7 @@ def planned(*paths: str) -> str:
     for path in paths:
         records = [
             json.loads(r.read_text())
-            for r in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name))
+            for r in results_in_job_order(path)
         ]
         # a point is named by what sets it apart from the sweep's other points (all of it when it is alone)
         common = set.intersection(*(set(r["overrides"]) for r in records)) if len(records) > 1 else set()
@@ -666,7 +671,7 @@ def replicas(*paths: str) -> str:
     for path in paths:
         points = [
             (result.parent.name, json.loads(result.read_text()))
-            for result in sorted((ROOT / path).glob("*/result.json"), key=lambda p: int(p.parent.name))
+            for result in results_in_job_order(path)
         ]
         points = [(name, record) for name, record in points if record["status"] == "ok"]
         speed = {name: (r["plan"]["fastest_fitting"] or {}).get("tokens_per_s_per_gpu") for name, r in points}
