@@ -636,10 +636,7 @@ def planned(*paths: str) -> str:
     share with every other point of its sweep), the predicted step and peak memory, and whether it fits."""
     rows = []
     for path in paths:
-        records = [
-            json.loads(r.read_text())
-            for r in results_in_job_order(path)
-        ]
+        records = [json.loads(r.read_text()) for r in results_in_job_order(path)]
         # a point is named by what sets it apart from the sweep's other points (all of it when it is alone)
         common = set.intersection(*(set(r["overrides"]) for r in records)) if len(records) > 1 else set()
         for record in records:
@@ -669,10 +666,7 @@ def replicas(*paths: str) -> str:
     planned at the sweep's own AC, and the layout's fastest against the fastest with one replica."""
     rows = []
     for path in paths:
-        points = [
-            (result.parent.name, json.loads(result.read_text()))
-            for result in results_in_job_order(path)
-        ]
+        points = [(result.parent.name, json.loads(result.read_text())) for result in results_in_job_order(path)]
         points = [(name, record) for name, record in points if record["status"] == "ok"]
         speed = {name: (r["plan"]["fastest_fitting"] or {}).get("tokens_per_s_per_gpu") for name, r in points}
         one = max((speed[n] for n, r in points if speed[n] and r["plan"]["mesh"]["dp_replicate"] == 1), default=None)
