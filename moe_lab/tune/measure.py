@@ -205,7 +205,7 @@ def measure(
         else:
             sweep["seconds"], sweep["skipped"] = 0.0, "measured before"
             bar.update(len(batch))
-        ended = [status(tune_dir, c) for c in batch]  # each record read once
+        ended = [status(tune_dir, c) for c in batch]  # read once after the round: the counts and replacements use it
         sweep["unrecorded"] = ended.count(None)
         sweeps.append(sweep)
         out_of_memory = [(c, row) for c, row, end in zip(batch, rows, ended) if end == "oom"]
