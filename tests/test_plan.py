@@ -375,14 +375,15 @@ FULL_DEPTH = ROOT / "experiments" / "full_depth" / "records"
 
 @pytest.mark.parametrize(
     "result",
-    sorted(FULL_DEPTH.glob("h200_1gpu_seq*/*/*/result.json")),
+    sorted(FULL_DEPTH.glob("h200_1gpu_seq*/*/*/result.json"))
+    + sorted(FULL_DEPTH.glob("h100_1gpu_20layers_vs_5df4240/*/3139759/*/result.json")),
     ids=lambda p: str(p.parent.relative_to(FULL_DEPTH)),
 )
 def test_full_depth_point_within_tolerance(result):
-    """The 48-layer / 16-expert share at seq 16384 and 32768, every setting of the room issue: the step within 5 %
-    (the issue's bound) and the peak within 3 % (tighter than its 10 %: at 3 % the fused op's output, which compiled
-    selective AC does not keep, counted as kept fails the save=inputs points at 32768). A point that ran out of
-    memory was planned not to fit."""
+    """The 48-layer / 16-expert share at seq 16384 and 32768, every setting of the room issue, and its first 20 layers
+    on an H100 (this tree's commit of the regression check): the step within 5 % (the issue's bound) and the peak
+    within 3 % (tighter than its 10 %: at 3 % the fused op's output, which compiled selective AC does not keep,
+    counted as kept fails the save=inputs points at 32768). A point that ran out of memory was planned not to fit."""
     record = read(result)
     plan = plan_record(record)
     planned, measured = plan["metrics"], record["metrics"]
