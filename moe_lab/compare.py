@@ -361,6 +361,8 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser, notes: l
     for note in notes:  # a metrics.jsonl read as its steps so far
         print(f"note: {note.message}")
     print(f"reference: {runs['label'].iloc[0]} ({reference_dir}); {args.metric} by step")
+    if (status := runs["status"].iloc[0]) != "ok":  # a failed reference is compared as its steps so far
+        print(f"note: the reference ended {status} ({runs['error_message'].iloc[0]}): compared as far as it ran")
     print(difference_table(table, band).to_string())
     checked = args.assert_equal or band is not None or args.rtol or args.atol
     envelope = " + ".join(

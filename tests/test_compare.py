@@ -126,6 +126,16 @@ def test_a_failed_or_short_run_fails_the_comparison(tmp_path):
     assert compare.main([str(ref), str(short), "--atol", "1"]) == 1
 
 
+def test_a_failed_reference_is_said_to_have_failed(tmp_path, capsys):
+    """Comparing against where a failed run got to is allowed (where two runs parted), never silently."""
+    failed = fake_run(tmp_path / "failed", [3.0, 2.5], status="error", lr=0.2)
+    run = fake_run(tmp_path / "run", [3.0, 2.5, 2.0], lr=0.3)
+    compare.main([str(failed), str(run)])
+    assert "note: the reference ended error (" in capsys.readouterr().out
+    compare.main([str(run), str(failed)])
+    assert "note: the reference" not in capsys.readouterr().out
+
+
 def test_bad_input_is_one_line_naming_the_run_and_the_file(tmp_path, capsys):
     """Exit 2 with one line, no traceback: a run directory that does not exist, one holding no record, a record that
     is none, an ok run without its metrics.jsonl, and a metrics.jsonl with a line in the middle that is no row."""

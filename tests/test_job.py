@@ -47,6 +47,56 @@ def test_another_sweep_never_lands_on_a_sweep_directory(tmp_path):
     assert again.stdout.count("point already done, skipped") == 2 and records(sweep) == before
 
 
+def test_a_sweep_that_recorded_no_point_does_not_block_the_corrected_one(tmp_path):
+    """A sweep that recorded nothing (refused as Hydra composed it, a dry run) left multirun.yaml and its points'
+    .hydra/: another sweep takes the directory over, saying so, and then holds it as its own."""
+    sweep = tmp_path / "sweep"
+    nothing = train_cli(
+        "-m", "dispatcher=torch,fused", *SMALL, "trainer.dry_run=true", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    assert nothing.returncode == 1 and (sweep / "multirun.yaml").exists() and not list(sweep.rglob("result.json"))
+
+    corrected = train_cli("-m", "dispatcher=torch", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert corrected.returncode == 0, corrected.stderr[-2000:]
+    held = f"hydra.sweep.dir={sweep} held another sweep (dispatcher=torch,fused {' '.join(SMALL)} trainer.dry_run=true)"
+    assert f"{held} that recorded no point: this sweep takes it over" in corrected.stderr
+    assert json.loads((sweep / "0" / "result.json").read_text())["status"] == "ok"
+
+    other = train_cli("-m", "dispatcher=fused", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert other.returncode != 0 and f"hydra.sweep.dir={sweep} holds another sweep" in other.stderr
+
+
+def test_another_sweep_is_taken_over_only_where_it_left_nothing(tmp_path, monkeypatch, capsys):
+    """A point's .hydra/ is nothing of a sweep; a record of any status, or a checkpoint (a point killed before it
+    recorded, which the same sweep again continues from), is kept."""
+    from omegaconf import OmegaConf
+
+    from moe_lab.job.lifecycle import OutputDirGuard, OutputDirInUse
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+
+    def start_sweep(left: str) -> None:
+        """Start a sweep (ac=full) into a directory another sweep (ac=none) left ``left`` in."""
+        sweep = tmp_path / left.replace("/", "_")
+        (sweep / left).parent.mkdir(parents=True)
+        (sweep / left).write_text("{}")
+        OmegaConf.save({"hydra": {"overrides": {"task": ["ac=none"]}}}, sweep / "multirun.yaml")
+        guard = OutputDirGuard()
+        try:
+            guard.on_multirun_start(
+                OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}, "overrides": {"task": ["ac=full"]}}})
+            )
+        finally:
+            guard._release()
+
+    start_sweep("0/.hydra/config.yaml")
+    assert "(ac=none) that recorded no point: this sweep takes it over" in capsys.readouterr().err
+    for left in ("0/result.json", "0/checkpoints/step_00000001/checkpoint.json"):
+        with pytest.raises(OutputDirInUse, match=r"holds another sweep \(ac=none\); this one \(ac=full\)"):
+            start_sweep(left)
+
+
 def test_a_point_record_of_another_configuration_is_never_overwritten(tmp_path):
     """The same overrides over an edited preset are another configuration: the point is not skipped on the strength
     of its overrides, and its directory's record is left alone."""
@@ -150,6 +200,18 @@ def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path):
     record = json.loads((run_dir / "result.json").read_text())
     assert record["status"] == "oom" and "host memory" in record["error"]["message"], record["error"]
     assert "wants a GPU" in record["error"]["message"] and "model=tiny" in proc.stdout  # and how to shrink it
+    assert record["metrics"]["peak_gpu_mem_gib"] is None and record["metrics"]["peak_host_rss_gib"] > 0
+
+
+def test_a_failure_record_holds_the_peak_memory(tmp_path):
+    """As an ok record does, GPU (null on CPU) and host: a run that diverged (NaN loss) had its peak too."""
+    run_dir = tmp_path / "run"
+    args = ["optimizer.lr=1e30", "trainer.steps=4", "trainer.warmup_steps=1", "data.seq_len=16", "data.batch_size=1"]
+    proc = train_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 1
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "error" and record["error"]["type"] == "FloatingPointError", record["error"]
+    assert record["metrics"]["peak_gpu_mem_gib"] is None and record["metrics"]["peak_host_rss_gib"] > 0
 
 
 def test_out_of_memory_reads_as_oom_however_it_arrives():
@@ -179,8 +241,11 @@ def test_an_unreadable_record_is_a_row_naming_its_file(tmp_path):
         df = load(tmp_path)
     assert df["status"].tolist() == ["ok", "unreadable", "unreadable"]
     assert str(tmp_path / "1" / "result.json") in df["error_message"][1]
-    with pytest.warns(UserWarning, match="no result.json under"):
-        assert load(tmp_path / "elsewhere").empty
+    (tmp_path / "empty").mkdir()
+    with pytest.warns(UserWarning, match="no result.json under"):  # a sweep not started yet
+        assert load(tmp_path / "empty").empty and load(tmp_path / "els*").empty
+    with pytest.raises(FileNotFoundError, match="no such sweep or run directory: .*elsewhere"):  # a typo
+        load(tmp_path / "elsewhere")
 
 
 @pytest.mark.slow
@@ -373,9 +438,51 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
     from moe_lab.config.validate import check_override_keys
     from moe_lab.runtime.errors import ConfigError
 
-    # Sweeps, appended keys (checked once composed), Hydra's own and group options' keys pass here.
+    # Sweeps, appended keys (checked once composed), Hydra's own and group options' known keys pass here.
     check_override_keys(
-        ["ac=none,full", "+trainer.extra=1", "hydra/launcher=basic", "hydra.run.dir=x", "dispatcher.x=1"]
+        ["ac=none,full", "+trainer.extra=1", "+offload.x=1", "hydra/launcher=basic", "hydra.run.dir=x"]
+        + ["dispatcher.save=rows", "+experiment=grid_30b/two_gpu", "model.routing.kind=x"]
     )
     with pytest.raises(ConfigError, match="trainer.checkpoint.evry: unknown key; allowed: every, dir"):
         check_override_keys(["trainer.steps=4", "trainer.checkpoint.evry=2"])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["dispatcher=fusd"], "dispatcher: no option 'fusd'; options: fused, torch"),
+        (["ac=none,selectve"], "ac: no option 'selectve'; options: full, none, selective"),  # a sweep's too
+        (["+experiment=grid_30"], "experiment: no option 'grid_30'; studies' presets: benchmark, "),
+        (["experiment=grid_30b"], "experiment: a study's preset is appended: +experiment=<study>"),
+        (["dispatcher.sav=x"], "dispatcher.sav: no dispatcher option has this key; allowed: backend, "),
+        (["loss.chunk_token=8"], "loss.chunk_token: no loss option has this key; allowed: chunk_tokens"),
+        # the options chosen on the command line decide: torch has no save, nor has one point of a sweep
+        (["dispatcher=torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch; allowed: "),
+        (["dispatcher=fused,torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch"),
+    ],
+)
+def test_a_mistyped_option_or_option_key_is_refused_before_hydra_composes(overrides, expected):
+    """One line naming the group or key and what it allows, as for the schema's keys (the message train, plan and
+    tune print), where Hydra would print its search path or advise appending the key with +."""
+    from moe_lab.config.validate import check_override_keys
+    from moe_lab.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        check_override_keys(overrides)
+    assert str(refused.value).startswith(expected), str(refused.value)
+
+
+def test_the_planner_and_the_tune_check_their_own_groups_keys():
+    from moe_lab.config.validate import check_override_keys
+    from moe_lab.plan.config import PlanConfig
+    from moe_lab.runtime.errors import ConfigError
+    from moe_lab.tune.config import TuneConfig
+
+    check_override_keys(["hardware=b300", "hardware.nodes=4"], PlanConfig)
+    check_override_keys(["tune.measure=0", "+tune.axes.ac.offload_activations=[false,true]"], TuneConfig)
+    with pytest.raises(ConfigError, match="hardware: no option 'h300'; options: b200, b300, file, h100, h200"):
+        check_override_keys(["hardware=h300"], PlanConfig)
+    with pytest.raises(ConfigError, match="tune.mesure: no tune option has this key; allowed: axes, device, "):
+        check_override_keys(["tune.mesure=3"], TuneConfig)
+    with pytest.raises(ConfigError, match="hardware: unknown top-level key"):  # train has no hardware
+        check_override_keys(["hardware=b300"])

@@ -53,8 +53,10 @@ def test_every_point_has_one_record_with_its_status(sweep_dir):
             assert len(env["git_commit"]) == 40 and subprocess.run(ancestor).returncode == 0
         else:
             assert env["git_commit"] is None
+        if record["status"] in ("oom", "error"):  # a failure's peak memory, GPU (null on CPU) and host
+            assert record["metrics"]["peak_gpu_mem_gib"] is None and record["metrics"]["peak_host_rss_gib"] > 0
         if record["status"] == "oom":
-            assert record["error"]["type"] == "OutOfMemoryError" and "peak_gpu_mem_gib" in record["metrics"]
+            assert record["error"]["type"] == "OutOfMemoryError"
         elif record["status"] == "error":
             assert record["error"]["type"] == "RuntimeError" and "injected" in record["error"]["message"]
         else:

@@ -47,7 +47,18 @@ def test_default_job_records_ok_result(default_job):
     assert metrics["losses"] == [r["loss"] for r in rows]
     assert metrics["s_per_step"] > 0 and metrics["tokens_per_s_per_gpu"] > 0
     assert metrics["mfu"] is None  # on CPU MFU is not invented
-    assert "done: loss" in proc.stdout
+    assert metrics["timed_steps"] == 48 and metrics["timed_warmup"] is False  # trainer.timing_skip=2 left out
+    assert "done: loss" in proc.stdout and "warm-up steps included" not in proc.stdout
+
+
+def test_a_run_shorter_than_its_timing_skip_says_its_time_includes_warm_up(tmp_path):
+    proc = train_cli(
+        "trainer.steps=2", "data.seq_len=16", "data.batch_size=1", f"hydra.run.dir={tmp_path}", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = result(tmp_path)["metrics"]
+    assert metrics["timed_steps"] == 2 and metrics["timed_warmup"] is True and metrics["s_per_step"] > 0
+    assert "s/step (warm-up steps included: fewer steps ran than trainer.timing_skip)" in proc.stdout
 
 
 def test_tiny_model_learns_synthetic_language(default_job):

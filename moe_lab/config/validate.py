@@ -34,7 +34,7 @@ from moe_lab.config.schema import GROUPS, TrainConfig
 from moe_lab.parallel.emulate import emulated_target
 from moe_lab.runtime.device import Target, machine_target
 from moe_lab.runtime.errors import ConfigError
-from moe_lab.runtime.paths import CONF_DIR
+from moe_lab.runtime.paths import CONF_DIR, EXPERIMENTS_DIR
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -91,11 +91,15 @@ def _check_section(prefix: str, node, schema) -> None:
             _check_section(f"{prefix}.{key}", node[key], hint)
 
 
-def check_override_keys(overrides: list[str]) -> None:
-    """The command line's keys, before Hydra composes them: a mistyped top-level or schema-section key
-    (``dispacher=fused``, ``trainer.stpes=10``) is refused with ``check_known_keys``' message rather than Hydra's
-    advice to append it with ``+``. Appending overrides and the keys of group options are checked once composed
-    (``check_known_keys``, ``check_target_node``); a line Hydra cannot parse is left to Hydra to explain."""
+def check_override_keys(overrides: list[str], schema: type = TrainConfig) -> None:
+    """The command line's keys and group options, before Hydra composes them: a mistyped top-level or schema-section
+    key (``dispacher=fused``, ``trainer.stpes=10``), an option its group lacks (``dispatcher=fusd``, also in a sweep)
+    or a key no chosen option of its group has (``dispatcher.sav=x``) is refused in one line naming what is allowed,
+    rather than with Hydra's advice to append it with ``+`` or its search path. ``schema``: the entry point's
+    (train's, or the planner's and the tune's with their own groups). A group's key is checked against the options
+    the command line chooses for it, else against all its options (an experiment's choice is known only once
+    composed); appended keys and deeper keys are checked once composed (``check_known_keys``, ``check_target_node``);
+    a line Hydra cannot parse is left to Hydra to explain."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -103,18 +107,84 @@ def check_override_keys(overrides: list[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException:
         return
+    hints = typing.get_type_hints(schema)
+    chosen: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_delete() or key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if key == EXPERIMENT:
+            if not override.is_add():
+                raise ConfigError(key, "a study's preset is appended: +experiment=<study>[/<variant>]")
+            check_options(key, _choices(override))
+        elif _is_group(key, hints) and not override.is_add():
+            chosen[key] = _choices(override)
+            check_options(key, chosen[key])
     for override in parsed:
         key = override.key_or_group
         if override.is_add() or override.is_force_add() or key == "hydra" or key.startswith(("hydra.", "hydra/")):
             continue
-        parts, schema = key.split("."), TrainConfig
+        group, _, rest = key.partition(".")
+        if rest and _is_group(group, hints):
+            _check_option_key(group, rest.partition(".")[0], chosen.get(group))
+            continue
+        parts, section = key.split("."), schema
         for depth in range(len(parts)):
-            if not dataclasses.is_dataclass(schema):
-                break  # a group option's own key, or a key under a value
-            hints = typing.get_type_hints(schema)
-            if parts[depth] not in hints:
-                raise _unknown_key(".".join(parts[: depth + 1]), hints)
-            schema = hints[parts[depth]]
+            if not dataclasses.is_dataclass(section):
+                break  # a key under a value
+            section_hints = typing.get_type_hints(section)
+            if parts[depth] not in section_hints:
+                raise _unknown_key(".".join(parts[: depth + 1]), section_hints)
+            section = section_hints[parts[depth]]
+
+
+EXPERIMENT = "experiment"  # the studies' presets, appended: +experiment=<study>[/<variant>]
+
+
+def _is_group(key: str, hints: dict) -> bool:
+    return key in hints and (CONF_DIR / key).is_dir()
+
+
+def _choices(override) -> list[str]:
+    """The options an override of a group names (each of a choice sweep's); none for other sweeps (glob, range)."""
+    if not override.is_sweep_override():
+        value = override.value()
+        return [value] if isinstance(value, str) else []
+    return list(override.sweep_string_iterator()) if override.is_choice_sweep() else []
+
+
+def options_of(group: str) -> list[str]:
+    """A group's options: its yaml files (the studies' presets for ``experiment``)."""
+    if group == EXPERIMENT:
+        presets = [p.parent.name for p in EXPERIMENTS_DIR.glob("*/preset.yaml")]
+        variants = [f"{p.parent.name}/{p.stem}" for p in EXPERIMENTS_DIR.glob("*/*.yaml") if p.name != "preset.yaml"]
+        return sorted(presets + variants + [p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")])
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_options(group: str, names: list[str]) -> None:
+    options = options_of(group)
+    for name in names:
+        if name not in options:
+            where = "studies' presets" if group == EXPERIMENT else "options"
+            raise ConfigError(group, f"no option {name!r}; {where}: {', '.join(options)}")
+
+
+def _check_option_key(group: str, key: str, options: list[str] | None) -> None:
+    """``key`` must be set by each option chosen for ``group`` (by every option of it when none is chosen here)."""
+    keys = {
+        name: set(OmegaConf.load(CONF_DIR / group / f"{name}.yaml") or {}) - {"_target_"} for name in options_of(group)
+    }
+    if options:
+        lacking = [name for name in options if name in keys and key not in keys[name]]
+        if lacking:
+            raise ConfigError(
+                f"{group}.{key}",
+                f"unknown key for {group}={lacking[0]}; allowed: {', '.join(sorted(keys[lacking[0]])) or 'none'}",
+            )
+    elif not any(key in held for held in keys.values()):
+        allowed = sorted(set().union(*keys.values()))
+        raise ConfigError(f"{group}.{key}", f"no {group} option has this key; allowed: {', '.join(allowed)}")
 
 
 def _unknown_key(key: str, allowed) -> ConfigError:
@@ -166,7 +236,9 @@ def check_target_node(key: str, node) -> None:
         if name.startswith("_"):
             continue
         if name not in params:
-            raise ConfigError(f"{key}.{name}", f"unknown key for {node._target_}; allowed: {', '.join(sorted(params))}")
+            raise ConfigError(
+                f"{key}.{name}", f"unknown key for {node._target_}; allowed: {', '.join(sorted(params)) or 'none'}"
+            )
         if name in hints and not _matches(value, hints[name]):
             raise ConfigError(f"{key}.{name}", f"expected {_describe(hints[name])}, got {value!r}")
 

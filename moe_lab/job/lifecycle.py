@@ -52,7 +52,7 @@ from moe_lab.job.launcher import (
     spawns_ranks,
     started_by_outer_launcher,
 )
-from moe_lab.job.trainer import peak_gpu_gib, reset_peak_host_rss, summary_line, train
+from moe_lab.job.trainer import peak_memory, reset_peak_host_rss, summary_line, train
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.optim.offload.host import share_host
@@ -81,7 +81,9 @@ class OutputDirGuard(Callback):
     """Refuses a job into a directory another job is running in: a single run into a ``hydra.run.dir``, a sweep
     into a ``hydra.sweep.dir`` (a lock held for the job's life, taken before Hydra writes its ``.hydra/`` files or
     multirun.yaml there, or any point a record). A sweep is also refused where the directory holds another sweep
-    (other task overrides); the same sweep again, once the first has ended, is a resume."""
+    (other task overrides) that left a point's record or checkpoint; the same sweep again, once the first has ended,
+    is a resume. Another sweep that left neither (refused as Hydra composed it, or failed before its first point
+    recorded) is taken over: its overrides may never run, and nothing of it would be lost."""
 
     LOCK = ".moe_lab.lock"
 
@@ -103,12 +105,20 @@ class OutputDirGuard(Callback):
             return
         before = _point_overrides(OmegaConf.load(saved).hydra.overrides.task)
         now = _point_overrides(config.hydra.overrides.task)
-        if before != now:
-            raise OutputDirInUse(
-                f"hydra.sweep.dir={config.hydra.sweep.dir} holds another sweep ({' '.join(before) or 'no overrides'}); "
-                f"this one ({' '.join(now) or 'no overrides'}) would overwrite its points. Choose another "
-                "hydra.sweep.dir, or run the same overrides again to resume that sweep."
+        if before == now:
+            return
+        other = f"another sweep ({' '.join(before) or 'no overrides'})"
+        if not _holds_points(sweep_dir):
+            print(
+                f"hydra.sweep.dir={config.hydra.sweep.dir} held {other} that recorded no point: this sweep takes it over",
+                file=sys.stderr,
             )
+            return
+        raise OutputDirInUse(
+            f"hydra.sweep.dir={config.hydra.sweep.dir} holds {other}; "
+            f"this one ({' '.join(now) or 'no overrides'}) would overwrite its points. Choose another "
+            "hydra.sweep.dir, or run the same overrides again to resume that sweep."
+        )
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.lock is None:  # a rank other than 0 of an outer launcher
@@ -155,6 +165,13 @@ class OutputDirInUse(SystemExit):
 
 class SweepFailed(SystemExit):
     """A sweep none of whose points ended ok exits 1 with this message, so that a script can tell."""
+
+
+def _holds_points(sweep_dir: Path) -> bool:
+    """Whether a sweep left anything of its points here: a record of any status (readable or not), or a checkpoint
+    (a point killed before recording leaves one, which the same sweep again continues from)."""
+    left = (RESULT, checkpoint_directory.MARKER)
+    return any(path.name in left for path in sweep_dir.rglob("*"))
 
 
 def _point_overrides(overrides) -> list[str]:
@@ -444,7 +461,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     except Interrupted as e:  # every rank stopped at the same step
         result = record.interrupted(e.signal_name, e.step, e.checkpoint, e.metrics)
     except Exception as e:
-        result = record.failure(e, {"peak_gpu_mem_gib": peak_gpu_gib(device)})
+        result = record.failure(e, peak_memory(device))
         if result["status"] == "oom" and device.type == "cpu":  # the host check refused it before allocating
             result["error"]["message"] += CPU_TOO_SMALL
         if emulated is not None:  # what the plan expected of the rank that failed (an OOM's planned memory)

@@ -160,6 +160,7 @@ def train(
         metrics_log.close()
 
     # Timed over this process's steps (a resumed run warms up again); losses cover the whole run.
+    # Fewer steps than trainer.timing_skip (a short run, a resumed one): all of them, warm-up included, and said so.
     timed = step_times[t.timing_skip :] or step_times
     s_per_step = statistics.median(timed) if timed else None  # None: resumed from the last step's checkpoint
     tokens_per_s = tokens_per_step / s_per_step if s_per_step else None
@@ -173,12 +174,12 @@ def train(
         "s_per_step": s_per_step,
         "tokens_per_s_per_gpu": tokens_per_s,
         "tokens_per_step_per_gpu": tokens_per_step,
+        "timed_steps": len(timed),
+        "timed_warmup": bool(step_times) and len(timed) == len(step_times) and t.timing_skip > 0,
         "mfu": tokens_per_s * fpt["shared"] / peak if peak and tokens_per_s else None,
         "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak and tokens_per_s else None,
         "flops_per_token": fpt["shared"],
-        "peak_gpu_mem_gib": peak_gpu_gib(device),
-        **allocator_stats(device),
-        "peak_host_rss_gib": peak_host_rss_gib(),
+        **peak_memory(device),
         **expert_load.summary(),
         **_resume_metrics(checkpointer),
     }
@@ -333,11 +334,22 @@ def summary_line(m: dict) -> str:
         return f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | no step run (resumed from {m['resumed_from']})"
     mfu = "n/a (CPU)" if m["mfu"] is None else f"{100 * m['mfu']:.1f}% (executed {100 * m['mfu_executed']:.1f}%)"
     gpu = "n/a" if m["peak_gpu_mem_gib"] is None else f"{m['peak_gpu_mem_gib']:.2f} GiB"
+    warmup = " (warm-up steps included: fewer steps ran than trainer.timing_skip)" if m.get("timed_warmup") else ""
     return (
-        f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | {m['s_per_step']:.3f} s/step | "
+        f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | {m['s_per_step']:.3f} s/step{warmup} | "
         f"{m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU | MFU {mfu} | peak GPU mem {gpu} | "
         f"peak host RSS {m['peak_host_rss_gib']:.2f} GiB"
     )
+
+
+def peak_memory(device: torch.device) -> dict:
+    """The point's peak memory, GPU (None on CPU, with the allocator's stats on CUDA) and host: what every record that
+    measured a run holds, a failed one's too."""
+    return {
+        "peak_gpu_mem_gib": peak_gpu_gib(device),
+        **allocator_stats(device),
+        "peak_host_rss_gib": peak_host_rss_gib(),
+    }
 
 
 def peak_gpu_gib(device: torch.device) -> float | None:

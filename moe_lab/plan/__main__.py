@@ -26,7 +26,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from moe_lab.config import ConfigError
+from moe_lab.config.validate import check_override_keys
 from moe_lab.plan import config as plan_config
+from moe_lab.plan.config import PlanConfig
 from moe_lab.plan.planner import build_hardware, plan
 from moe_lab.results.record import RESULT, Record, git_state, job_meta
 from moe_lab.runtime.paths import CONF_DIR
@@ -113,4 +115,8 @@ def profile_path_overrides(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     sys.argv = profile_path_overrides(sys.argv)
+    try:  # a mistyped key or option gets moe_lab's message before Hydra's
+        check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg], PlanConfig)
+    except ConfigError as e:
+        sys.exit(f"invalid config: {e}")
     main()

@@ -123,7 +123,10 @@ def _row(path: Path) -> dict:
 
 def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
     """One row per result.json found. A record that cannot be read is a row of status ``unreadable`` naming its
-    file (with a warning), so one damaged file does not hide a sweep; a path with no records warns."""
+    file (with a warning), so one damaged file does not hide a sweep; a directory (or a pattern) with no records
+    warns (a sweep not started yet), a path that is neither raises ``FileNotFoundError``."""
+    if not any(c in str(sweep_dir_or_glob) for c in "*?[") and not Path(sweep_dir_or_glob).exists():
+        raise FileNotFoundError(f"no such sweep or run directory: {sweep_dir_or_glob}")
     paths = result_files(sweep_dir_or_glob)
     if not paths:
         warnings.warn(f"no {RESULT} under {sweep_dir_or_glob}", stacklevel=2)
