@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 import moe_lab.results
 from moe_lab.config import ConfigError
@@ -25,6 +26,7 @@ from moe_lab.plan.config import compose as compose_plan
 from moe_lab.plan.planner import plan
 from moe_lab.results.tune import CANDIDATES, PLANS, TUNE
 from moe_lab.runtime.paths import CONF_DIR
+from moe_lab.tune import config as tune_config
 from moe_lab.tune.__main__ import run
 from moe_lab.tune.planning import CandidateQueue
 from moe_lab.tune.report import report
@@ -46,6 +48,16 @@ SMALL = [
     "precision=bf16",
     "offload=none",
     "parallel.ep=1,2,3",
+    "parallel.dp_replicate=1",
+    "parallel.reshard_after_forward=true",
+    "tune.measure=0",
+]
+
+# SMALL's layout with everything but the dispatcher and ac axes fixed.
+NARROW = SMALL[:5] + [
+    "precision=bf16",
+    "offload=none",
+    "parallel.ep=1",
     "parallel.dp_replicate=1",
     "parallel.reshard_after_forward=true",
     "tune.measure=0",
@@ -156,9 +168,15 @@ def test_the_default_space_covers_what_exists():
     [
         (["+tune.axes.bogus=[a]"], "tune.axes.bogus"),  # neither a group nor a dotted key
         (["dispatcher=torch,nope"], "dispatcher"),  # no such option
+        (["offload=optimiser"], "offload"),  # no such option, fixed (train's and plan's check, before composing)
+        (["dispatcher.sav=rows"], "dispatcher.sav"),  # no dispatcher option has this key
+        (["trainer.stpes=3"], "trainer.stpes"),  # not a schema key
         (["trainer.steps=1,2"], "trainer.steps"),  # a sweep of something that is not an axis
         (["~tune.axes", "+tune.axes={dispatcher:[fused],dispatcher.sav:[rows]}"], "tune.axes.dispatcher.sav"),
         (["tune.measure=-1"], "tune.measure"),
+        (["tune.mesure=3"], "tune.mesure"),  # not a key of the tune
+        (["tune.axes.loss=[full,chunked]"], "tune.axes.loss"),  # a new axis without +
+        (["tune.axes.ac.keep=[[attention,router]]"], "tune.axes.ac.keep"),  # a dotted axis as a path
         (["tune.device=tpu"], "tune.device"),
         (["parallel.emulate=true"], "parallel.emulate"),
         (["-m"], "-m"),
@@ -170,6 +188,103 @@ def test_bad_input_is_refused_before_any_work(tmp_path, overrides, key):
         run(["model=qwen3_30b", "model.num_layers=2", f"tune.dir={directory}"] + overrides, progress=False)
     assert refused.value.key == key
     assert not directory.exists()
+
+
+def refusal(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as refused:
+        run(overrides, progress=False)
+    return str(refused.value)
+
+
+def test_a_misspelt_tune_key_is_refused_naming_what_exists(tmp_path):
+    """Not Hydra's advice to append it with +: the tune's keys, or the option's axes and the override that adds an
+    axis, which composes as advised (a dotted key as one key of the tune.axes dict)."""
+    directory = f"tune.dir={tmp_path / 'tune'}"
+    allowed = "axes, measure, device, dir, workers"
+    assert refusal(["tune.mesure=3", directory]) == f"tune.mesure: unknown key of the tune; allowed: {allowed}"
+    axes = ", ".join(yaml.safe_load((CONF_DIR / "tune" / "default.yaml").read_text())["axes"])
+    assert refusal(["tune.axes.loss=[full]", directory]) == (
+        f"tune.axes.loss: no such axis (axes: {axes}); a new axis is added with +tune.axes.loss=[...]"
+    )
+    assert "added with '+tune.axes={trainer.compile:[...]}'" in refusal(["tune.axes.trainer.compile=[true]", directory])
+    assert "set it with '+tune.axes={ac.keep:[...]}'" in refusal(["+tune.axes.ac.keep=[[router]]", directory])
+    advised = tune_config.compose(["+tune.axes.loss=[full]", "+tune.axes={trainer.compile:[true],ac.keep:[[router]]}"])
+    assert {k: advised.tune.axes[k] for k in ("loss", "trainer.compile", "ac.keep")} == {
+        "loss": ["full"], "trainer.compile": [True], "ac.keep": [["router"]]
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, planned",
+    [
+        (["dispatcher=fused", "dispatcher.save=rows,input"], ["dispatcher=fused", "dispatcher.save=input"]),
+        (
+            ["dispatcher=torch", "ac=selective", "ac.keep=[attention,routr]"],
+            ["ac=selective", "ac.keep=[attention,routr]"],
+        ),
+        (  # a value of the tune's option
+            ["dispatcher=fused", "~tune.axes", "+tune.axes={ac:[full],dispatcher.save:[input]}"],
+            ["dispatcher=fused", "dispatcher.save=input"],
+        ),
+    ],
+)
+def test_a_misspelt_value_of_an_options_key_is_refused_as_plan_refuses_it(tmp_path, overrides, planned):
+    """Not planned as invalid at every point it reaches: refused before any work, naming the key."""
+    directory = tmp_path / "tune"
+    with pytest.raises(ConfigError) as refused_by_plan:
+        plan(compose_plan(NARROW[:5] + planned))
+    assert refusal(NARROW + overrides + [f"tune.dir={directory}"]) == str(refused_by_plan.value)
+    assert not directory.exists()
+
+
+@pytest.mark.parametrize(
+    "setting, key, message",
+    [
+        ("trainer.steps=-1", "trainer.steps", "must be >= 1, got -1"),  # every point shares it
+        ("parallel.ep=3", "parallel.ep", "must be >= 1 and divide the job's 2 ranks"),  # an axis fixed where none is
+    ],
+)
+def test_a_space_of_no_valid_point_is_refused_before_planning(tmp_path, monkeypatch, setting, key, message):
+    """Validated, not planned, nothing written: the refusal is the space's first point's, as after planning."""
+    monkeypatch.setattr("moe_lab.tune.__main__.plan_all", lambda *args: pytest.fail("planned"))
+    directory = tmp_path / "tune"
+    space = [o for o in SMALL if not o.startswith("parallel.ep=")]  # EP the default axis: past the first pass
+    with pytest.raises(ConfigError) as refused:
+        run(space + [setting, f"tune.dir={directory}", "tune.workers=2"], progress=False)
+    assert refused.value.key == key
+    assert str(refused.value).startswith(f"{key}: no point of the space is valid; the first: {message}")
+    assert not directory.exists()
+
+
+def test_a_valid_point_past_the_first_pass_is_planned(tmp_path):
+    """EP 3 (not dividing 2 ranks) is every combination's first point: the search goes on to EP 2, and plans."""
+    run(NARROW + ["dispatcher=torch", "ac=none,full", "parallel.ep=3,2", f"tune.dir={tmp_path}"], progress=False)
+    plans = pd.read_csv(tmp_path / PLANS).set_index("point")
+    assert plans["status"].to_dict() == {
+        "ac=none parallel.ep=3": "invalid", "ac=full parallel.ep=3": "invalid",
+        "ac=none parallel.ep=2": "ok", "ac=full parallel.ep=2": "ok",
+    }  # fmt: skip
+
+
+def test_the_point_of_no_overrides_is_the_commands_own(tmp_path):
+    """Every axis fixed on the command line leaves one point, of no overrides: load_tune reads its empty name back
+    as "" (not NaN), the report names it as the command's own settings, its train line is the command's own, and
+    measured it is a candidate of no overrides."""
+    fixed = NARROW + ["dispatcher=torch", "ac=full"]
+    run(fixed + [f"tune.dir={tmp_path}"], progress=False)
+    assert list(moe_lab.results.load_tune(tmp_path)["point"]) == [""]
+    text = (tmp_path / "report.md").read_text()
+    assert "| the command's own settings |" in text and "Winner (planned): the command's own settings\n" in text
+    shared = [o for o in fixed if not o.startswith(("parallel.", "tune."))]  # the key axes fixed: left to the point
+    assert "python -m moe_lab.train " + " ".join(shared) + "\n```" in text
+
+    # imported after a compose: Hydra's plugin scan re-executes the sweeper modules, BasicSweeper among them
+    from hydra_plugins.moe_lab_tune.candidate_sweeper import CandidateSweeper
+    from moe_lab.tune import measure as measuring
+
+    measuring.write_candidates(tmp_path, [""])
+    sweeper = CandidateSweeper(str(tmp_path / CANDIDATES))
+    assert sweeper.split_arguments(OverridesParser.create().parse_overrides(shared), None) == [[shared]]
 
 
 def test_a_layout_that_fits_nowhere_names_what_is_closest(tmp_path):

@@ -91,14 +91,14 @@ def _check_section(prefix: str, node, schema) -> None:
             _check_section(f"{prefix}.{key}", node[key], hint)
 
 
-def check_override_keys(overrides: list[str], schema: type = TrainConfig) -> None:
+def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_option: bool = True) -> None:
     """The command line's keys and group options, before Hydra composes them: a mistyped top-level or schema-section
     key (``dispacher=fused``, ``trainer.stpes=10``), an option its group lacks (``dispatcher=fusd``, also in a sweep)
     or a key no chosen option of its group has (``dispatcher.sav=x``) is refused in one line naming what is allowed,
     rather than with Hydra's advice to append it with ``+`` or its search path. ``schema``: the entry point's
-    (train's, or the planner's and the tune's with their own groups). A group's key is checked against the options
-    the command line chooses for it, else against all its options (an experiment's choice is known only once
-    composed); appended keys and deeper keys are checked once composed (``check_known_keys``, ``check_target_node``);
+    (train's, or the planner's and the tune's with their own groups). A group's key must be a key of each option the
+    command line chooses for it (``every_option``: each is composed with it), else of one of its options (a tune's
+    key axis applies where a point has the key; an experiment's choice is known only once composed); appended keys and deeper keys are checked once composed (``check_known_keys``, ``check_target_node``);
     a line Hydra cannot parse is left to Hydra to explain."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
@@ -126,7 +126,7 @@ def check_override_keys(overrides: list[str], schema: type = TrainConfig) -> Non
             continue
         group, _, rest = key.partition(".")
         if rest and _is_group(group, hints):
-            _check_option_key(group, rest.partition(".")[0], chosen.get(group))
+            _check_option_key(group, rest.partition(".")[0], chosen.get(group) if every_option else None)
             continue
         parts, section = key.split("."), schema
         for depth in range(len(parts)):

@@ -75,6 +75,7 @@ def load_tune(tune_dir: str | Path) -> pd.DataFrame:
     errors (``step_error``, ``compute_error``, ``memory_error``: measured / planned - 1) and its ``run_dir``."""
     tune = read_tune(tune_dir)
     df = pd.read_csv(Path(tune_dir) / PLANS, dtype={"point": str})
+    df["point"] = df["point"].fillna("")  # the point of no overrides (every axis fixed), which csv reads as NaN
     df["candidate"] = pd.NA
     df["replaces"] = pd.NA
     for candidate in tune.get("candidates", []):

@@ -26,16 +26,33 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from moe_lab.config import ConfigError
-from moe_lab.config.validate import check_target_node
+from moe_lab.config.validate import check_override_keys, check_target_node
 from moe_lab.plan.hardware import GIB
 from moe_lab.plan.planner import build_hardware, plan, usable_device_bytes
 from moe_lab.results.record import git_state
 from moe_lab.results.tune import PLANS, TUNE, read_tune
 from moe_lab.tune import config as tune_config
 from moe_lab.tune import measure as measuring
-from moe_lab.tune.planning import CandidateQueue, combinations, plan_all, point_config, point_name, rank, workers
-from moe_lab.tune.report import report
-from moe_lab.tune.space import Space, check_keys_exist, group_combinations, narrowed
+from moe_lab.tune.config import TuneConfig
+from moe_lab.tune.planning import (
+    CandidateQueue,
+    combinations,
+    invalid_space,
+    plan_all,
+    point_config,
+    point_name,
+    rank,
+    workers,
+)
+from moe_lab.tune.report import named_point, report
+from moe_lab.tune.space import (
+    Space,
+    check_key_values,
+    check_keys_exist,
+    check_tune_overrides,
+    group_combinations,
+    narrowed,
+)
 
 PLAN_ONLY_SHOWN = 3
 PLAN_COLUMNS = [
@@ -52,20 +69,24 @@ def compose_overrides(argv: list[str]) -> list[str]:
     return [o.input_line for o in OverridesParser.create().parse_overrides(argv) if not o.is_sweep_override()]
 
 
+def no_valid_point(why: str) -> ConfigError:
+    """The refusal of a space no point of which is valid, ``why`` the first point's refusal."""
+    key, _, message = why.partition(": ")
+    return ConfigError(key, f"no point of the space is valid; the first: {message}")
+
+
 def closest(ranked: list[dict], combos, hw) -> ConfigError:
     """The refusal of a space of which nothing fits: what is closest (the point of least device memory) and the
     largest sequence and depth at which it would fit, as the planner finds them."""
     ok = [r for r in ranked if r["status"] == "ok"]
-    if not ok:
-        first = next((r for r in ranked if r["status"] == "invalid"), ranked[0])
-        key, _, message = first["why"].partition(": ")
-        return ConfigError(key, f"no point of the space is valid; the first: {message}")
+    if not ok:  # valid points the planner then refused or failed on
+        return no_valid_point(next((r for r in ranked if r["status"] == "invalid"), ranked[0])["why"])
     near = min(ok, key=lambda r: r["planned_device_total_gib"])
     cfg = next(point_config(c.cfg, keys) for c in combos for keys in c.keys if point_name(c, keys) == near["point"])
     largest = plan(cfg, hw, search=True)["plan"]["largest_fitting"]
     mode, fit = max(largest.items(), key=lambda item: (item[1]["seq_len"] or 0, item[1]["num_layers"] or 0))
     where = f"{len(ranked)} points planned on {hw.gpus} x {hw.name}"
-    what = f"the closest, {near['point']}, does not fit ({near['why']})"
+    what = f"the closest, {named_point(near['point'], code=False)}, does not fit ({near['why']})"
     if fit["seq_len"]:
         return ConfigError(
             "data.seq_len",
@@ -78,6 +99,16 @@ def closest(ranked: list[dict], combos, hw) -> ConfigError:
             f"nothing fits ({where}); {what}; at model.num_layers <= {fit['num_layers']} it fits (offload={mode})",
         )
     return ConfigError("hardware", f"nothing fits ({where}), at any length or depth; {what}")
+
+
+def is_tune_key(override: str) -> bool:
+    return override.lstrip("+~").partition("=")[0].partition(".")[0] == "tune"
+
+
+def option_axes(own: list[str]) -> list[str]:
+    """The axes of the tune option the command line chooses (``tune=<option>``), as its yaml lists them."""
+    choice = [o for o in own if o.lstrip("+~").partition("=")[0] == "tune"]
+    return list(tune_config.compose(choice).tune.axes)
 
 
 def check_tune_dir(tune_dir: Path, n) -> None:
@@ -112,7 +143,10 @@ def run(argv: list[str], progress: bool = True) -> Path:
     """The tune of ``argv`` (the command line's overrides); returns its directory."""
     if any(a in ("-m", "--multirun") for a in argv):
         raise ConfigError("-m", "a tune sweeps its own space; narrow an axis with key=a,b, no -m")
-    own = [o for o in compose_overrides(argv) if o.lstrip("+~").partition("=")[0].partition(".")[0] == "tune"]
+    # as train and plan check theirs; a key axis (ac.keep) needs only some point to have it
+    check_override_keys([o for o in argv if not is_tune_key(o)], TuneConfig, every_option=False)
+    own = [o for o in compose_overrides(argv) if is_tune_key(o)]
+    check_tune_overrides(own, option_axes(own))
     tune_node = tune_config.compose(own).tune
     check_target_node("tune", tune_node)
     settings = OmegaConf.to_container(tune_node, resolve=True)
@@ -139,10 +173,14 @@ def run(argv: list[str], progress: bool = True) -> Path:
     started = time.time()
     configs = [(groups, tune_config.compose(n.base + groups)) for groups in group_combinations(n.axes)]
     check_keys_exist(n.axes, [c for _, c in configs])
+    check_key_values(n.axes, [c for _, c in configs])
     tune_dir = Path(space.dir)
     check_tune_dir(tune_dir, n)
-    tune_dir.mkdir(parents=True, exist_ok=True)
     combos = combinations(configs, n.axes)
+    # a setting no point takes (shared, or a value of an axis) refused before planning, with nothing written
+    if (invalid := invalid_space(combos, workers(space.workers), progress)) is not None:
+        raise no_valid_point(str(invalid))
+    tune_dir.mkdir(parents=True, exist_ok=True)
     ranked = rank(plan_all(combos, workers(space.workers), progress))
     plan_seconds = time.time() - started
     plans = pd.DataFrame(ranked, columns=PLAN_COLUMNS)

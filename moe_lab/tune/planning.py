@@ -1,5 +1,6 @@
 """Every point of the space planned (``moe_lab.plan.planner.plan``, the planner's own function), in a process pool
-one combination of group options at a time, and the fitting ones ranked by planned tokens/s/GPU."""
+one combination of group options at a time, and the fitting ones ranked by planned tokens/s/GPU; before that, a
+search for one point the planner's validation takes (``invalid_space``), so that a space of none is refused unplanned."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from moe_lab.config import ConfigError
-from moe_lab.plan.planner import build_hardware, plan
+from moe_lab.plan.planner import build_hardware, plan, validated
 from moe_lab.tune.space import key_points, override_value
 
 TIE = 1e-9  # plans this close (step time and peak, relative) are the same plan: one of them is measured
@@ -79,9 +80,13 @@ def _plain(value):
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
+def hardware_of(cfg: DictConfig):
+    return build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+
+
 def plan_combination(combination: Combination) -> list[dict]:
     cfg = combination.cfg
-    hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
+    hw = hardware_of(cfg)
     return [
         {"point": point_name(combination, keys), **plan_point(point_config(cfg, keys), hw)} for keys in combination.keys
     ]
@@ -95,14 +100,66 @@ def workers(asked: int | None) -> int:
     return asked or min(4, os.cpu_count() or 1)
 
 
-CHUNK = 32  # points a worker plans per task: the progress bar moves, the pool stays busy to the end
+CHUNK = 32  # points a worker plans (or validates) per task: the progress bar moves, the pool stays busy to the end
+
+
+def chunks(combos: list[Combination]) -> list[Combination]:
+    """The combinations cut into tasks of at most ``CHUNK`` points each."""
+    return [
+        Combination(c.groups, c.cfg, c.keys[i : i + CHUNK]) for c in combos for i in range(0, max(c.size, 1), CHUNK)
+    ]
+
+
+def pool(processes: int) -> concurrent.futures.ProcessPoolExecutor:
+    # fork: the workers start with the parent's imports (torch, the planner) instead of importing them again
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    return concurrent.futures.ProcessPoolExecutor(processes, mp_context=context)
+
+
+def validation_error(cfg: DictConfig, hw) -> ConfigError | None:
+    """Why the planner's validation refuses a point; None where it passes, or fails otherwise (a failure that is no
+    refusal is the planner's to record as the point's error)."""
+    try:
+        validated(cfg, hw)
+    except ConfigError as e:
+        return e
+    except Exception:
+        return None
+    return None
+
+
+def any_valid(combination: Combination) -> bool:
+    hw = hardware_of(combination.cfg)
+    return any(validation_error(point_config(combination.cfg, keys), hw) is None for keys in combination.keys)
+
+
+def invalid_space(combos: list[Combination], processes: int, progress: bool = True) -> ConfigError | None:
+    """None as soon as a point of the space is valid (validation costs a fraction of a plan), else the refusal of
+    the space's first point. The first key point of each combination first (a setting every point shares refuses
+    these already), then the rest in a process pool, with a progress bar."""
+    first = None
+    for c in combos:
+        error = validation_error(point_config(c.cfg, c.keys[0]), hardware_of(c.cfg))
+        if error is None:
+            return None
+        first = first or error
+    rest = chunks([Combination(c.groups, c.cfg, c.keys[1:]) for c in combos if c.size > 1])
+    if not rest:
+        return first
+    bar = tqdm(total=sum(t.size for t in rest), desc="points validated", unit="point", disable=not progress)
+    with bar, pool(processes) as validating:
+        futures = {validating.submit(any_valid, task): task for task in rest}
+        for future in concurrent.futures.as_completed(futures):
+            if future.result():
+                validating.shutdown(cancel_futures=True)  # the tasks running end within a chunk's validation
+                return None
+            bar.update(futures[future].size)
+    return first
 
 
 def plan_all(combos: list[Combination], processes: int, progress: bool = True) -> list[dict]:
     """Every point's row, in the space's order (group combinations, then key values, as the axes are listed)."""
-    tasks = [
-        Combination(c.groups, c.cfg, c.keys[i : i + CHUNK]) for c in combos for i in range(0, max(c.size, 1), CHUNK)
-    ]
+    tasks = chunks(combos)
     bar = tqdm(total=sum(c.size for c in combos), desc="points planned", unit="point", disable=not progress)
     results: list[list[dict]] = [[] for _ in tasks]
     if processes == 1 or len(tasks) == 1:
@@ -110,10 +167,8 @@ def plan_all(combos: list[Combination], processes: int, progress: bool = True) -
             results[i] = plan_combination(task)
             bar.update(task.size)
     else:
-        # fork: the workers start with the parent's imports (torch, the planner) instead of importing them again
-        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-            futures = {pool.submit(plan_combination, task): i for i, task in enumerate(tasks)}
+        with pool(processes) as planning:
+            futures = {planning.submit(plan_combination, task): i for i, task in enumerate(tasks)}
             for future in concurrent.futures.as_completed(futures):
                 results[futures[future]] = future.result()
                 bar.update(tasks[futures[future]].size)

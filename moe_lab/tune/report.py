@@ -16,12 +16,20 @@ from moe_lab.results.tune import PLANS, load_tune, read_tune
 
 PLOT = "tune.png"
 REPORT = "report.md"
+NO_OVERRIDES = "the command's own settings"  # the point every axis fixed on the command line leaves
 
 
 def _number(value, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
         return "-"
     return format(value, fmt)
+
+
+def named_point(point: str, code: bool = True) -> str:
+    """A point as the report names it: its overrides (as code), or the command's own settings where it has none."""
+    if not point:
+        return NO_OVERRIDES
+    return f"`{point}`" if code else point
 
 
 def candidates_table(df: pd.DataFrame, measuring: bool = False) -> pd.DataFrame:
@@ -34,7 +42,7 @@ def candidates_table(df: pd.DataFrame, measuring: bool = False) -> pd.DataFrame:
         {
             "#": rows["candidate"].astype(int),
             "planned rank": rows["rank"].astype(int),
-            "overrides": rows["point"],
+            "overrides": [named_point(p, code=False) for p in rows["point"]],
             "planned s/step": [_number(v, ".3f") for v in rows["planned_s_per_step"]],
             "measured s/step": [_number(get(r, "measured_s_per_step"), ".3f") for _, r in rows.iterrows()],
             "step error": [_number(get(r, "step_error"), "+.1%") for _, r in rows.iterrows()],
@@ -96,9 +104,9 @@ def passed_over_lines(passed: list[dict]) -> list[str]:
     for why, rows in by_why.items():
         first, ranks = rows[0], spans([row["rank"] for row in rows])
         if len(rows) == 1:
-            named = f"planned rank {ranks}, `{first['point']}`"
+            named = f"planned rank {ranks}, {named_point(first['point'])}"
         else:
-            named = f"planned ranks {ranks} ({len(rows)} points; the first, `{first['point']}`)"
+            named = f"planned ranks {ranks} ({len(rows)} points; the first, {named_point(first['point'])})"
         lines += [f"Not measured here: {named}: {why}.", ""]
     return lines
 
@@ -215,7 +223,8 @@ def report(tune_dir: Path) -> str:
             lines += [note + ".", ""]
         lines += passed_over_lines(tune.get("passed_over", []))
         best, by = winner(df)
-        lines += [f"Winner ({by}): `{best['point']}`", "", "```bash", train_line(tune, best["point"]), "```", ""]
+        winning = f"Winner ({by}): {named_point(best['point'])}"
+        lines += [winning, "", "```bash", train_line(tune, best["point"]), "```", ""]
         plot(df, tune, tune_dir / PLOT)
         lines += [f"![tokens/s/GPU against peak memory]({PLOT})", ""]
     text = "\n".join(lines)

@@ -8,6 +8,8 @@ applying only where the combination's config has its key (``dispatcher.save`` un
 
 from __future__ import annotations
 
+import copy
+import inspect
 import itertools
 from dataclasses import dataclass, field
 
@@ -15,6 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from moe_lab.config import ConfigError
+from moe_lab.config.validate import check_target_node
 from moe_lab.runtime.paths import CONF_DIR
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -39,6 +42,38 @@ class Space:
         for name, values in self.axes.items():
             check_axis(f"tune.axes.{name}", name, values)
         self.measure, self.device, self.dir, self.workers = measure, device, dir, workers
+
+
+TUNE_KEYS = tuple(inspect.signature(Space).parameters)
+
+
+def check_tune_overrides(overrides: list[str], option_axes: list[str]) -> None:
+    """The command line's ``tune.<key>`` overrides, before Hydra composes them: a key must be one of ``Space``'s,
+    and ``tune.axes.<name>`` without ``+`` one of the option's axes (Hydra would advise appending a misspelt key
+    with ``+``); a dotted axis is one key of ``tune.axes``, which Hydra cannot reach as a path."""
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if not key.startswith("tune."):
+            continue
+        tune_key, _, name = key.removeprefix("tune.").partition(".")
+        if tune_key not in TUNE_KEYS:
+            raise ConfigError(key, f"unknown key of the tune; allowed: {', '.join(TUNE_KEYS)}")
+        if tune_key != "axes" or not name:
+            continue
+        adding = override.is_add() or override.is_force_add()
+        if name not in option_axes and not adding:
+            raise ConfigError(
+                key, f"no such axis (axes: {', '.join(option_axes)}); a new axis is added with {axis_override(name)}"
+            )
+        if "." in name:
+            raise ConfigError(
+                key, f"a dotted axis is one key of tune.axes, not a path under it: set it with {axis_override(name)}"
+            )
+
+
+def axis_override(name: str) -> str:
+    """The override that adds an axis or sets its values: a dotted key as one key of the ``tune.axes`` dict."""
+    return f"'+tune.axes={{{name}:[...]}}'" if "." in name else f"+tune.axes.{name}=[...]"
 
 
 def is_group(name: str) -> bool:
@@ -155,3 +190,21 @@ def check_keys_exist(axes: dict[str, list], configs: list[DictConfig]) -> None:
             f"tune.axes.{name}",
             "no point of the space has this key" + (f"; {parent} has: {', '.join(known)}" if known else ""),
         )
+
+
+def check_key_values(axes: dict[str, list], configs: list[DictConfig]) -> None:
+    """The values of a key axis of a group's option (``dispatcher.save``, ``ac.keep``) must be of the option's
+    signature: each set on a copy of the option's node in every config that has the key, checked as validation
+    checks the node (a misspelt value is refused naming its key, as ``moe_lab.plan`` refuses it, rather than
+    planned as invalid at every point it reaches)."""
+    for name, values in axes.items():
+        group, _, leaf = name.partition(".")
+        if not leaf or not is_group(group):
+            continue
+        for cfg in configs:
+            if not has_key(cfg, name):
+                continue
+            for value in values:
+                node = copy.deepcopy(cfg[group])  # keeps its parent: its interpolations still resolve
+                OmegaConf.update(node, leaf, value, merge=False)
+                check_target_node(group, node)
