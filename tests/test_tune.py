@@ -178,6 +178,8 @@ def test_the_default_space_covers_what_exists():
         (["tune.axes.loss=[full,chunked]"], "tune.axes.loss"),  # a new axis without +
         (["tune.axes.ac.keep=[[attention,router]]"], "tune.axes.ac.keep"),  # a dotted axis as a path
         (["tune.device=tpu"], "tune.device"),
+        (["tune.measure=1,2"], "tune.measure"),  # one tune: a sweep of its keys would be dropped
+        (["tune.axes.ac=full"], "tune.axes.ac"),  # not a list: would be searched as its characters
         (["parallel.emulate=true"], "parallel.emulate"),
         (["-m"], "-m"),
     ],

@@ -146,7 +146,7 @@ def run(argv: list[str], progress: bool = True) -> Path:
     # as train and plan check theirs; a key axis (ac.keep) needs only some point to have it
     check_override_keys([o for o in argv if not is_tune_key(o)], TuneConfig, every_option=False)
     own = [o for o in compose_overrides(argv) if is_tune_key(o)]
-    check_tune_overrides(own, option_axes(own))
+    check_tune_overrides([o for o in argv if is_tune_key(o)], option_axes(own))
     tune_node = tune_config.compose(own).tune
     check_target_node("tune", tune_node)
     settings = OmegaConf.to_container(tune_node, resolve=True)

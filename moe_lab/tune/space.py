@@ -38,6 +38,9 @@ class Space:
             raise ConfigError("tune.dir", "must name the tune's directory")
         if workers is not None and workers < 1:
             raise ConfigError("tune.workers", f"must be >= 1 or null, got {workers}")
+        for name, values in axes.items():
+            if not isinstance(values, (list, tuple)):  # a bare value would be searched as its characters
+                raise ConfigError(f"tune.axes.{name}", f"must be a list of values, e.g. [{values}], got {values!r}")
         self.axes = {name: list(values) for name, values in axes.items()}
         for name, values in self.axes.items():
             check_axis(f"tune.axes.{name}", name, values)
@@ -58,6 +61,8 @@ def check_tune_overrides(overrides: list[str], option_axes: list[str]) -> None:
         tune_key, _, name = key.removeprefix("tune.").partition(".")
         if tune_key not in TUNE_KEYS:
             raise ConfigError(key, f"unknown key of the tune; allowed: {', '.join(TUNE_KEYS)}")
+        if override.is_sweep_override():  # the tune is one run: a sweep of its keys would be dropped
+            raise ConfigError(key, "takes one value (an axis's values are a list: tune.axes.<name>=[a,b])")
         if tune_key != "axes" or not name:
             continue
         adding = override.is_add() or override.is_force_add()
