@@ -441,7 +441,7 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
     # Sweeps, appended keys (checked once composed), Hydra's own and group options' known keys pass here.
     check_override_keys(
         ["ac=none,full", "+trainer.extra=1", "+offload.x=1", "hydra/launcher=basic", "hydra.run.dir=x"]
-        + ["dispatcher.save=rows", "+experiment=grid_30b/two_gpu", "model.routing.kind=x"]
+        + ["dispatcher.save=rows", "+experiment=grid_30b/two_gpu", "model.routing.kind=x", "data._target_=my.Data"]
     )
     with pytest.raises(ConfigError, match="trainer.checkpoint.evry: unknown key; allowed: every, dir"):
         check_override_keys(["trainer.steps=4", "trainer.checkpoint.evry=2"])

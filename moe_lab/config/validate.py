@@ -171,20 +171,23 @@ def check_options(group: str, names: list[str]) -> None:
 
 
 def _check_option_key(group: str, key: str, options: list[str] | None) -> None:
-    """``key`` must be set by each option chosen for ``group`` (by every option of it when none is chosen here)."""
-    keys = {
-        name: set(OmegaConf.load(CONF_DIR / group / f"{name}.yaml") or {}) - {"_target_"} for name in options_of(group)
-    }
+    """``key`` must be set by each option chosen for ``group`` (by one of its options when none is chosen here);
+    ``_target_`` too is a key an override may set (a class of one's own)."""
+    keys = {name: set(OmegaConf.load(CONF_DIR / group / f"{name}.yaml") or {}) for name in options_of(group)}
+
+    def shown(held: set[str]) -> str:
+        return ", ".join(sorted(k for k in held if not k.startswith("_"))) or "none"
+
     if options:
         lacking = [name for name in options if name in keys and key not in keys[name]]
         if lacking:
             raise ConfigError(
-                f"{group}.{key}",
-                f"unknown key for {group}={lacking[0]}; allowed: {', '.join(sorted(keys[lacking[0]])) or 'none'}",
+                f"{group}.{key}", f"unknown key for {group}={lacking[0]}; allowed: {shown(keys[lacking[0]])}"
             )
     elif not any(key in held for held in keys.values()):
-        allowed = sorted(set().union(*keys.values()))
-        raise ConfigError(f"{group}.{key}", f"no {group} option has this key; allowed: {', '.join(allowed)}")
+        raise ConfigError(
+            f"{group}.{key}", f"no {group} option has this key; allowed: {shown(set().union(*keys.values()))}"
+        )
 
 
 def _unknown_key(key: str, allowed) -> ConfigError:
