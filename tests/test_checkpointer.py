@@ -18,7 +18,6 @@ from moe_lab.config import ConfigError
 from moe_lab.job import lifecycle as job
 from moe_lab.job.trainer import build_checkpointer, build_model, train
 from moe_lab.moe.router import Router
-from moe_lab.optim.schedule import warmup_cosine
 from tests.distributed import run_world
 from tests.test_offload import compose_train
 
@@ -96,6 +95,28 @@ def test_background_save_resumes_exactly_and_keeps_the_newest(tmp_path):
     assert resumed["losses"] == reference["losses"] and resumed["resumed_from"].endswith("step_00000004")
 
 
+def test_a_checkpoint_holding_the_lr_schedulers_state_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before the LR schedule was a function of the step hold the scheduler's state: it is never
+    read, and the run goes on bit for bit."""
+    from moe_lab.checkpoint import checkpointer
+
+    every = ["trainer.checkpoint.every=2"]
+    reference = train_in_process(every, tmp_path / "a")
+    state_dict = checkpointer.Checkpointer._state_dict
+
+    def with_scheduler_state(self, progress, copy=False):
+        old = {"_milestones": [1], "last_epoch": progress.step, "_last_lr": [3e-3] * len(self.optimizer.param_groups)}
+        return {**state_dict(self, progress, copy), "scheduler": checkpointer._pickled(old)}
+
+    monkeypatch.setattr(checkpointer.Checkpointer, "_state_dict", with_scheduler_state)
+    train_in_process(every, tmp_path / "old")
+    monkeypatch.undo()
+    old = tmp_path / "old" / "checkpoints" / "step_00000004"
+    assert "scheduler" in checkpointer.dcp.FileSystemReader(str(old)).read_metadata().state_dict_metadata
+    resumed = train_in_process([*every, f"trainer.resume={old}"], tmp_path / "b")
+    assert resumed["losses"] == reference["losses"]
+
+
 # Aux-loss-free balancing at a rate that moves the choice of experts within a step or two: a resumed run whose
 # routers forgot their biases routes (and so trains) differently.
 EXPERT_BIAS = ["model.router_balance=bias", "model.router_bias_update_rate=0.05"]
@@ -121,8 +142,7 @@ def restored_expert_biases(overrides: list[str], run_dir) -> list[list[float]]:
     options = config.validate(cfg)
     model = build_model(cfg, options, torch.device("cpu"), torch.float32)
     optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
-    scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
-    build_checkpointer(cfg, options, run_dir, model, optimizer, scheduler, torch.device("cpu")).restore()
+    build_checkpointer(cfg, options, run_dir, model, optimizer, torch.device("cpu")).restore()
     return [m.expert_bias.tolist() for m in model.modules() if isinstance(m, Router)]
 
 

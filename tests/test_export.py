@@ -15,10 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moe_lab import config
+from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.checkpoint.checkpointer import Checkpointer
+from moe_lab.export import main as export_main
 from moe_lab.job.trainer import build_model
-from moe_lab.models.hf_weights import INDEX, CheckpointReader
-from moe_lab.optim.schedule import warmup_cosine
+from moe_lab.models.hf_weights import INDEX, SINGLE, CheckpointReader
 from tests.test_checkpointer import train_in_process
 from tests.test_offload import compose_train
 
@@ -40,7 +41,6 @@ def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
     device = torch.device("cpu")
     model = build_model(cfg, options, device, torch.float32)
     optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
-    scheduler = warmup_cosine(optimizer, cfg.trainer.steps, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio)
     Checkpointer(
         cfg.trainer.checkpoint,
         str(checkpoint),
@@ -48,7 +48,6 @@ def restored_model(overrides: list[str], checkpoint: Path) -> torch.nn.Module:
         fallback=False,
         model=model,
         optimizer=optimizer,
-        scheduler=scheduler,
         data=options.data,
         device=device,
         state_device=device,
@@ -122,3 +121,55 @@ def test_exported_files_are_as_readable_as_the_rest_of_the_export(max_shard_byte
         os.umask(umask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert len(modes) == (2 if max_shard_bytes is None else 4) and set(modes.values()) == {0o644}, modes
+
+
+def tiny_checkpoint(directory: Path) -> Path:
+    """A complete checkpoint of two 16 x 16 weights, written without a run: what export reads of one."""
+    model = {
+        "vocab_size": 16,
+        "hidden_size": 16,
+        "num_layers": 1,
+        "num_heads": 1,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "num_experts": 1,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "init_std": 0.02,
+    }
+    checkpoint = directory / "step_00000001"
+    weights = {f"model/{name}.weight": torch.ones(16, 16) for name in ("model.embed_tokens", "lm_head")}
+    dcp.save(weights, checkpoint_id=str(checkpoint), no_dist=True)
+    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps({"model": model}))
+    return checkpoint
+
+
+def test_export_refuses_a_directory_holding_an_export_before_reading_the_checkpoint(tmp_path):
+    """Another export's files beside the new ones would make one directory two models (transformers prefers
+    model.safetensors, the trainer the index): refused naming the directory and its files, which stay as they were."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / SINGLE).write_bytes(b"old")
+    (out / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as refused:
+        export_main([str(tmp_path / "no_checkpoint"), str(out)])
+    assert str(refused.value) == (
+        f"{out} already holds an export (config.json, {SINGLE}); pass --overwrite to replace it, or choose another "
+        "directory"
+    )
+    assert (out / SINGLE).read_bytes() == b"old"
+
+
+def test_export_with_overwrite_replaces_the_previous_exports_weights(tmp_path):
+    checkpoint, out = tiny_checkpoint(tmp_path), tmp_path / "hf"
+    (out / "notes").mkdir(parents=True)  # what is no export's stays
+    export_main([str(checkpoint), str(out), "--max-shard-size", "1MB"])
+    assert (out / SINGLE).is_file() and not (out / INDEX).exists()
+    export_main([str(checkpoint), str(out), "--max-shard-size", "1KB", "--overwrite"])
+    shards = set(json.loads((out / INDEX).read_text())["weight_map"].values())
+    assert len(shards) == 2 and {p.name for p in out.glob("*.safetensors")} == shards
+    assert (out / "notes").is_dir() and (out / "config.json").is_file()

@@ -361,6 +361,30 @@ def test_a_finished_run_trains_longer_in_its_own_directory(tmp_path):
     assert record["config"]["trainer"]["steps"] == 3 and record["metrics"]["resumed_from"] is None
 
 
+def test_a_finished_runs_record_survives_the_same_command_and_a_mistyped_resume(tmp_path):
+    """The same command again on a run done to its last checkpoint keeps its record (resuming there would record a
+    run of no step over the measured one); a trainer.resume that is not there is refused keeping it too; only
+    trainer.resume=never runs it again."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "trainer.steps=3", "trainer.checkpoint.every=3", f"hydra.run.dir={run_dir}"]
+    assert train_cli(*args, cwd=tmp_path).returncode == 0
+    done = json.loads((run_dir / "result.json").read_text())
+    assert done["status"] == "ok" and done["metrics"]["s_per_step"] > 0
+
+    again = train_cli(*args, cwd=tmp_path)
+    assert again.returncode == 0 and "run already done" in again.stdout + again.stderr, again.stderr[-2000:]
+    assert json.loads((run_dir / "result.json").read_text()) == done
+
+    mistyped = train_cli(*args, f"trainer.resume={tmp_path / 'nope'}", cwd=tmp_path)
+    assert mistyped.returncode == 1 and "of the run before is kept" in mistyped.stderr, mistyped.stderr[-2000:]
+    assert json.loads((run_dir / "result.json").read_text()) == done
+
+    afresh = train_cli(*args, "trainer.resume=never", cwd=tmp_path)
+    assert afresh.returncode == 0, afresh.stderr[-2000:]
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "ok" and record["started_utc"] >= done["started_utc"] and record != done
+
+
 def test_an_invalid_record_does_not_block_the_corrected_command(tmp_path):
     run_dir = tmp_path / "run"
     refused = train_cli(*SMALL, "parallel.ep=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)

@@ -15,7 +15,7 @@ import torch
 
 from moe_lab import config as config_lib
 from moe_lab.config.validate import job_target
-from moe_lab.job.lifecycle import RunDirInUse, earlier_record, point_config
+from moe_lab.job.lifecycle import RunDirInUse, clear_earlier, earlier_record, point_config
 from moe_lab.results import load
 from moe_lab.results.record import RESULT, write_json_atomic
 from tests.configs import compose_train
@@ -107,10 +107,13 @@ def test_only_an_ok_record_of_the_same_configuration_is_skipped(tmp_path):
     with pytest.raises(RunDirInUse):
         earlier_record(tmp_path, other, multirun=True)
     assert (tmp_path / RESULT).exists()
-    assert earlier_record(tmp_path, resumed, multirun=True) is None  # a deliberate re-run of the same point
+    # a deliberate re-run of the same point, or its failed attempt: run again, the record replaced once the config
+    # is valid (clear_earlier), not before (an invalid one keeps it)
+    assert earlier_record(tmp_path, resumed, multirun=True) is None and (tmp_path / RESULT).exists()
+    clear_earlier(tmp_path)
     assert not (tmp_path / RESULT).exists()
     write_json_atomic(tmp_path / RESULT, {"status": "oom", "config": point_config(cfg)})
-    assert earlier_record(tmp_path, cfg, multirun=True) is None and not (tmp_path / RESULT).exists()
+    assert earlier_record(tmp_path, cfg, multirun=True) is None and (tmp_path / RESULT).exists()
 
 
 def test_atomic_write_leaves_a_readable_record_and_no_temp_file_on_failure(tmp_path):

@@ -12,6 +12,10 @@ signalled while a test data option holds it at a chosen step (``tests.pausing_da
 - Resharding: a checkpoint resumed at another world size or EP degree continues the loss curve of the run at that
   mesh within fp32 summation-order tolerance (relative 1e-5; every mesh shape trains like one rank on the same
   global batch, tests/test_distributed_training.py), its first 8 losses being the checkpoint's own.
+- Continued and changed: a finished run continued with more steps (``trainer.resume`` naming its last checkpoint,
+  in its run directory) runs each later step at the LR of a fresh run of the new config, with another warmup and
+  floor too, and from inside its warmup; a resume with another ``optimizer.lr`` steps at the new config's LR; one
+  with another optimizer class (adamw -> signsgd) is refused naming ``optimizer``.
 - Signals: SIGTERM to the launcher of two ranks stops both at the same step, saves a checkpoint there
   (``on_signal``), records ``interrupted`` and exits 143, and the run resumes from it bit for bit; SIGINT ends a
   single run with 130 and an ``interrupted`` record; in a sweep the signalled point is recorded and the sweep stops,
@@ -181,6 +185,66 @@ def test_resume_at_another_mesh_continues_the_curve(saved, resumed, reference, t
     assert losses[:8] == saved_losses[:8]  # the checkpoint's own
     assert losses[8:] == pytest.approx(result(reference(resumed))["metrics"]["losses"][8:], rel=1e-5)
     assert losses[8:] != pytest.approx(losses[:8], rel=1e-3)  # it trained on
+
+
+def lrs(run_dir: Path) -> list[float]:
+    """The LR column of a run's metrics.jsonl, a row per step."""
+    return [row["lr"] for row in metrics_rows(run_dir)]
+
+
+SMALL = ["data.seq_len=16", f"data.batch_size={GLOBAL_BATCH}"]
+# A finished run's steps (the defaults otherwise), and the settings it is continued with: more steps; another
+# warmup and floor as well; from a run that ended inside its warmup (trainer.warmup_steps=10, the default).
+CONTINUED = {
+    "longer": (40, ["trainer.steps=80"]),
+    "warmup_changed": (40, ["trainer.steps=80", "trainer.warmup_steps=50", "trainer.min_lr_ratio=0.5"]),
+    "from_inside_warmup": (8, ["trainer.steps=16"]),
+}
+
+
+@pytest.mark.parametrize("name", CONTINUED)
+def test_a_continued_run_follows_the_longer_runs_schedule(name, tmp_path):
+    first_steps, continued = CONTINUED[name]
+    run_dir, fresh_dir = tmp_path / "run", tmp_path / "fresh"
+    every = f"trainer.checkpoint.every={first_steps}"
+    run([*SMALL, f"trainer.steps={first_steps}", every, f"hydra.run.dir={run_dir}"], tmp_path)
+    first_lrs = lrs(run_dir)
+    checkpoint = run_dir / "checkpoints" / f"step_{first_steps:08d}"
+    run([*SMALL, *continued, every, f"trainer.resume={checkpoint}", f"hydra.run.dir={run_dir}"], tmp_path)
+    run([*SMALL, *continued, f"hydra.run.dir={fresh_dir}"], tmp_path)
+    assert result(run_dir)["metrics"]["resumed_from"] == str(checkpoint)
+    assert lrs(run_dir)[:first_steps] == first_lrs  # its rows before the checkpoint are kept
+    assert lrs(run_dir)[first_steps:] == lrs(fresh_dir)[first_steps:]  # bit for bit
+
+
+def test_a_resume_with_another_lr_steps_at_it(reference, tmp_path):
+    """The checkpoint's param groups hold AdamW's LR where the schedule left it: the new config's schedule wins."""
+    saved = reference(("none", 1, 1))
+    new_lr = ["optimizer.lr=0.0003"]
+    args = [*BASE, *mesh("none", 1, 1), *new_lr]
+    run(
+        [*args, f"trainer.resume={saved / 'checkpoints' / 'step_00000008'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+    )
+    run([*args, f"hydra.run.dir={tmp_path / 'fresh'}"], tmp_path)
+    assert [row["step"] for row in metrics_rows(tmp_path / "run")] == list(range(8, 16))  # a new run directory
+    assert lrs(tmp_path / "run") == lrs(tmp_path / "fresh")[8:] != lrs(saved)[8:]
+    assert result(tmp_path / "run")["metrics"]["losses"][8:] != result(saved)["metrics"]["losses"][8:]
+
+
+def test_a_resume_with_another_optimizer_is_refused_naming_it(reference, tmp_path):
+    checkpoint = reference(("none", 1, 1)) / "checkpoints" / "step_00000008"
+    run_dir = tmp_path / "run"
+    job = Job(
+        [*BASE, *mesh("none", 1, 1), "optimizer=signsgd", f"trainer.resume={checkpoint}", f"hydra.run.dir={run_dir}"],
+        tmp_path,
+    )
+    assert job.wait() == 1, job.output()[-5000:]
+    record = result(run_dir)  # refused as the config is validated: an invalid record, nothing built
+    assert record["status"] == "invalid" and record["error"]["message"].startswith(
+        f"optimizer: trainer.resume={checkpoint}: it holds the state of torch.optim.AdamW, this run's optimizer is "
+        "moe_lab.optim.optimizers.SignSGD"
+    )
 
 
 def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resumes(reference, tmp_path):

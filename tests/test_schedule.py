@@ -1,6 +1,7 @@
-"""warmup_cosine (torch's LinearLR + CosineAnnealingLR + SequentialLR) against the schedule written out here: linear
-warmup to 1 over ``warmup`` steps, then cosine decay to ``min_lr_ratio`` at the last step. What the offload modes'
-chunk optimizers step with under it is tested in tests/test_offload.py."""
+"""warmup_cosine (torch's LambdaLR) against the schedule written out here: linear warmup to 1 over ``warmup`` steps,
+then cosine decay to ``min_lr_ratio`` at the last step; built at a later step (a resumed run), the LRs of one built
+at step 0 from there on. What the offload modes' chunk optimizers step with under it is tested in
+tests/test_offload.py, what a resumed run steps with in tests/test_resume.py."""
 
 from __future__ import annotations
 
@@ -50,8 +51,25 @@ def test_warmup_cosine_gives_the_formulas_lr_at_every_step(steps, warmup, min_lr
         assert lrs == pytest.approx([want, want], rel=1e-12, abs=1e-15), f"step {step}"
 
 
-def test_warmup_cosine_rejects_groups_with_different_lrs():
+def fresh_optimizer(**group_lrs) -> torch.optim.Optimizer:
     params = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
-    optimizer = torch.optim.SGD([{"params": params[:1], "lr": 1.0}, {"params": params[1:]}], lr=LR)
-    with pytest.raises(ValueError, match="one LR"):
-        warmup_cosine(optimizer, 10, 2, 0.1)
+    return torch.optim.SGD([{"params": params[:1], **group_lrs}, {"params": params[1:]}], lr=LR)
+
+
+@pytest.mark.parametrize("steps, warmup", CASES)
+def test_warmup_cosine_built_at_a_later_step_gives_the_lrs_from_there_bit_for_bit(steps, warmup):
+    optimizer = fresh_optimizer()
+    expected = lrs_used(optimizer, warmup_cosine(optimizer, steps, warmup, 0.1), steps)
+    for start in range(steps + 1):  # steps: a resume from the last step's checkpoint, with nothing left to run
+        optimizer = fresh_optimizer()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            scheduler = warmup_cosine(optimizer, steps, warmup, 0.1, start_step=start)
+            assert lrs_used(optimizer, scheduler, steps - start) == expected[start:], f"from step {start}"
+
+
+def test_warmup_cosine_scales_each_groups_own_lr():
+    optimizer = fresh_optimizer(lr=1.0)
+    for step, lrs in enumerate(lrs_used(optimizer, warmup_cosine(optimizer, 10, 2, 0.1), 10)):
+        factor = expected_factor(step, 10, 2, 0.1)
+        assert lrs == pytest.approx([factor, LR * factor], rel=1e-12), f"step {step}"

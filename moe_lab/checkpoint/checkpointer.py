@@ -11,18 +11,23 @@ A checkpoint's DCP keys:
                               parameter, scalars (AdamW's step count) as they are; offload=full adds each fp32 master
     optimizer_value/<name>/<key>  state that is not a tensor, pickled
     param_group/<name>        the hyperparameters of the parameter's group (the LR where the schedule left it, ...),
-                              pickled, as are the objects below
-    scheduler                 the LR scheduler's state
+                              pickled, as are the objects below; for the record: a resumed run steps with its own
+                              config's
     progress                  steps done and the loss of each
     rng/rank<r>, data/rank<r> each rank's random generators and data position (read back at the same world size,
                               whatever parallel.dp_replicate: rank r reads the same data at any)
 
 The optimizer is read and restored through ``state_dict`` / ``load_state_dict`` in torch's format over the model's
-parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode. On disk a
-checkpoint is complete or absent (``moe_lab.checkpoint.directory``).
+parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode. Its state per
+parameter is restored; its hyperparameters (LR, betas, weight decay, ...) stay those the run's config built it with,
+and the LR schedule is not restored either (checkpoints written before hold a ``scheduler`` key, never read): it is
+a function of the step, built after ``restore()`` at the step it returns, so a run continued with more steps or
+other settings follows its own schedule from there. On disk a checkpoint is complete or absent
+(``moe_lab.checkpoint.directory``).
 
-A checkpoint is loaded only when it fits the run: every tensor the model has is in it, and it holds no model tensor,
-optimizer state or param group of a parameter the model lacks (``CheckpointMismatch``, naming the key). One whose
+A checkpoint is loaded only when it fits the run: its optimizer is the run's (the class its marker's config names,
+``optimizer._target_``), every tensor the model has is in it, and it holds no model tensor, optimizer state or param
+group of a parameter the model lacks (``CheckpointMismatch``, naming the key). One whose
 files cannot be read back whole (a data file missing or cut short, its metadata or marker unreadable) is
 ``CheckpointDamaged``, naming the checkpoint and the file; ``trainer.resume=auto`` with ``trainer.resume_fallback``
 sets it aside and loads the complete one before it.
@@ -90,7 +95,8 @@ class CheckpointWriteFailed(RuntimeError):
 
 
 class Checkpointer:
-    """Saves and restores one run's training state; built once, after the model, optimizer and scheduler.
+    """Saves and restores one run's training state; built once, after the model and optimizer (the LR schedule
+    is built after ``restore()``, at the step it returns).
 
     ``restore()`` before the loop (where ``trainer.resume`` says), ``maybe_save(progress)`` after each step
     (every ``trainer.checkpoint.every`` steps), ``save(progress)`` on a signal, ``close()`` at the end (waits for a
@@ -106,7 +112,6 @@ class Checkpointer:
         fallback: bool,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler,
         data,
         device: torch.device,
         state_device: torch.device,
@@ -116,7 +121,7 @@ class Checkpointer:
         self.every, self.keep, self.async_save = settings.every or 0, settings.keep, settings.async_save
         self.directory = ckpt_dir.checkpoint_dir(settings.dir, run_dir)
         self.resume, self.fallback = resume, fallback
-        self.optimizer, self.scheduler, self.data = optimizer, scheduler, data
+        self.optimizer, self.data = optimizer, data
         self.device, self.state_device = device, state_device
         self.config, self.model_config = config, model_config
         self.layout = GlobalLayout(model)
@@ -208,6 +213,8 @@ class Checkpointer:
 
     def _load(self, path: Path) -> Progress:
         marker = ckpt_dir.read_marker(path)
+        if why := optimizer_mismatch(marker, self.config):
+            raise CheckpointMismatch(f"checkpoint {path}: optimizer: {why}")
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         same_world = marker["world_size"] == self.world
         current = self.optimizer.state_dict()
@@ -273,12 +280,9 @@ class Checkpointer:
             else:
                 continue
             state.setdefault(position[name], {})[state_key] = value
-        groups = []
-        for group in current["param_groups"]:
-            key = f"param_group/{self.names[group['params'][0]]}"
-            groups.append({**group, **_unpickled(target[key])})
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        self.scheduler.load_state_dict(_regrouped(_unpickled(target["scheduler"]), len(groups), path))
+        # The groups this run's config built (not the checkpoint's): a resume with another optimizer.lr (or betas,
+        # ...) steps with those.
+        self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
         if same_world:
             _set_rng_state(_unpickled(target[f"rng/rank{self.rank}"]), self.device)
             self.data.load_state_dict(_unpickled(target[f"data/rank{self.rank}"]))
@@ -388,7 +392,6 @@ class Checkpointer:
             hyperparameters = _pickled({k: v for k, v in group.items() if k != "params"})
             for position in group["params"]:
                 state[f"param_group/{self.names[position]}"] = hyperparameters
-        state["scheduler"] = _pickled(self.scheduler.state_dict())
         state["progress"] = _pickled({"step": progress.step, "losses": list(progress.losses)})
         state[f"rng/rank{self.rank}"] = _pickled(_rng_state(self.device))
         state[f"data/rank{self.rank}"] = _pickled(self.data.state_dict())
@@ -505,9 +508,10 @@ def _rank_errors(e: CheckpointException) -> str:
 
 # Keys of one parameter (``kind/<parameter name>...``).
 PER_PARAMETER = ("model", "optimizer", "optimizer_value", "param_group")
-# Objects that are not tensors (the scheduler's state, hyperparameters, random generator states) go in pickled, as
-# uint8 tensors: DCP reads tensors into the dict it is given, which its own path for objects does not do.
-OBJECTS = ("param_group", "optimizer_value", "scheduler", "progress", "rng", "data")
+# Objects that are not tensors (hyperparameters, random generator states) go in pickled, as uint8 tensors: DCP reads
+# tensors into the dict it is given, which its own path for objects does not do. The ones a resume reads back (not
+# param groups, nor an older checkpoint's scheduler state):
+OBJECTS = ("optimizer_value", "progress", "rng", "data")
 PER_RANK = ("rng", "data")  # keyed by rank, read back at the same world size only
 
 
@@ -518,6 +522,24 @@ def _split(key: str) -> tuple[str, str, str]:
         name, _, state_key = rest.rpartition("/")
         return kind, name, state_key
     return kind, rest, ""
+
+
+def optimizer_mismatch(marker: dict, config: dict) -> str | None:
+    """Why a checkpoint (its ``marker``) cannot restore the optimizer ``config`` builds: the state of another class
+    (AdamW's moments mean nothing to SignSGD); None where it can, or its marker names none. Also asked when a run
+    naming the checkpoint is validated (``moe_lab.job.lifecycle``), so that the refusal keeps the run's record."""
+    saved, this = _optimizer_class(marker.get("config")), _optimizer_class(config)
+    if saved and this and saved != this:
+        return (
+            f"it holds the state of {saved}, this run's optimizer is {this} (resume it with its own optimizer, "
+            f"optimizer._target_={saved}, or start afresh: trainer.resume=never)"
+        )
+    return None
+
+
+def _optimizer_class(config: dict | None) -> str | None:
+    """The optimizer class a run's config names (``optimizer._target_``), if it names one."""
+    return ((config or {}).get("optimizer") or {}).get("_target_")
 
 
 def _pickled(obj) -> torch.Tensor:
@@ -552,29 +574,6 @@ def _save_planner():
 
 def _load_planner():
     return dcp.DefaultLoadPlanner(flatten_state_dict=False)
-
-
-# An LR scheduler's values per param group. The offload modes have a group per chunk, so their number follows the
-# chunking, which follows the mesh; the schedule gives every group the same LR (warmup_cosine checks it).
-PER_GROUP = ("base_lrs", "_last_lr")
-
-
-def _regrouped(state, groups: int, path: Path):
-    """A scheduler's state (nested schedulers' included) for ``groups`` param groups."""
-    if isinstance(state, list):
-        return [_regrouped(item, groups, path) for item in state]
-    if not isinstance(state, dict):
-        return state
-    out = {}
-    for key, value in state.items():
-        if key in PER_GROUP and len(value) != groups:
-            if len(set(value)) != 1:
-                raise CheckpointMismatch(
-                    f"checkpoint {path}: the LR schedule's {key} differs between param groups, {value}"
-                )
-            value = value[:1] * groups
-        out[key] = _regrouped(value, groups, path)
-    return out
 
 
 def _from_rank0(value):

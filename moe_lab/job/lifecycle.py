@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from moe_lab import config
 from moe_lab.checkpoint import directory as checkpoint_directory
+from moe_lab.checkpoint.checkpointer import optimizer_mismatch
 from moe_lab.config import Options
 from moe_lab.config.validate import job_target
 from moe_lab.job.interrupt import Interrupted, StopRequest
@@ -263,6 +264,8 @@ def _run_point(
         return _record_invalid(cfg, run_dir, meta, multirun, rank0, e)
     if cfg.trainer.dry_run:
         return dry_run(cfg, options)
+    if not outer:
+        clear_earlier(run_dir)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
         if spawns_ranks(cfg) and not outer:
@@ -328,17 +331,40 @@ def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | Non
     if multirun and cfg.trainer.skip_done and record.get("status") == "ok":
         log.info("point already done, skipped: %s", run_dir)
         return record
+    if record.get("status") == "ok" and ran_to_the_end(run_dir, cfg):
+        # the same command again would resume at the last step and record a run of no step over the measured one
+        log.info(
+            "run already done (its last checkpoint is at trainer.steps=%d): its record is kept; trainer.resume=never "
+            "runs it again",
+            cfg.trainer.steps,
+        )
+        return record
+    return None  # this point's failed earlier attempt, or a deliberate re-run: replaced once valid (clear_earlier)
+
+
+def ran_to_the_end(run_dir: Path, cfg: DictConfig) -> bool:
+    """Whether ``trainer.resume=auto`` would continue from a checkpoint at the last step: nothing left to run."""
+    newest = resumable_checkpoint(run_dir, cfg) if cfg.trainer.resume == "auto" else None
+    return newest is not None and checkpoint_directory.read_marker(newest)["step"] >= cfg.trainer.steps
+
+
+def clear_earlier(run_dir: Path) -> None:
+    """The record this point's run replaces (its earlier attempt, or another run's ``trainer.resume`` let through),
+    removed once the config is valid, before anything runs: a failure before the run's own record would otherwise
+    be read as that one's."""
     if os.environ.get("RANK", "0") == "0":
-        (run_dir / RESULT).unlink()  # this point's failed earlier attempt, or a deliberate re-run
-    return None
+        (run_dir / RESULT).unlink(missing_ok=True)
 
 
 def check_resume_step(cfg: DictConfig) -> None:
-    """A checkpoint named by ``trainer.resume`` must leave steps to run: one at trainer.steps or later would end the
-    run at once (an ok record of nothing new)."""
+    """A checkpoint named by ``trainer.resume`` must leave steps to run (one at trainer.steps or later would end the
+    run at once: an ok record of nothing new) and hold the state of this run's optimizer."""
     if cfg.trainer.resume in ("auto", "never"):
         return
-    step = checkpoint_directory.read_marker(cfg.trainer.resume)["step"]  # validation found it complete
+    marker = checkpoint_directory.read_marker(cfg.trainer.resume)  # validation found it complete
+    if why := optimizer_mismatch(marker, OmegaConf.to_container(cfg, resolve=True)):
+        raise ConfigError("optimizer", f"trainer.resume={cfg.trainer.resume}: {why}")
+    step = marker["step"]
     if step >= cfg.trainer.steps:
         raise ConfigError(
             "trainer.steps",
@@ -368,11 +394,12 @@ class RunDirInUse(RuntimeError):
 
 
 def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool, e: Exception) -> None:
-    """Record the refused config, unless the directory holds the record of another run (``earlier_record`` let a
-    ``trainer.resume`` of it through): a config that never ran does not replace a run."""
+    """Record the refused config, unless the directory holds the record of a run (another run's that
+    ``earlier_record`` let a ``trainer.resume`` of it through, or this point's own, refused now for a
+    ``trainer.resume`` that is not there): a config that never ran does not replace a run."""
     record = Record.point(meta, cfg).invalid(e)
     earlier = read_result(run_dir) if rank0 else None
-    keep = earlier is not None and earlier.get("status") != "invalid" and not same_point(earlier, cfg)
+    keep = earlier is not None and earlier.get("status") != "invalid"
     where = f"not recorded: {run_dir / RESULT} of the run before is kept" if keep else f"recorded in {run_dir / RESULT}"
     if rank0 and not keep:
         record.write(run_dir)
@@ -439,6 +466,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
         earlier = earlier_record(run_dir, cfg, bool(meta.get("sweep")))
         if earlier is not None:
             return earlier
+        clear_earlier(run_dir)  # validated before the ranks started (_run_point)
     options = options or config.build_options(cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a sweep runs its points in one process

@@ -66,7 +66,6 @@ def train(
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
     model = build_model(cfg, options, device, compute_dtype)
     optimizer = options.offload.build(model, options.make_optimizer, compute_dtype)
-    scheduler = warmup_cosine(optimizer, t.steps, t.warmup_steps, t.min_lr_ratio)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if bf16 and world == 1 else nullcontext()
     loss_fn = compile_loss(options.loss) if t.compile else options.loss
     data = options.data
@@ -75,8 +74,10 @@ def train(
     dp_rank = rank
     balance = options.model.balance()
     expert_load = ExpertLoad(options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps)
-    checkpointer = build_checkpointer(cfg, options, run_dir, model, optimizer, scheduler, device)
+    checkpointer = build_checkpointer(cfg, options, run_dir, model, optimizer, device)
     progress = checkpointer.restore()
+    # The LR is a function of the step and this config: a resumed run follows this config's schedule from its step.
+    scheduler = warmup_cosine(optimizer, t.steps, t.warmup_steps, t.min_lr_ratio, start_step=progress.step)
 
     fpt = flops_per_token(options.model, cfg.data.seq_len)
     peak = peak_flops(device, t.peak_flops)
@@ -220,9 +221,7 @@ def accumulate_gradients(
     return total, balance_total, step_stats
 
 
-def build_checkpointer(
-    cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, scheduler, device
-) -> Checkpointer:
+def build_checkpointer(cfg: DictConfig, options: Options, run_dir: Path, model, optimizer, device) -> Checkpointer:
     t = cfg.trainer
     return Checkpointer(
         t.checkpoint,
@@ -231,7 +230,6 @@ def build_checkpointer(
         fallback=t.resume_fallback,
         model=model,
         optimizer=optimizer,
-        scheduler=scheduler,
         data=options.data,
         device=device,
         state_device=options.offload.state_device(device),
@@ -248,7 +246,12 @@ def stop_if_signalled(
     if signal_name := stop.agreed(device):
         saved = checkpointer.save(progress) if save else None
         checkpointer.close()
-        metrics = {"steps_done": progress.step, "losses": progress.losses, **_resume_metrics(checkpointer)}
+        metrics = {
+            "steps_done": progress.step,
+            "losses": progress.losses,
+            **peak_memory(device),  # a preempted run's memory is as telling as a failed one's
+            **_resume_metrics(checkpointer),
+        }
         raise Interrupted(signal_name, progress.step, saved and str(saved), metrics)
 
 
