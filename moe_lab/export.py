@@ -2,11 +2,13 @@
 index, and config.json from the run's model config, which transformers' ``Qwen3MoeForCausalLM`` loads.
 
     python -m moe_lab.export outputs/<date>/<time>/checkpoints/step_00000100 exported/ [--max-shard-size 5GB]
-        [--dtype bfloat16]
+        [--dtype bfloat16] [--overwrite]
 
 Whatever mesh wrote the checkpoint, each tensor is read whole (DCP reassembles FSDP shards and EP slices), a
 shard's worth at a time. Where the run kept fp32 masters apart from the model's weights (offload=full), the masters
-are exported. Tensors keep the checkpoint's dtype unless ``--dtype`` says otherwise.
+are exported. Tensors keep the checkpoint's dtype unless ``--dtype`` says otherwise. An ``out`` already holding an
+export is refused unless ``--overwrite`` says to replace it: the old files beside the new ones would make one
+directory two models (transformers reads ``model.safetensors`` before an index, the trainer the index).
 """
 
 from __future__ import annotations
@@ -22,17 +24,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moe_lab.checkpoint import directory as ckpt_dir
-from moe_lab.models.hf_weights import SafetensorsWriter, published_tensors
+from moe_lab.models.hf_weights import INDEX, SafetensorsWriter, published_tensors
 from moe_lab.optim.offload.full import MASTER
 
 log = logging.getLogger("moe_lab")
+HF_CONFIG = "config.json"
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def export(
-    checkpoint: str | Path, out: str | Path, max_shard_bytes: int | None = 5 * 10**9, dtype: torch.dtype | None = None
+    checkpoint: str | Path,
+    out: str | Path,
+    max_shard_bytes: int | None = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> None:
     checkpoint, out = Path(checkpoint), Path(out)
+    previous = previous_export(out)
+    if previous and not overwrite:
+        raise ValueError(
+            f"{out} already holds an export ({_listed(previous)}); pass --overwrite to replace it, or choose another "
+            "directory"
+        )
     problem = ckpt_dir.why_incomplete(checkpoint)
     if problem is not None:
         raise ValueError(f"{checkpoint} is not a complete training checkpoint: {problem}")
@@ -50,6 +63,8 @@ def export(
             name = key.removeprefix("model/")
             master = f"optimizer/{name}/{MASTER}"
             sources[name] = master if master in saved else key
+    for path in previous:
+        path.unlink()
     writer = SafetensorsWriter(out, max_shard_bytes)
     for batch in _batches(sources, saved, max_shard_bytes):
         target = {
@@ -68,7 +83,19 @@ def export(
                 writer.add(published, matrix)
     writer.close()
     weights_dtype = dtype or saved[next(iter(sources.values()))].properties.dtype
-    (out / "config.json").write_text(json.dumps(hf_config(model, weights_dtype), indent=2))
+    (out / HF_CONFIG).write_text(json.dumps(hf_config(model, weights_dtype), indent=2))
+
+
+def previous_export(out: Path) -> list[Path]:
+    """The files of an export already in ``out`` (shards a killed export left included), by name."""
+    found = [*out.glob("*.safetensors"), out / INDEX, out / HF_CONFIG] if out.is_dir() else []
+    return sorted((path for path in found if path.is_file()), key=lambda path: path.name)
+
+
+def _listed(paths: list[Path], most: int = 3) -> str:
+    names = [path.name for path in paths]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _batches(sources: dict, saved: dict, max_bytes: int | None) -> list[list[str]]:
@@ -124,17 +151,21 @@ def parse_size(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moe_lab.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a complete training checkpoint: <checkpoint dir>/step_<N>")
-    parser.add_argument("out", help="directory for the Hugging Face model (created)")
+    parser.add_argument("out", help="directory for the Hugging Face model (created; one holding an export is refused)")
     parser.add_argument(
         "--max-shard-size", type=parse_size, default="5GB", help="largest safetensors file (default 5GB)"
     )
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)"
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the export already in out (its weights, index and config)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        export(args.checkpoint, args.out, args.max_shard_size, getattr(torch, args.dtype) if args.dtype else None)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        export(args.checkpoint, args.out, args.max_shard_size, dtype, args.overwrite)
     except ValueError as e:
         sys.exit(str(e))
     log.info("exported %s to %s", args.checkpoint, args.out)

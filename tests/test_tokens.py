@@ -17,8 +17,10 @@ import torch
 
 from moe_lab.data.prepare import main as prepare_main
 from moe_lab.data.prepare import write_token_dir
+from moe_lab.data.synthetic import SyntheticData
 from moe_lab.data.tokens import TokenData
 from moe_lab.models.qwen3_moe import Documents, Qwen3MoeConfig
+from moe_lab.runtime.errors import ConfigError
 from tests.sweep import ROOT
 
 transformers = pytest.importorskip("transformers")
@@ -200,6 +202,22 @@ def test_any_world_size_sees_the_same_global_batch_and_resumes_at_its_position(t
         TokenData(path, seq_len=8, batch_size=4, seed=1).load_state_dict(state)
 
 
+@pytest.mark.parametrize("saved_by", ["synthetic", "tokens"])
+def test_a_data_position_of_another_data_source_is_refused_naming_data(saved_by, tmp_path):
+    """A run resumed under another ``data`` option than the checkpoint's is refused, not failed with a KeyError some
+    steps in (synthetic's position into tokens) nor restored as if nothing were amiss (tokens' into synthetic)."""
+    sources = {
+        "synthetic": SyntheticData(seq_len=7, batch_size=2, vocab_size=64),
+        "tokens": TokenData(str(synthetic_dir(tmp_path, [17, 8, 33])), seq_len=7, batch_size=2),
+    }
+    sources["tokens"].batch(0, 0, 1)  # a position past the start
+    saved = sources.pop(saved_by).state_dict()
+    (loading_into,) = sources.values()
+    with pytest.raises(ConfigError, match="written with another data source") as refused:
+        loading_into.load_state_dict(saved)
+    assert refused.value.key == "data"
+
+
 def test_eval_batches_come_from_the_held_out_split(tmp_path):
     data = TokenData(str(synthetic_dir(tmp_path, [50, 50])), seq_len=9, batch_size=2)
     batch = data.eval_batch(0, 1, 2)
@@ -214,6 +232,37 @@ def test_documents_carry_ids_and_restarting_positions(tmp_path):
     starts = batch.inputs[0] % 1000 == 0  # each document's first token is 1000 * (d + 1)
     assert torch.equal(positions[0] == 0, starts | (torch.arange(11) == 0))
     assert torch.equal(ids[0], torch.cumsum((positions[0] == 0).long(), 0) - 1)
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        pytest.param(lambda meta: [meta], "holds a JSON list, not an object", id="list"),
+        pytest.param(
+            lambda meta: meta | {"vocab_size": "big"}, "\"vocab_size\" must be an integer, got 'big'", id="string"
+        ),
+        pytest.param(lambda meta: meta | {"vocab_size": True}, '"vocab_size" must be an integer, got True', id="bool"),
+        pytest.param(lambda meta: meta | {"tokenizer": None}, '"tokenizer" must be a string, got None', id="null"),
+        pytest.param(
+            lambda meta: {k: v for k, v in meta.items() if k != "splits"}, '"splits" is missing', id="no splits"
+        ),
+        pytest.param(
+            lambda meta: meta | {"splits": {"train": meta["splits"]["train"]}}, '"splits.eval" is missing', id="no eval"
+        ),
+        pytest.param(
+            lambda meta: meta | {"splits": meta["splits"] | {"eval": {**meta["splits"]["eval"], "tokens": 1.5}}},
+            '"splits.eval.tokens" must be an integer, got 1.5',
+            id="float count",
+        ),
+    ],
+)
+def test_a_meta_json_of_the_wrong_shape_is_refused_naming_the_field(edit, problem, tmp_path):
+    path = synthetic_dir(tmp_path, [17, 8, 33])
+    meta_file = path / "meta.json"
+    meta_file.write_text(json.dumps(edit(json.loads(meta_file.read_text()))))
+    with pytest.raises(ConfigError) as refused:
+        TokenData(str(path), seq_len=7, batch_size=2)
+    assert refused.value.key == "data.path" and str(refused.value).startswith(f"data.path: {meta_file}: {problem}")
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from moe_lab.models.qwen3_moe import Documents
+from moe_lab.runtime.errors import ConfigError
 
 
 @dataclass
@@ -47,5 +48,20 @@ class DataSource(Protocol):
         ...
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from what ``state_dict`` returned."""
+        """Continue from what ``state_dict`` returned; refuse another data option's (``refuse_another_sources_state``)."""
         ...
+
+
+def refuse_another_sources_state(state: dict, keys: set[str], option: str) -> None:
+    """Refuse a checkpointed data position that is not of the ``data`` option ``option`` (whose state holds
+    ``keys``): a run resumed under another data option than the checkpoint's."""
+    if set(state) != keys:
+        raise ConfigError(
+            "data",
+            f"the checkpoint was written with another data source (its data position's keys: {_listed(state)}; "
+            f"data={option}'s: {_listed(keys)}); resume it with the data option that wrote it",
+        )
+
+
+def _listed(keys) -> str:
+    return ", ".join(sorted(keys)) or "none"

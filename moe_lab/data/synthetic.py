@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from moe_lab.data.batch import Batch, DataSource
+from moe_lab.data.batch import Batch, DataSource, refuse_another_sources_state
 from moe_lab.runtime.errors import ConfigError
 
 
@@ -53,7 +53,7 @@ class SyntheticData(DataSource):
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        refuse_another_sources_state(state, set(), "synthetic")
 
     def _batch(self, step: int, first: int) -> Batch:
         tokens = torch.stack([self.sample(step, first + j) for j in range(self.batch_size)])

@@ -9,13 +9,14 @@ no document straddles two shards. Everything is read through memory maps.
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from moe_lab.data.batch import Batch, DataSource
+from moe_lab.data.batch import Batch, DataSource, refuse_another_sources_state
 from moe_lab.models.qwen3_moe import Documents
 from moe_lab.runtime.errors import ConfigError
 
@@ -23,6 +24,9 @@ FORMAT = "moe_lab.tokens/1"
 META = "meta.json"
 INDEX = "index.npy"
 SPLITS = ("train", "eval")
+COUNTS = ("documents", "tokens", "shards")  # each split's, in meta.json
+KINDS = {int: "an integer", str: "a string", dict: "an object"}
+STATE_KEYS = {"step", "sample", "seed", "seq_len"}
 
 
 def shard_name(number: int) -> str:
@@ -31,6 +35,41 @@ def shard_name(number: int) -> str:
 
 def _damaged(what: str) -> ConfigError:
     return ConfigError("data.path", f"{what}; prepare it again (python -m moe_lab.data.prepare) or copy it whole")
+
+
+def read_meta(path: Path) -> dict:
+    """``path``'s meta.json, refused unless it is of this format and holds each field the reader uses, of its type
+    (a hand-edited or foreign file is named with its field, not failed on where a field is first used)."""
+    file = path / META
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            "data.path", f"must be a directory written by python -m moe_lab.data.prepare (no readable {META}: {e})"
+        ) from None
+    if not isinstance(meta, dict):
+        raise _damaged(f"{file}: holds a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != FORMAT:
+        raise ConfigError("data.path", f"{file} is format {meta.get('format')!r}, this moe_lab reads {FORMAT!r}")
+    _field(file, meta, "vocab_size", int)
+    _field(file, meta, "tokenizer", str)
+    splits = _field(file, meta, "splits", dict)
+    for split in SPLITS:
+        counts = _field(file, splits, f"splits.{split}", dict)
+        for count in COUNTS:
+            _field(file, counts, f"splits.{split}.{count}", int)
+    return meta
+
+
+def _field(file: Path, owner: dict, name: str, kind: type):
+    """The value of field ``name`` (dotted: inside ``owner``, its last part) of meta.json, of type ``kind``."""
+    key = name.rpartition(".")[2]
+    if key not in owner:
+        raise _damaged(f'{file}: "{name}" is missing')
+    value = owner[key]
+    if not isinstance(value, kind) or isinstance(value, bool):  # JSON's true is no count
+        raise _damaged(f'{file}: "{name}" must be {KINDS[kind]}, got {reprlib.repr(value)}')
+    return value
 
 
 @dataclass
@@ -102,16 +141,7 @@ class TokenData(DataSource):
     def __init__(self, path: str, seq_len: int, batch_size: int, seed: int = 0, document_mask: bool = False):
         self.path, self.seq_len, self.batch_size = Path(path), seq_len, batch_size
         self.seed, self.document_mask = seed, document_mask
-        try:
-            self.meta = json.loads((self.path / META).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                "data.path", f"must be a directory written by python -m moe_lab.data.prepare (no readable {META}: {e})"
-            ) from None
-        if self.meta.get("format") != FORMAT:
-            raise ConfigError(
-                "data.path", f"{self.path / META} is format {self.meta.get('format')!r}, this moe_lab reads {FORMAT!r}"
-            )
+        self.meta = read_meta(self.path)
         self._splits: dict[str, TokenSplit] = {}
         self._epoch: tuple[int, Packing] | None = None  # the training epoch last read from (one at a time)
         self._eval: Packing | None = None
@@ -145,7 +175,7 @@ class TokenData(DataSource):
         """A split's index and token shards against each other and meta.json, before a step reads them: the index
         lists the documents and tokens meta.json counts, and every shard exists and holds exactly the tokens of
         the documents the index places in it (a shard deleted, or cut short by a copy that stopped)."""
-        directory, counts = self.path / name, self.meta.get("splits", {}).get(name, {})
+        directory, counts = self.path / name, self.meta["splits"][name]
         try:
             index = np.load(directory / INDEX, mmap_mode="r")
         except (OSError, ValueError) as e:
@@ -156,8 +186,8 @@ class TokenData(DataSource):
         number_of_shards = int(shards.max()) + 1 if len(index) else 0
         listed = {"documents": len(index), "tokens": int(lengths.sum()), "shards": number_of_shards}
         for key, value in listed.items():
-            if counts.get(key) != value:
-                raise _damaged(f"{directory / INDEX} lists {value} {key}, {self.path / META} says {counts.get(key)}")
+            if counts[key] != value:
+                raise _damaged(f"{directory / INDEX} lists {value} {key}, {self.path / META} says {counts[key]}")
         held = np.bincount(shards, weights=lengths, minlength=number_of_shards).astype(np.int64)  # tokens per shard
         reach = np.zeros(number_of_shards, dtype=np.int64)  # where each shard's last document ends
         np.maximum.at(reach, shards, ends)
@@ -197,6 +227,7 @@ class TokenData(DataSource):
         return {"step": self.next_step, "sample": self.next_sample, "seed": self.seed, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
+        refuse_another_sources_state(state, STATE_KEYS, "tokens")
         for key in ("seed", "seq_len"):
             if state[key] != getattr(self, key):
                 raise ValueError(

@@ -29,7 +29,7 @@ from moe_lab.config import ConfigError
 from moe_lab.config.validate import check_override_keys
 from moe_lab.plan import config as plan_config
 from moe_lab.plan.config import PlanConfig
-from moe_lab.plan.planner import build_hardware, plan
+from moe_lab.plan.planner import TIE, build_hardware, plan
 from moe_lab.results.record import RESULT, Record, git_state, job_meta
 from moe_lab.runtime.paths import CONF_DIR
 
@@ -90,7 +90,7 @@ def summary(record: dict) -> str:
     if fastest:
         lines.append(
             f"fastest that fits here: {fastest['overrides']} ({fastest['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-            f"{fastest['peak_gpu_mem_gib']:.1f} GiB)"
+            f"{fastest['peak_gpu_mem_gib']:.1f} GiB; of settings within {TIE:.0%} of the fastest, the least memory)"
         )
     return "\n".join(lines)
 
