@@ -285,6 +285,9 @@ def test_sigint_ends_a_single_run_with_an_interrupted_record(tmp_path):
     record = result(run_dir)
     assert record["status"] == "interrupted" and record["error"]["step"] == 4 and record["error"]["checkpoint"] is None
     assert record["environment"]["torch"] and len(record["metrics"]["losses"]) == 4
+    assert (
+        record["metrics"]["peak_gpu_mem_gib"] is None and record["metrics"]["peak_host_rss_gib"] > 0
+    )  # as a failure's
     assert not (run_dir / "checkpoints").exists()  # on_signal is off and no step reached trainer.checkpoint.every
     assert "No checkpoint was saved: the same command again starts from step 0" in job.output()  # not "resume"
 
