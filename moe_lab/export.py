@@ -40,6 +40,8 @@ def export(
     overwrite: bool = False,
 ) -> None:
     checkpoint, out = Path(checkpoint), Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory to export into")
     previous = previous_export(out)
     if previous and not overwrite:
         raise ValueError(

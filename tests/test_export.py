@@ -162,6 +162,9 @@ def test_export_refuses_a_directory_holding_an_export_before_reading_the_checkpo
         "directory"
     )
     assert (out / SINGLE).read_bytes() == b"old"
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit, match="a_file is a file, not a directory to export into"):
+        export_main([str(tmp_path / "no_checkpoint"), str(tmp_path / "a_file")])
 
 
 def test_export_with_overwrite_replaces_the_previous_exports_weights(tmp_path):
