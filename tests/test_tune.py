@@ -20,6 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 import moe_lab.results
 from moe_lab.config import ConfigError
+from moe_lab.config.validate import options_of
 from moe_lab.moe.fused.ops import SAVES
 from moe_lab.parallel.ac import KEEP_SETS
 from moe_lab.plan.config import compose as compose_plan
@@ -30,7 +31,7 @@ from moe_lab.tune import config as tune_config
 from moe_lab.tune.__main__ import run
 from moe_lab.tune.planning import CandidateQueue
 from moe_lab.tune.report import report
-from moe_lab.tune.space import is_group, options_of
+from moe_lab.tune.space import is_group
 from tests.sweep import ROOT
 
 # A 2-layer 30B proxy on two H200 at seq 4096: dispatcher x ac x EP (selective with two keep sets), the rest fixed

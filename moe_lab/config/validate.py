@@ -98,8 +98,9 @@ def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_
     rather than with Hydra's advice to append it with ``+`` or its search path. ``schema``: the entry point's
     (train's, or the planner's and the tune's with their own groups). A group's key must be a key of each option the
     command line chooses for it (``every_option``: each is composed with it), else of one of its options (a tune's
-    key axis applies where a point has the key; an experiment's choice is known only once composed); appended keys and deeper keys are checked once composed (``check_known_keys``, ``check_target_node``);
-    a line Hydra cannot parse is left to Hydra to explain."""
+    key axis applies where a point has the key; an experiment's choice is known only once composed). Appended keys
+    and deeper keys are checked once composed (``check_known_keys``, ``check_target_node``); a line Hydra cannot
+    parse is left to Hydra to explain."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 

@@ -17,7 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from moe_lab.config import ConfigError
-from moe_lab.config.validate import check_target_node
+from moe_lab.config.validate import check_target_node, options_of
 from moe_lab.runtime.paths import CONF_DIR
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -83,10 +83,6 @@ def axis_override(name: str) -> str:
 
 def is_group(name: str) -> bool:
     return "." not in name and name not in NOT_AXES and (CONF_DIR / name).is_dir()
-
-
-def options_of(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def check_axis(key: str, name: str, values: list) -> None:
