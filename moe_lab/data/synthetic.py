@@ -53,7 +53,7 @@ class SyntheticData(DataSource):
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        refuse_another_sources_state(state, set(), "synthetic")
+        refuse_another_sources_state(state, set(self.state_dict()), "synthetic")
 
     def _batch(self, step: int, first: int) -> Batch:
         tokens = torch.stack([self.sample(step, first + j) for j in range(self.batch_size)])

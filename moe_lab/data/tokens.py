@@ -26,7 +26,6 @@ INDEX = "index.npy"
 SPLITS = ("train", "eval")
 COUNTS = ("documents", "tokens", "shards")  # each split's, in meta.json
 KINDS = {int: "an integer", str: "a string", dict: "an object"}
-STATE_KEYS = {"step", "sample", "seed", "seq_len"}
 
 
 def shard_name(number: int) -> str:
@@ -227,7 +226,7 @@ class TokenData(DataSource):
         return {"step": self.next_step, "sample": self.next_sample, "seed": self.seed, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        refuse_another_sources_state(state, STATE_KEYS, "tokens")
+        refuse_another_sources_state(state, set(self.state_dict()), "tokens")
         for key in ("seed", "seq_len"):
             if state[key] != getattr(self, key):
                 raise ValueError(

@@ -344,8 +344,10 @@ def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | Non
 
 def ran_to_the_end(run_dir: Path, cfg: DictConfig) -> bool:
     """Whether ``trainer.resume=auto`` would continue from a checkpoint at the last step: nothing left to run."""
-    newest = resumable_checkpoint(run_dir, cfg) if cfg.trainer.resume == "auto" else None
-    return newest is not None and checkpoint_directory.read_marker(newest)["step"] >= cfg.trainer.steps
+    if cfg.trainer.resume != "auto":
+        return False
+    newest, marker = newest_readable_checkpoint(run_dir, cfg)
+    return newest is not None and same_point(marker, cfg) and marker["step"] >= cfg.trainer.steps
 
 
 def clear_earlier(run_dir: Path) -> None:
