@@ -209,6 +209,24 @@ def test_cli_sweep_writes_a_plan_record_per_point(tmp_path):
     assert "largest that fits" in done.stdout + done.stderr
 
 
+def test_cli_help_lists_the_hardware_group_beside_trains(tmp_path):
+    """``python -m moe_lab.plan --help``: train's page (groups, presets, keys) with plan's usage and the hardware
+    group, its default first; nothing written."""
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_lab.plan", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("moe_lab.plan:")
+    hardware = lines.index(next(line for line in lines if line.startswith("hardware: ")))
+    options = [line.split()[0] for line in lines[hardware + 1 : hardware + 6]]
+    assert options[0] == "h200" and sorted(options) == ["b200", "b300", "file", "h100", "h200"]
+    assert "dispatcher: how tokens reach their experts and come back" in lines
+    assert any(line.startswith("    grid_30b ") for line in lines)
+    assert any(line.startswith("  trainer.steps=") for line in lines)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_offload_chunks_replay_the_code(split):
     """The planner's chunks (offload=full's transfer buffers, offload=optimizer's pinned state blocks) are those the

@@ -1,5 +1,6 @@
-"""``python -m moe_lab.train --help``: every config group with its options and every schema key, each in a line,
-fed from the schema (``moe_lab.config.schema``) and the option files' leading comments or classes' docstrings."""
+"""``python -m moe_lab.train --help`` (and ``moe_lab.plan``'s): every config group with its options and every schema
+key, each in a line, fed from the schema (``moe_lab.config.schema``) and the option files' leading comments or
+classes' docstrings."""
 
 from __future__ import annotations
 
@@ -37,22 +38,23 @@ def option_line(path: Path, width: int = 110) -> str:
     return sentence if len(sentence) <= width else sentence[: width - 3].rstrip() + "..."
 
 
-def help_text() -> str:
-    lines = [
-        "moe_lab: Mixture-of-Experts parallelism experiments on Qwen3-MoE, one Hydra config group per axis.",
-        "",
-        "  python -m moe_lab.train [group=option ...] [key=value ...]      one run",
-        "  python -m moe_lab.train -m ac=full,selective dispatcher=torch,fused   a sweep: one result.json per point",
-        "  python -m moe_lab.train [overrides] --cfg job                   the whole resolved config, nothing run",
-        "",
-        "== Config groups (group=option; the default first) ==",
-    ]
+TRAIN_USAGE = """moe_lab: Mixture-of-Experts parallelism experiments on Qwen3-MoE, one Hydra config group per axis.
+
+  python -m moe_lab.train [group=option ...] [key=value ...]      one run
+  python -m moe_lab.train -m ac=full,selective dispatcher=torch,fused   a sweep: one result.json per point
+  python -m moe_lab.train [overrides] --cfg job                   the whole resolved config, nothing run"""
+
+
+def help_text(usage: str = TRAIN_USAGE, groups: dict[str, str] = GROUPS, defaults: dict[str, str] | None = None) -> str:
+    """The page: ``usage``, then ``groups`` (train's by default) with their options, train.yaml's default first
+    (``defaults`` adds those of groups train.yaml lacks), the study presets and the schema's keys."""
+    lines = [*usage.splitlines(), "", "== Config groups (group=option; the default first) =="]
     defaults = {
         next(iter(d)): d[next(iter(d))]
         for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"]
         if isinstance(d, dict)
-    }
-    for group, what in GROUPS.items():
+    } | (defaults or {})
+    for group, what in groups.items():
         options = sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))
         lines.append(f"{group}: {what}")
         lines += [f"    {p.stem:<12} {option_line(p)}" for p in options]
@@ -104,8 +106,11 @@ def key_lines(prefix: str, schema) -> list[str]:
     return lines
 
 
-def register_help() -> str:
-    """Store the help page as Hydra's ``hydra/help=moe_lab`` option; returns the override that selects it."""
-    node = {"app_name": "moe_lab", "header": "", "footer": "", "template": help_text()}
+def register_help(
+    usage: str = TRAIN_USAGE, groups: dict[str, str] = GROUPS, defaults: dict[str, str] | None = None
+) -> str:
+    """Store the help page (``help_text``'s arguments) as Hydra's ``hydra/help=moe_lab`` option; returns the override
+    that selects it."""
+    node = {"app_name": "moe_lab", "header": "", "footer": "", "template": help_text(usage, groups, defaults)}
     ConfigStore.instance().store(group="hydra/help", name="moe_lab", node=node)
     return "hydra/help=moe_lab"

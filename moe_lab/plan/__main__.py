@@ -25,16 +25,25 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from moe_lab.config import ConfigError
+from moe_lab.config import ConfigError, register_help
+from moe_lab.config.schema import GROUPS
 from moe_lab.config.validate import check_override_keys
 from moe_lab.plan import config as plan_config
-from moe_lab.plan.config import PlanConfig
+from moe_lab.plan.config import DEFAULT_HARDWARE, PlanConfig
 from moe_lab.plan.planner import TIE, build_hardware, plan
 from moe_lab.results.record import RESULT, Record, git_state, job_meta
 from moe_lab.runtime.paths import CONF_DIR
 
 log = logging.getLogger("moe_lab.plan")
 plan_config.register()
+
+USAGE = """moe_lab.plan: a configuration's memory and step time per GPU, predicted without a GPU, recorded as result.json.
+
+  python -m moe_lab.plan [group=option ...] [key=value ...]        one plan (what moe_lab.train takes, plus hardware)
+  python -m moe_lab.plan +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8
+  python -m moe_lab.plan -m ac=full,selective dispatcher=torch,fused   one record per point
+  python -m moe_lab.plan hardware=<profile.yaml>                   a profile written by python -m moe_lab.plan.calibrate"""
+HARDWARE = "the GPUs planned for and their mesh (hardware.nodes, hardware.gpus_per_node)"
 
 
 def run(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool) -> dict:
@@ -115,6 +124,8 @@ def profile_path_overrides(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     sys.argv = profile_path_overrides(sys.argv)
+    if "--help" in sys.argv:
+        sys.argv.append(register_help(USAGE, GROUPS | {"hardware": HARDWARE}, {"hardware": DEFAULT_HARDWARE}))
     try:  # a mistyped key or option gets moe_lab's message before Hydra's
         check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg], PlanConfig)
     except ConfigError as e:
