@@ -159,6 +159,8 @@ def test_run_says_where_its_files_went_in_its_log(nproc, tmp_path):
         f"upload it with: wandb sync {offline}",
     ):
         assert line in log and line in proc.stdout, line
+    # stdout is a pipe here: plain progress lines (the last step's among them), no progress bar's carriage returns
+    assert "\r" not in proc.stdout and "train: step 2/2, loss " in proc.stdout
 
 
 def test_a_sweep_directory_in_use_is_refused(tmp_path):

@@ -13,7 +13,6 @@ import os
 import re
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -23,13 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
 from moe_lab.config import Options
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import ExperimentLogger, NoLogger
+from moe_lab.metrics.progress import StepProgress
 from moe_lab.metrics.routing import ExpertLoad
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.hf_weights import load_hf_checkpoint
@@ -98,16 +97,8 @@ def train(
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.reshard_after_forward)
         options.offload.before_micro_batch(optimizer, final)
 
-    bar = tqdm(
-        range(progress.step, t.steps),
-        desc="train",
-        disable=not writer,
-        dynamic_ncols=True,
-        file=sys.stdout,
-        initial=progress.step,
-        total=t.steps,
-    )
-    for step in bar:
+    console = StepProgress(progress.step, t.steps, enabled=bool(writer))
+    for step in range(progress.step, t.steps):
         stop_if_signalled(stop or NO_STOP, device, checkpointer, progress, t.checkpoint.on_signal)
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
@@ -154,8 +145,9 @@ def train(
             row |= routing_row
             metrics_log.write(row)
             logger.log(row, step)
-            bar.set_postfix(loss=f"{loss:.4f}", s_step=f"{elapsed:.3f}")
+        console.step(step, loss, elapsed)
         checkpointer.maybe_save(progress)
+    console.close()
     checkpointer.close()
     if metrics_log:
         metrics_log.close()

@@ -2,7 +2,8 @@
 
 A logger is told ``start(run_dir, record)`` before the first step (record: choices, overrides, sweep, resolved
 config, environment), ``log(row, step)`` after each step, and ``finish(result)`` at the end, also when the run
-failed; ``where()`` then says, in lines for the run's log, where it put the run and how to reach it. Console progress (tqdm bar, per-step loss and s/step) is the training loop's own and needs no logger.
+failed; ``where()`` then says, in lines for the run's log, where it put the run and how to reach it. Console
+progress (``moe_lab.metrics.progress``: loss and s/step) needs no logger.
 """
 
 from __future__ import annotations
