@@ -96,12 +96,13 @@ def test_offload_lowers_peak_memory_on_gpu():
         moved = ac.offload.moved["bytes"] if offload else moved
         del model
     # Not bit for bit as on CPU: a CUDA backward kernel of the input-gradient path sums in an order that varies run
-    # to run (one in several runs, embed_tokens' gradient alone moved, with and without offload alike: by up to
-    # 1.8e-3 of its norm on an H100, experiments/gpu_tests/records/h100_1gpu/2026-12-07_02-48.log). A tensor brought
-    # back wrong would move a gradient by its own size, not by 1e-2 of it.
+    # to run (one in several runs, embed_tokens' gradient alone moved, with and without offload alike). A weight's
+    # gradient sums that noise over all 8,192 tokens; embed_tokens' rows each over a few, so theirs moves most: by
+    # 1.8e-3 of its norm on an H100 (experiments/gpu_tests/records/h100_1gpu/2026-12-07_02-48_more.log). A tensor
+    # brought back wrong would move a gradient by its own size, not by 1e-2 of it.
     for name, g in results[False].items():
         error = (results[True][name] - g).float().norm() / g.float().norm().clamp_min(1e-30)
-        assert error < 1e-2, (name, error.item())
+        assert error < (1e-2 if name == "model.embed_tokens.weight" else 1e-3), (name, error.item())
     # 7 blocks' saved tensors went to the host and at most 2 are back at once (the one in backward, the prefetched
     # one): at least half of what moved is off the peak
     assert peaks[False] - peaks[True] >= 0.5 * moved > 0, (peaks, moved)
