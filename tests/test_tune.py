@@ -454,3 +454,18 @@ def test_a_candidate_this_machine_refuses_is_passed_over(tmp_path):
     assert "dispatcher.backend: gpu needs a CUDA device" in tune["passed_over"][0]["why"]
     assert [c["point"] for c in tune["candidates"]] == ["dispatcher=fused"]
     assert "Not measured here: planned rank 1" in (tmp_path / "report.md").read_text()
+
+
+def test_the_winners_line_on_several_nodes_is_an_srun_of_the_planned_mesh():
+    """Run as printed, a multi-node winner would start one node's ranks: its line is an srun of every node, one task
+    per GPU; on one node it is the job that starts its own ranks."""
+    from moe_lab.tune.report import train_line
+
+    tune = {"train_overrides": ["+experiment=reference_235b", "trainer.nproc_per_node=8"]}
+    tune["hardware"] = {"nodes": 4, "gpus_per_node": 8}
+    assert train_line(tune, "ac=full dispatcher=fused") == (
+        "srun --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 "
+        "python -m moe_lab.train +experiment=reference_235b trainer.nproc_per_node=8 ac=full dispatcher=fused"
+    )
+    tune["hardware"] = {"nodes": 1, "gpus_per_node": 8}
+    assert train_line(tune, "") == "python -m moe_lab.train +experiment=reference_235b trainer.nproc_per_node=8"

@@ -123,7 +123,14 @@ def spans(numbers: list[int]) -> str:
 
 
 def train_line(tune: dict, point: str) -> str:
-    return shlex.join(["python", "-m", "moe_lab.train", *tune["train_overrides"], *point.split()])
+    """The winner as a training command: on several nodes under ``srun`` with the planned mesh (one task per GPU;
+    moe_lab.train reads its ranks from SLURM's variables), else as the job that starts its own ranks."""
+    line = ["python", "-m", "moe_lab.train", *tune["train_overrides"], *point.split()]
+    hw = tune["hardware"]
+    if hw["nodes"] > 1:
+        per_node = hw["gpus_per_node"]
+        line = ["srun", f"--nodes={hw['nodes']}", f"--ntasks-per-node={per_node}", f"--gpus-per-node={per_node}", *line]
+    return shlex.join(line)
 
 
 def figure(df: pd.DataFrame, tune: dict):
