@@ -162,6 +162,7 @@ def test_fused_buffers_hold_the_rows_received():
             "parallel.ep",
         ),
         (["hardware=file", "hardware.path=/nonexistent.yaml"], "hardware.path"),
+        (["hardware=file"], "hardware.path"),  # left ???: named, not omegaconf's MissingMandatoryValue
         (["trainer.device=cpu"], "trainer.device"),
     ],
 )

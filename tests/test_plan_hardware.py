@@ -33,6 +33,21 @@ def test_offload_depths_of_an_8_gpu_node_use_the_profiles_host_memory(monkeypatc
     assert deepest["optimizer"] > deepest["none"] and deepest["full"] > deepest["none"], deepest
 
 
+def test_a_fit_at_the_searchs_limit_is_printed_as_at_least():
+    """The tiny model fits at any depth and its every position: the console says ">= limit", not that the limit is
+    the largest that fits; a depth that stops at memory (qwen3_30b's on one H200) is printed as it is."""
+    from moe_lab.plan.__main__ import at_least
+
+    tiny = plan(compose([]))["plan"]
+    assert tiny["largest_fitting_limits"] == {"num_layers": 256, "seq_len": 2048}
+    for fit in tiny["largest_fitting"].values():
+        assert at_least(fit, tiny, "num_layers") == ">= 256 (the search's limit)"
+        assert at_least(fit, tiny, "seq_len") == ">= 2048 (the search's limit)"
+    large = plan(compose(["model=qwen3_30b", "model.num_layers=4"]))["plan"]
+    fit = large["largest_fitting"]["none"]
+    assert fit["num_layers"] < 256 and at_least(fit, large, "num_layers") == str(fit["num_layers"])
+
+
 def test_a_profile_without_host_memory_names_the_key():
     with pytest.raises(ConfigError) as error:
         build_hardware(compose(["hardware.host_memory_gib_per_gpu=null"]).hardware)

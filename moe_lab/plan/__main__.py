@@ -41,7 +41,7 @@ USAGE = """moe_lab.plan: a configuration's memory and step time per GPU, predict
 
   python -m moe_lab.plan [group=option ...] [key=value ...]        one plan (what moe_lab.train takes, plus hardware)
   python -m moe_lab.plan +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8
-  python -m moe_lab.plan -m ac=full,selective dispatcher=torch,fused   one record per point
+  python -m moe_lab.plan -m +experiment=grid_30b ac=full,selective dispatcher=torch,fused   one record per point
   python -m moe_lab.plan hardware=<profile.yaml>                   a profile written by python -m moe_lab.plan.calibrate"""
 HARDWARE = "the GPUs planned for and their mesh (hardware.nodes, hardware.gpus_per_node)"
 
@@ -91,7 +91,7 @@ def summary(record: dict) -> str:
         + "".join(f", {k} {v:.1f}" for k, v in memory["host_gib"].items()),
         "largest that fits: "
         + "; ".join(
-            f"offload={mode}: num_layers {fit['num_layers']}, seq_len {fit['seq_len']}"
+            f"offload={mode}: num_layers {at_least(fit, p, 'num_layers')}, seq_len {at_least(fit, p, 'seq_len')}"
             for mode, fit in p["largest_fitting"].items()
         ),
     ]
@@ -102,6 +102,14 @@ def summary(record: dict) -> str:
             f"{fastest['peak_gpu_mem_gib']:.1f} GiB; of settings within {TIE:.0%} of the fastest, the least memory)"
         )
     return "\n".join(lines)
+
+
+def at_least(fit: dict, plan: dict, field: str) -> str:
+    """A largest fit as printed: ">= N (the search's limit)" where the search stopped at its limit, not at memory."""
+    value, limit = fit[field], (plan.get("largest_fitting_limits") or {}).get(field)
+    if value is None:
+        return "none"
+    return f">= {value} (the search's limit)" if limit is not None and value >= limit else str(value)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")

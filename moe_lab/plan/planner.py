@@ -40,6 +40,10 @@ def build_hardware(node, nproc_per_node: int = 1) -> Hardware:
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ConfigError("hardware", "must be a hardware group option (hardware=h200|h100|b200|b300|file)")
     check_target_node("hardware", node)
+    if missing := [key for key in node if OmegaConf.is_missing(node, key)]:
+        raise ConfigError(
+            f"hardware.{missing[0]}", "is required: set it on the command line (hardware=<profile.yaml> sets path)"
+        )
     try:
         return instantiate(node).on_mesh(nproc_per_node)
     except Exception as e:
@@ -305,11 +309,16 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, search: bool = True) -> di
     peak = hw.peak_bf16_tflops * 1e12
     ok, why = fits(step, hw)
     deepest = {}
+    # where the searches stop: a fit found there says "at least" (seq_len: the model's positions, in 128s)
+    limits = {
+        "num_layers": max(4 * step.cfg.num_layers, 256),
+        "seq_len": options.model.max_position_embeddings // 128 * 128,
+    }
     for mode in offload_modes() if search else ():
         moded = offload_step(step, mode)
         deepest[mode] = {
-            "num_layers": largest(moded, hw, "num_layers", 1, max(4 * step.cfg.num_layers, 256)),
-            "seq_len": largest(moded, hw, "seq_len", 128, options.model.max_position_embeddings, multiple=128),
+            "num_layers": largest(moded, hw, "num_layers", 1, limits["num_layers"]),
+            "seq_len": largest(moded, hw, "seq_len", 128, limits["seq_len"], multiple=128),
         }
     memory_detail = memory.gib() | {
         "allocator_slack_gib": (ALLOCATOR_RESERVE - 1) * memory.peak / GIB,
@@ -357,6 +366,7 @@ def plan(cfg: DictConfig, hw: Hardware | None = None, search: bool = True) -> di
         "exposed_communication_s": time["exposed_communication_s"],
         "exposed_communication_fraction": time["exposed_fraction"],
         "largest_fitting": deepest,
+        "largest_fitting_limits": limits if search else None,
         "fastest_fitting": fastest,  # at this depth and sequence: the fastest AC / keep / save / activation offload
         "params_per_gpu": step.shapes.local_params(step.mesh),
     }
