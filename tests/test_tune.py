@@ -469,3 +469,29 @@ def test_the_winners_line_on_several_nodes_is_an_srun_of_the_planned_mesh():
     )
     tune["hardware"] = {"nodes": 1, "gpus_per_node": 8}
     assert train_line(tune, "") == "python -m moe_lab.train +experiment=reference_235b trainer.nproc_per_node=8"
+
+
+def test_help_shows_the_tune_groups_keys_and_axes():
+    """``python -m moe_lab.tune --help``: the usage, then the default space as conf/tune/ has it: every key of the
+    tune with its default and every axis."""
+    from moe_lab.tune.__main__ import help_text
+    from moe_lab.tune.space import TUNE_KEYS
+
+    text = help_text()
+    assert text.startswith("``python -m moe_lab.tune``")
+    default = yaml.safe_load((CONF_DIR / "tune" / "default.yaml").read_text())
+    for key in TUNE_KEYS:
+        if key != "axes":
+            assert f"\n{key}: " in text, key
+    for axis in default["axes"]:
+        assert f"\n  {axis}:" in text, axis
+
+
+def test_a_layout_says_where_it_measures():
+    """The report's "measured as ...": an emulated rank, the GPUs themselves, or (tune.device=cpu) CPU processes, not
+    the profile's GPUs."""
+    from moe_lab.tune.measure import Layout as layout
+
+    assert layout("cuda", 1, 8, "h200", emulated=False).describe() == "8 x h200 (1 x 8) on real ranks"
+    assert layout("cpu", 1, 2, "h200", emulated=False).describe() == "the 2 x h200 (1 x 2) layout's ranks on the CPU"
+    assert layout("cuda", 4, 8, "h200", emulated=True).describe() == "rank 0 of 32 x h200 (4 x 8), emulated on one cuda"

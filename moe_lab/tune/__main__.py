@@ -9,7 +9,7 @@ report (``report.md``, ``tune.png``) ends with the winner as a ``python -m moe_l
 
     python -m moe_lab.tune +experiment=reference_30b trainer.steps=8 trainer.timing_skip=3 profile.enabled=false
     python -m moe_lab.tune +experiment=reference_235b hardware=b300 hardware.nodes=4 hardware.gpus_per_node=8 tune.measure=0
-    python -m moe_lab.tune ... dispatcher=fused ac=full,selective     # dispatcher fixed, ac narrowed to two options
+    python -m moe_lab.tune +experiment=reference_30b dispatcher=fused ac=full,selective  # one fixed, one narrowed
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from moe_lab.plan.hardware import GIB
 from moe_lab.plan.planner import build_hardware, plan, usable_device_bytes
 from moe_lab.results.record import git_state
 from moe_lab.results.tune import PLANS, TUNE, read_tune
+from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune import config as tune_config
 from moe_lab.tune import measure as measuring
 from moe_lab.tune.config import TuneConfig
@@ -241,9 +242,24 @@ def run(argv: list[str], progress: bool = True) -> Path:
     return tune_dir
 
 
+def help_text() -> str:
+    """The docstring, then the tune group's default option as it stands (its axes and keys, commented)."""
+    default = CONF_DIR / "tune" / f"{tune_config.DEFAULT_TUNE}.yaml"
+    return "\n".join(
+        [
+            __doc__.strip(),
+            "",
+            f"== The tune group (conf/tune/{default.name}; tune.<key>=value, +tune.axes.<name>=[...] adds an axis) ==",
+            default.read_text().strip(),
+            "",
+            "The groups, presets and keys it takes beside: python -m moe_lab.plan --help. The rest: docs/tune.md.",
+        ]
+    )
+
+
 def main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        print(__doc__.strip() + "\n\nThe tune group (conf/tune/default.yaml) and docs/tune.md say the rest.")
+        print(help_text())
         return
     try:
         run(sys.argv[1:])

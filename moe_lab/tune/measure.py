@@ -57,7 +57,10 @@ class Layout:
 
     def describe(self) -> str:
         mesh = f"{self.world} x {self.hardware} ({self.nodes} x {self.gpus_per_node})"
-        return f"rank 0 of {mesh}, emulated on one {self.device}" if self.emulated else f"{mesh} on real ranks"
+        if self.emulated:
+            return f"rank 0 of {mesh}, emulated on one {self.device}"
+        # on the CPU (a test of the machinery) the ranks are processes, not the profile's GPUs
+        return f"{mesh} on real ranks" if self.device == "cuda" else f"the {mesh} layout's ranks on the CPU"
 
 
 def unmeasurable_here(layout: Layout, base: list[str]):
