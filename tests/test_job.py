@@ -468,6 +468,8 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
     check_override_keys(
         ["ac=none,full", "+trainer.extra=1", "+offload.x=1", "hydra/launcher=basic", "hydra.run.dir=x"]
         + ["dispatcher.save=rows", "+experiment=grid_30b/two_gpu", "model.routing.kind=x", "data._target_=my.Data"]
+        + ["trainer.steps='5'", "trainer.steps=2,3", "trainer.steps=range(1,3)", "trainer.checkpoint.every=null"]
+        + ["trainer.steps=${trainer.warmup_steps}", "trainer.min_lr_ratio=1"]  # as OmegaConf would store them
     )
     with pytest.raises(ConfigError, match="trainer.checkpoint.evry: unknown key; allowed: every, dir"):
         check_override_keys(["trainer.steps=4", "trainer.checkpoint.evry=2"])
@@ -485,6 +487,12 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
         # the options chosen on the command line decide: torch has no save, nor has one point of a sweep
         (["dispatcher=torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch; allowed: "),
         (["dispatcher=fused,torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch"),
+        # a schema key's value of the wrong type: named, where Hydra's merge error would stop every point of a sweep
+        (["trainer.steps=abc"], "trainer.steps: expected int, got 'abc'"),
+        (["trainer.steps=3,abc"], "trainer.steps: expected int, got 'abc'"),
+        (["trainer.steps=null"], "trainer.steps: expected int, got None"),
+        (["trainer.checkpoint.every=x"], "trainer.checkpoint.every: expected int or null, got 'x'"),
+        (["trainer.deterministic=maybe"], "trainer.deterministic: expected bool, got 'maybe'"),
     ],
 )
 def test_a_mistyped_option_or_option_key_is_refused_before_hydra_composes(overrides, expected):

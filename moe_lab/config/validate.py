@@ -129,14 +129,30 @@ def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_
         if rest and _is_group(group, hints):
             _check_option_key(group, rest.partition(".")[0], chosen.get(group) if every_option else None)
             continue
-        parts, section = key.split("."), schema
+        parts, section, parent = key.split("."), schema, schema
         for depth in range(len(parts)):
             if not dataclasses.is_dataclass(section):
                 break  # a key under a value
             section_hints = typing.get_type_hints(section)
             if parts[depth] not in section_hints:
                 raise _unknown_key(".".join(parts[: depth + 1]), section_hints)
-            section = section_hints[parts[depth]]
+            parent, section = section, section_hints[parts[depth]]
+        else:
+            if not dataclasses.is_dataclass(section):
+                _check_schema_value(key, parent, parts[-1], override)
+
+
+def _check_schema_value(key: str, section: type, name: str, override) -> None:
+    """A schema key's value (each of a choice sweep's) must be one OmegaConf can store in the key's type: else Hydra
+    would stop the whole command (a sweep's valid points too) with its merge error."""
+    values = [override.value()] if not override.is_sweep_override() else []
+    values = list(override.sweep_iterator()) if override.is_choice_sweep() else values
+    node = OmegaConf.structured(section)
+    for value in values:
+        try:
+            node[name] = value
+        except OmegaConfBaseException:
+            raise ConfigError(key, f"expected {_describe(typing.get_type_hints(section)[name])}, got {value!r}") from None
 
 
 EXPERIMENT = "experiment"  # the studies' presets, appended: +experiment=<study>[/<variant>]
@@ -282,6 +298,8 @@ def _describe(annotation) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(annotation))
     if origin in (tuple, list):
         return f"a list of [{', '.join(_describe(a) for a in typing.get_args(annotation))}]"
+    if annotation is type(None):
+        return "null"
     return getattr(annotation, "__name__", str(annotation))
 
 
