@@ -152,7 +152,9 @@ def _check_schema_value(key: str, section: type, name: str, override) -> None:
         try:
             node[name] = value
         except OmegaConfBaseException:
-            raise ConfigError(key, f"expected {_describe(typing.get_type_hints(section)[name])}, got {value!r}") from None
+            raise ConfigError(
+                key, f"expected {_describe(typing.get_type_hints(section)[name])}, got {value!r}"
+            ) from None
 
 
 EXPERIMENT = "experiment"  # the studies' presets, appended: +experiment=<study>[/<variant>]
