@@ -361,6 +361,12 @@ def test_a_finished_run_trains_longer_in_its_own_directory(tmp_path):
     assert afresh.returncode == 0, afresh.stderr[-2000:]
     record = json.loads((run_dir / "result.json").read_text())
     assert record["config"]["trainer"]["steps"] == 3 and record["metrics"]["resumed_from"] is None
+    # the directory afresh: the 4-step run's checkpoints (steps 2 and 4) went, this run's step 2 is its own, not
+    # skipped as "already there" nor pruned beside step 4
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
+    marker = json.loads((run_dir / "checkpoints" / "step_00000002" / "checkpoint.json").read_text())
+    assert marker["config"]["trainer"]["steps"] == 3
+    assert "removed the 2 checkpoint(s) an earlier run left" in afresh.stdout + afresh.stderr
 
 
 def test_a_finished_runs_record_survives_the_same_command_and_a_mistyped_resume(tmp_path):

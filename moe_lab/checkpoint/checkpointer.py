@@ -149,6 +149,8 @@ class Checkpointer:
         candidates = []
         if self.rank == 0:
             ckpt_dir.remove_leftovers(self.directory)
+            if self.resume == "never":
+                self._remove_earlier_run()
             if self.resume == "auto":
                 candidates = ckpt_dir.complete(self.directory)[::-1]  # newest first
             elif self.resume != "never":
@@ -303,6 +305,21 @@ class Checkpointer:
         if tuple(saved[key].size) != tuple(self.layout.shape(name)):
             raise CheckpointMismatch(
                 f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this model's is {tuple(self.layout.shape(name))}"
+            )
+
+    def _remove_earlier_run(self) -> None:
+        """``trainer.resume=never`` starts the directory afresh: the checkpoints an earlier run left here go, else
+        this run's would be pruned beside their higher steps, one at a step they hold would not be written (its
+        step is "already there"), and ``resume=auto`` would later find theirs, not this run's."""
+        earlier = ckpt_dir.complete(self.directory)
+        for path in earlier:
+            ckpt_dir.remove(path)
+        if earlier:
+            log.warning(
+                "trainer.resume=never: removed the %d checkpoint(s) an earlier run left in %s (the newest: %s)",
+                len(earlier),
+                self.directory,
+                earlier[-1].name,
             )
 
     # ---- save ----

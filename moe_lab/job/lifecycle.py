@@ -386,7 +386,7 @@ def check_checkpoints(run_dir: Path, cfg: DictConfig) -> None:
         raise RunDirInUse(
             f"{newest} is a checkpoint of another configuration; trainer.resume=auto would continue from it. Use "
             "another hydra.run.dir / hydra.sweep.dir or trainer.checkpoint.dir, trainer.resume=never to start afresh "
-            "(its checkpoints are then replaced), or trainer.resume=<that checkpoint> to continue from it on purpose (a "
+            "(the checkpoints there are removed as it starts), or trainer.resume=<that checkpoint> to continue from it on purpose (a "
             "finished run trained longer: its record is replaced by the longer run's)."
         )
 
