@@ -172,11 +172,11 @@ def test_a_sweep_directory_in_use_is_refused(tmp_path):
     sweep.mkdir()
     with open(sweep / ".moe_lab.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock.write("a test's host pid 1\n")
+        lock.write("a running job (a test's host pid 1)\n")  # a single run into the sweep's directory, say
         lock.flush()
         proc = train_cli("-m", "ac=none", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert proc.returncode != 0
-    assert "is in use by a running sweep (a test's host pid 1)" in proc.stderr
+    assert "is in use by a running job (a test's host pid 1)" in proc.stderr  # the holder's kind, not this job's
     assert sorted(p.name for p in sweep.iterdir()) == [".moe_lab.lock"]
     proc = train_cli("-m", "ac=none", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # released: it runs
     assert proc.returncode == 0 and (sweep / "0" / "result.json").exists(), proc.stderr[-3000:]
@@ -311,11 +311,11 @@ def test_a_run_directory_in_use_is_refused(tmp_path):
     run_dir.mkdir()
     with open(run_dir / ".moe_lab.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock.write("a test's host pid 1\n")
+        lock.write("a test's host pid 1\n")  # a lock of no kind (an older moe_lab's)
         lock.flush()
         proc = train_cli(*SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert proc.returncode != 0
-    assert f"hydra.run.dir={run_dir} is in use by a running job (a test's host pid 1)" in proc.stderr
+    assert f"hydra.run.dir={run_dir} is in use by another process (a test's host pid 1)" in proc.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == [".moe_lab.lock"]
     proc = train_cli(*SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)  # released: it runs
     assert proc.returncode == 0 and (run_dir / "result.json").exists(), proc.stderr[-3000:]
@@ -526,3 +526,12 @@ def test_the_planner_and_the_tune_check_their_own_groups_keys():
         check_override_keys(["tune.mesure=3"], TuneConfig)
     with pytest.raises(ConfigError, match="hardware: unknown top-level key"):  # train has no hardware
         check_override_keys(["hardware=b300"])
+
+
+def test_a_dry_runs_counts_carry_their_prefix():
+    from moe_lab.job.lifecycle import count
+
+    assert [count(30.53e9), count(3.35e9), count(189_820), count(2_500_000), count(12)] == [
+        "30.53B", "3.35B", "189.82K", "2.50M", "12",
+    ]  # fmt: skip
+    assert count(18.55e9, "G") == "18.55G"

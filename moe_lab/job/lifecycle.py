@@ -74,7 +74,7 @@ NOT_PART_OF_THE_POINT = ("trainer.skip_done", "trainer.checkpoint", "trainer.res
 # What a CPU run out of host memory says besides (the README's 30B proxy on a laptop, say).
 CPU_TOO_SMALL = (
     ". This configuration wants a GPU (trainer.device=auto takes one where there is one); on this CPU machine shrink "
-    "it: model=tiny, fewer model.num_layers, a smaller data.seq_len"
+    "its weights, which with their gradients must fit: model=tiny, or fewer model.num_layers"
 )
 
 
@@ -143,14 +143,14 @@ class OutputDirGuard(Callback):
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.lock.seek(0)
-            holder = self.lock.read().strip() or "another process"
+            holder = self.lock.read().strip()  # the holder's own words: a run may hold a sweep's directory
+            holder = holder if holder.startswith("a running ") else f"another process ({holder or 'unnamed'})"
             self._release()
             raise OutputDirInUse(
-                f"{key}={directory} is in use by a running {job} ({holder}); wait for it to end or choose another "
-                f"{key}."
+                f"{key}={directory} is in use by {holder}; wait for it to end or choose another {key}."
             ) from None
         self.lock.truncate(0)
-        self.lock.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+        self.lock.write(f"a running {job} ({socket.gethostname()} pid {os.getpid()})\n")
         self.lock.flush()
         return True
 
@@ -411,6 +411,14 @@ def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool,
     sys.exit(f"invalid config: {record['error']['message']} ({where})")
 
 
+def count(n: float, billion: str = "B") -> str:
+    """``n`` with its prefix: 30.53B, 1.20M, 512.00K (a tiny model's 0.00B said nothing); ``billion="G"`` for FLOP."""
+    for scale, prefix in ((1e9, billion), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{prefix}"
+    return f"{n:.0f}"
+
+
 def dry_run(cfg: DictConfig, options: Options) -> dict:
     from moe_lab.metrics.flops import flops_per_token
     from moe_lab.models.qwen3_moe import count_parameters
@@ -419,8 +427,8 @@ def dry_run(cfg: DictConfig, options: Options) -> dict:
     total, active = count_parameters(model)
     fpt = flops_per_token(model, cfg.data.seq_len)
     print(
-        f"{model.name} ({model.num_layers} layers): {total / 1e9:.2f}B total, {active / 1e9:.2f}B active "
-        f"parameters; {fpt['shared'] / 1e9:.2f} GFLOP/token at seq {cfg.data.seq_len}"
+        f"{model.name} ({model.num_layers} layers): {count(total)} total, {count(active)} active parameters; "
+        f"{count(fpt['shared'], 'G')} FLOP/token at seq {cfg.data.seq_len}"
     )
     return {"total_params": total, "active_params": active, "flops_per_token": fpt["shared"]}
 
