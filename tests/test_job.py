@@ -160,7 +160,7 @@ def test_run_says_where_its_files_went_in_its_log(nproc, tmp_path):
     ):
         assert line in log and line in proc.stdout, line
     # stdout is a pipe here: plain progress lines (the last step's among them), no progress bar's carriage returns
-    assert "\r" not in proc.stdout and "train: step 2/2, loss " in proc.stdout
+    assert "\r" not in proc.stdout and "train: 2/2 steps, loss " in proc.stdout
 
 
 def test_a_sweep_directory_in_use_is_refused(tmp_path):

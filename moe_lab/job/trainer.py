@@ -13,6 +13,7 @@ import os
 import re
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -28,7 +29,7 @@ from moe_lab.config import Options
 from moe_lab.job.interrupt import Interrupted, StopRequest
 from moe_lab.metrics.flops import flops_per_token, peak_flops
 from moe_lab.metrics.logger import ExperimentLogger, NoLogger
-from moe_lab.metrics.progress import StepProgress
+from moe_lab.metrics.progress import ConsoleProgress
 from moe_lab.metrics.routing import ExpertLoad
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.hf_weights import load_hf_checkpoint
@@ -97,7 +98,9 @@ def train(
         set_micro_batch(model, final, cfg.parallel.grad_sync, cfg.parallel.reshard_after_forward)
         options.offload.before_micro_batch(optimizer, final)
 
-    console = StepProgress(progress.step, t.steps, enabled=bool(writer))
+    console = ConsoleProgress(
+        "train", t.steps, enabled=bool(writer), first=progress.step, unit="steps", stream=sys.stdout
+    )
     for step in range(progress.step, t.steps):
         stop_if_signalled(stop or NO_STOP, device, checkpointer, progress, t.checkpoint.on_signal)
         start = time.perf_counter()
@@ -145,7 +148,7 @@ def train(
             row |= routing_row
             metrics_log.write(row)
             logger.log(row, step)
-        console.step(step, loss, elapsed)
+        console.advance(note=f"loss {loss:.4f}, {elapsed:.3f} s/step")
         checkpointer.maybe_save(progress)
     console.close()
     checkpointer.close()

@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
-from tqdm import tqdm
 
 from moe_lab import config
 from moe_lab.config import ConfigError
 from moe_lab.metrics.flops import hardware_option
+from moe_lab.metrics.progress import ConsoleProgress
 from moe_lab.optim.offload.host import usable_host_bytes
 from moe_lab.plan.hardware import GIB, Hardware
 from moe_lab.plan.planner import HOST_PROCESS
@@ -189,7 +189,7 @@ def measure(
     sweeps: list[dict] = []
     rows, replaces = first, [None] * len(first)  # the first round replaces none
     ceiling = math.inf  # the least planned peak that ran out of memory: this machine does not hold what plans as much
-    bar = tqdm(total=len(first), desc="candidates measured", unit="point", disable=not progress)
+    bar = ConsoleProgress("candidates measured", len(first), enabled=progress, unit="points")
     while rows:
         round_number = len(sweeps) + 1
         sweep_dir = round_files(round_number)[1]
@@ -207,7 +207,7 @@ def measure(
             sweep["returncode"], sweep["seconds"] = _run(command, tune_dir, batch, log_path, bar)
         else:
             sweep["seconds"], sweep["skipped"] = 0.0, "measured before"
-            bar.update(len(batch))
+            bar.advance(len(batch))
         ended = [status(tune_dir, c) for c in batch]  # read once after the round: the counts and replacements use it
         sweep["unrecorded"] = ended.count(None)
         sweeps.append(sweep)
@@ -215,7 +215,7 @@ def measure(
         ceiling = min([ceiling, *(row["planned_peak_gpu_mem_gib"] for _, row in out_of_memory)])
         found = [(replacement(ceiling), c["candidate"]) for c, _ in out_of_memory[: 2 * len(first) - len(chosen)]]
         rows, replaces = [row for row, _ in found if row], [c for row, c in found if row]
-        bar.total += len(rows)
+        bar.grow(len(rows))
     bar.close()
     failed = next((s["returncode"] for s in sweeps if s["returncode"]), 0)
     return {
@@ -231,10 +231,10 @@ def measure(
 def _run(command: list[str], tune_dir: Path, batch: list[dict], log_path: Path, bar) -> tuple[int, float]:
     """One round's sweep, the bar moved as its candidates finish: (its exit code, its seconds)."""
     started = time.time()
-    measured_before = bar.n
+    measured_before = bar.done
 
     def update() -> None:
-        bar.update(measured_before + sum(_finished(tune_dir, c, started) for c in batch) - bar.n)
+        bar.advance(measured_before + sum(_finished(tune_dir, c, started) for c in batch) - bar.done)
 
     with open(log_path, "ab") as log:
         job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

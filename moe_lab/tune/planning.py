@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from moe_lab.config import ConfigError
+from moe_lab.metrics.progress import ConsoleProgress
 from moe_lab.plan.planner import build_hardware, plan, validated
 from moe_lab.tune.space import key_points, override_value
 
@@ -100,7 +100,7 @@ def workers(asked: int | None) -> int:
     return asked or min(4, os.cpu_count() or 1)
 
 
-CHUNK = 32  # points a worker plans (or validates) per task: the progress bar moves, the pool stays busy to the end
+CHUNK = 32  # points a worker plans (or validates) per task: the progress moves, the pool stays busy to the end
 
 
 def chunks(combos: list[Combination]) -> list[Combination]:
@@ -136,7 +136,7 @@ def any_valid(combination: Combination) -> bool:
 def invalid_space(combos: list[Combination], processes: int, progress: bool = True) -> ConfigError | None:
     """None as soon as a point of the space is valid (validation costs a fraction of a plan), else the refusal of
     the space's first point. The first key point of each combination first (a setting every point shares refuses
-    these already), then the rest in a process pool, with a progress bar."""
+    these already), then the rest in a process pool, with its progress shown."""
     first = None
     for c in combos:
         error = validation_error(point_config(c.cfg, c.keys[0]), hardware_of(c.cfg))
@@ -146,32 +146,32 @@ def invalid_space(combos: list[Combination], processes: int, progress: bool = Tr
     rest = chunks([Combination(c.groups, c.cfg, c.keys[1:]) for c in combos if c.size > 1])
     if not rest:
         return first
-    bar = tqdm(total=sum(t.size for t in rest), desc="points validated", unit="point", disable=not progress)
+    bar = ConsoleProgress("points validated", sum(t.size for t in rest), enabled=progress, unit="points")
     with bar, pool(processes) as validating:
         futures = {validating.submit(any_valid, task): task for task in rest}
         for future in concurrent.futures.as_completed(futures):
             if future.result():
                 validating.shutdown(cancel_futures=True)  # the tasks running end within a chunk's validation
                 return None
-            bar.update(futures[future].size)
+            bar.advance(futures[future].size)
     return first
 
 
 def plan_all(combos: list[Combination], processes: int, progress: bool = True) -> list[dict]:
     """Every point's row, in the space's order (group combinations, then key values, as the axes are listed)."""
     tasks = chunks(combos)
-    bar = tqdm(total=sum(c.size for c in combos), desc="points planned", unit="point", disable=not progress)
+    bar = ConsoleProgress("points planned", sum(c.size for c in combos), enabled=progress, unit="points")
     results: list[list[dict]] = [[] for _ in tasks]
     if processes == 1 or len(tasks) == 1:
         for i, task in enumerate(tasks):
             results[i] = plan_combination(task)
-            bar.update(task.size)
+            bar.advance(task.size)
     else:
         with pool(processes) as planning:
             futures = {planning.submit(plan_combination, task): i for i, task in enumerate(tasks)}
             for future in concurrent.futures.as_completed(futures):
                 results[futures[future]] = future.result()
-                bar.update(tasks[futures[future]].size)
+                bar.advance(tasks[futures[future]].size)
     bar.close()
     return [row for rows in results for row in rows]
 
