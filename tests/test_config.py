@@ -149,6 +149,8 @@ BAD = [
     (["+optimizer.foo=1"], {}, "optimizer.foo"),
     (["ac=full", "ac._target_=moe_lab.metrics.logger.NoLogger"], {}, "ac._target_"),  # a class without the contract
     (["offload._target_=moe_lab.parallel.ac.NoCheckpoint"], {}, "offload._target_"),
+    (["ac=full", "ac._target_=moe_lab.parallel.ac.Checkpointing"], {}, "ac._target_"),  # the contract itself
+    (["ac=full", "ac._target_=collections.OrderedDict"], {}, "ac._target_"),  # a builtin: no keys to read
     (["trainer.nproc_per_node=3", "parallel.ep=3"], {}, "parallel.ep"),  # 8 experts over 3 ranks
     (["parallel.ep=2"], {}, "parallel.ep"),  # more EP ranks than the job has
     (["optimizer.lr=-1e-3"], {}, "optimizer.lr"),

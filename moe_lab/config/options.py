@@ -3,10 +3,11 @@ values) and hands them to the trainer, which builds nothing from the config agai
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 
 from moe_lab.data.batch import DataSource
@@ -69,6 +70,12 @@ CONTRACTS = {
 
 
 def _build(cfg: DictConfig, group: str, contract: type):
+    target, contract_name = get_object(cfg[group]._target_), f"{contract.__module__}.{contract.__name__}"
+    if inspect.isclass(target) and (inspect.isabstract(target) or getattr(target, "_is_protocol", False)):
+        message = (
+            f"{cfg[group]._target_} is abstract (a contract, not an option): name a class that provides {contract_name}"
+        )
+        raise ConfigError(f"{group}._target_", message)
     try:
         option = instantiate(cfg[group])
     except InstantiationException as e:
@@ -76,7 +83,6 @@ def _build(cfg: DictConfig, group: str, contract: type):
             raise e.__cause__ from None  # Hydra wraps what a constructor raises
         raise
     if not isinstance(option, contract):
-        contract_name = f"{contract.__module__}.{contract.__name__}"
         message = f"{cfg[group]._target_} is no {group} option: it does not provide {contract_name}"
         raise ConfigError(f"{group}._target_", message)
     return option

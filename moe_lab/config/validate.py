@@ -244,10 +244,12 @@ def check_target_node(key: str, node) -> None:
         target = get_object(node._target_)
     except Exception as e:
         raise ConfigError(f"{key}._target_", f"cannot import {node._target_!r}: {e}") from None
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without one: an option is a Python class whose keys can be read
+        raise ConfigError(f"{key}._target_", f"{node._target_} is no option class (its keys cannot be read)") from None
     params = {
-        name: p
-        for name, p in inspect.signature(target).parameters.items()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        name: p for name, p in signature.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     }
     try:
         hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
