@@ -535,3 +535,20 @@ def test_a_dry_runs_counts_carry_their_prefix():
         "30.53B", "3.35B", "189.82K", "2.50M", "12",
     ]  # fmt: skip
     assert count(18.55e9, "G") == "18.55G"
+
+
+def test_a_point_holding_another_configurations_record_is_counted_as_not_run(tmp_path):
+    """A sweep run again after a point's config changed under the same overrides (a preset edited, say): that point
+    is not run, its directory's record kept, and the sweep's last line counts it as not run, not as that record's
+    ok."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "ac=none,full", *SMALL, f"hydra.sweep.dir={sweep}"]
+    assert train_cli(*args, cwd=tmp_path).returncode == 0
+    other = json.loads((sweep / "0" / "result.json").read_text())
+    other["config"]["trainer"]["seed"] += 1  # as a run of another configuration left it
+    (sweep / "0" / "result.json").write_text(json.dumps(other))
+    proc = train_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = f"sweep {sweep}: 2 points: 1 not run (another configuration's record or checkpoint there), 1 ok"
+    assert summary in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+    assert json.loads((sweep / "0" / "result.json").read_text()) == other

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -90,6 +91,13 @@ class OutputDirGuard(Callback):
 
     def __init__(self):
         self.lock = None
+        # Points of this sweep that left no record of their own (the directory holds another configuration's): a
+        # job that returns None. Seen where the launcher runs jobs in this process (not SLURM's).
+        self.not_run: set[Path] = set()
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        if job_return.status == JobStatus.COMPLETED and job_return.return_value is None:
+            self.not_run.add(Path(config.hydra.runtime.output_dir).resolve())
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         self._take(Path(config.hydra.run.dir), "hydra.run.dir", "job")
@@ -125,8 +133,13 @@ class OutputDirGuard(Callback):
         if self.lock is None:  # a rank other than 0 of an outer launcher
             return
         self._release()
-        points = sorted(Path(config.hydra.sweep.dir).rglob(RESULT))
-        statuses = [(read_result(path.parent) or {}).get("status", "unreadable") for path in points]
+        points = {path.parent.resolve() for path in Path(config.hydra.sweep.dir).rglob(RESULT)} | self.not_run
+        statuses = [
+            "not run (another configuration's record or checkpoint there)"
+            if point in self.not_run
+            else (read_result(point) or {}).get("status", "unreadable")
+            for point in sorted(points)
+        ]
         counts = ", ".join(f"{n} {status}" for status, n in Counter(statuses).most_common())
         print(f"sweep {config.hydra.sweep.dir}: {len(statuses)} points: {counts or 'none recorded'}")
         if "ok" not in statuses:
@@ -395,10 +408,11 @@ class RunDirInUse(RuntimeError):
     pass
 
 
-def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool, e: Exception) -> None:
+def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool, e: Exception) -> dict | None:
     """Record the refused config, unless the directory holds the record of a run (another run's that
     ``earlier_record`` let a ``trainer.resume`` of it through, or this point's own, refused now for a
-    ``trainer.resume`` that is not there): a config that never ran does not replace a run."""
+    ``trainer.resume`` that is not there): a config that never ran does not replace a run. In a sweep, the record
+    written, or None where the directory's record is not this point's."""
     record = Record.point(meta, cfg).invalid(e)
     earlier = read_result(run_dir) if rank0 else None
     keep = earlier is not None and earlier.get("status") != "invalid"
@@ -407,7 +421,7 @@ def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool,
         record.write(run_dir)
     if multirun:
         log.error("invalid config, point skipped: %s (%s)", record["error"]["message"], where)
-        return None
+        return None if keep else record
     sys.exit(f"invalid config: {record['error']['message']} ({where})")
 
 
