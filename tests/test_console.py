@@ -23,6 +23,7 @@ def test_plan_prints_its_record_and_exits_0_for_a_plan_that_fits_nowhere(tmp_pat
     proc = plan_cli("model=qwen3_30b", "hardware.gpus_per_node=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"recorded in {run_dir / 'result.json'}" in proc.stdout and "does not fit" in proc.stdout
+    assert "fastest that fits here: none (" in proc.stdout  # said, not left out
     assert json.loads((run_dir / "result.json").read_text())["plan"]["fits"] is False
 
     refused = plan_cli("parallel.ep=3", f"hydra.run.dir={tmp_path / 'invalid'}", cwd=tmp_path)

@@ -473,10 +473,13 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
     # Sweeps, appended keys (checked once composed), Hydra's own and group options' known keys pass here.
     check_override_keys(
         ["ac=none,full", "+trainer.extra=1", "+offload.x=1", "hydra/launcher=basic", "hydra.run.dir=x"]
-        + ["dispatcher.save=rows", "+experiment=grid_30b/two_gpu", "model.routing.kind=x", "data._target_=my.Data"]
+        + ["dispatcher=fused", "dispatcher.save=rows", "+experiment=grid_30b/two_gpu", "model.routing.kind=x"]
+        + ["data._target_=my.Data"]
         + ["trainer.steps='5'", "trainer.steps=2,3", "trainer.steps=range(1,3)", "trainer.checkpoint.every=null"]
         + ["trainer.steps=${trainer.warmup_steps}", "trainer.min_lr_ratio=1"]  # as OmegaConf would store them
     )
+    check_override_keys(["+experiment=full_depth", "dispatcher.save=inputs"])  # the preset chooses fused
+    check_override_keys(["+experiment=full_depth,full_depth/seq32768", "ac.keep=[matmul]"])  # each chooses selective
     with pytest.raises(ConfigError, match="trainer.checkpoint.evry: unknown key; allowed: every, dir"):
         check_override_keys(["trainer.steps=4", "trainer.checkpoint.evry=2"])
 
@@ -493,6 +496,16 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
         # the options chosen on the command line decide: torch has no save, nor has one point of a sweep
         (["dispatcher=torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch; allowed: "),
         (["dispatcher=fused,torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch"),
+        # an option the command line leaves to train.yaml's default (Hydra would advise appending the key with +)
+        (
+            ["dispatcher.save=rows"],
+            "dispatcher.save: unknown key for dispatcher=torch (the default); allowed: "
+            "expert_precision, permute; dispatcher=fused has it",
+        ),
+        (
+            ["ac=full", "ac.offload_activations=true"],
+            "ac.offload_activations: unknown key for ac=full; allowed: no keys",
+        ),
         # a schema key's value of the wrong type: named, where Hydra's merge error would stop every point of a sweep
         (["trainer.steps=abc"], "trainer.steps: expected int, got 'abc'"),
         (["trainer.steps=3,abc"], "trainer.steps: expected int, got 'abc'"),
@@ -522,6 +535,10 @@ def test_the_planner_and_the_tune_check_their_own_groups_keys():
     check_override_keys(["tune.measure=0", "+tune.axes.ac.offload_activations=[false,true]"], TuneConfig)
     with pytest.raises(ConfigError, match="hardware: no option 'h300'; options: b200, b300, file, h100, h200"):
         check_override_keys(["hardware=h300"], PlanConfig)
+    # a parameter of the option's class its yaml leaves to the default: Hydra needs it appended, and the message says so
+    with pytest.raises(ConfigError, match=r"Hardware takes it: append it, \+hardware.fp8_dense_gemm_efficiency=..."):
+        check_override_keys(["hardware.fp8_dense_gemm_efficiency=0.77"], PlanConfig)
+    check_override_keys(["+hardware.fp8_dense_gemm_efficiency=0.77"], PlanConfig)
     with pytest.raises(ConfigError, match="tune.mesure: no tune option has this key; allowed: axes, device, "):
         check_override_keys(["tune.mesure=3"], TuneConfig)
     with pytest.raises(ConfigError, match="hardware: unknown top-level key"):  # train has no hardware

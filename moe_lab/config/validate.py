@@ -15,6 +15,7 @@ layout's (``moe_lab.parallel.emulate.emulated_target``), never read from the env
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -24,6 +25,7 @@ import typing
 from pathlib import Path
 
 import torch
+import yaml
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -121,13 +123,20 @@ def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_
         elif _is_group(key, hints) and not override.is_add():
             chosen[key] = _choices(override)
             check_options(key, chosen[key])
+    origin = dict.fromkeys(chosen, "")
+    if every_option:  # a group the command line leaves alone has the preset's option, else train.yaml's default
+        for group, options in implied_choices(parsed).items():
+            if group not in chosen and _is_group(group, hints):
+                chosen[group], origin[group] = options[0], options[1]
     for override in parsed:
         key = override.key_or_group
         if override.is_add() or override.is_force_add() or key == "hydra" or key.startswith(("hydra.", "hydra/")):
             continue
         group, _, rest = key.partition(".")
         if rest and _is_group(group, hints):
-            _check_option_key(group, rest.partition(".")[0], chosen.get(group) if every_option else None)
+            _check_option_key(
+                group, rest.partition(".")[0], chosen.get(group) if every_option else None, origin.get(group)
+            )
             continue
         parts, section, parent = key.split("."), schema, schema
         for depth in range(len(parts)):
@@ -189,24 +198,76 @@ def check_options(group: str, names: list[str]) -> None:
             raise ConfigError(group, f"no option {name!r}; {where}: {', '.join(options)}")
 
 
-def _check_option_key(group: str, key: str, options: list[str] | None) -> None:
-    """``key`` must be set by each option chosen for ``group`` (by one of its options when none is chosen here);
-    ``_target_`` too is a key an override may set (a class of one's own)."""
+def implied_choices(parsed) -> dict[str, tuple[list[str], str]]:
+    """The options of the groups a command line does not choose: its presets' (``+experiment``, each of a sweep's),
+    else train.yaml's default; with where they come from, for the message."""
+    presets = next((_choices(o) for o in parsed if o.key_or_group == EXPERIMENT and o.is_add()), [])
+    defaults = {
+        next(iter(d)): d[next(iter(d))]
+        for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"]
+        if isinstance(d, dict)
+    }
+    implied: dict[str, tuple[list[str], str]] = {}
+    for group, default in defaults.items():
+        options = sorted({preset_choices(name).get(group, default) for name in presets} or {default})
+        from_preset = any(group in preset_choices(name) for name in presets)
+        implied[group] = (options, "the preset's" if from_preset else "the default")
+    return implied
+
+
+def preset_choices(name: str) -> dict[str, str]:
+    """The group options a study's preset chooses: its defaults list, after those of the presets it includes."""
+    path = EXPERIMENTS_DIR / name / "preset.yaml"
+    path = path if path.is_file() else EXPERIMENTS_DIR / f"{name}.yaml"
+    choices: dict[str, str] = {}
+    for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults") or []:
+        if isinstance(entry, str) and entry.startswith(f"/{EXPERIMENT}/"):
+            choices |= preset_choices(entry.removeprefix(f"/{EXPERIMENT}/"))
+        elif isinstance(entry, dict):
+            for key, option in entry.items():
+                group = key.removeprefix("override").strip().strip("/")
+                if "/" not in group and isinstance(option, str):
+                    choices[group] = option
+    return choices
+
+
+def _check_option_key(group: str, key: str, options: list[str] | None, origin: str | None = None) -> None:
+    """``key`` must be set by each option ``group`` has here (by one of its options when that is unknown);
+    ``_target_`` too is a key an override may set (a class of one's own). ``origin``: where the options came from
+    when the command line did not choose them (the preset's, the default)."""
     keys = {name: set(OmegaConf.load(CONF_DIR / group / f"{name}.yaml") or {}) for name in options_of(group)}
 
     def shown(held: set[str]) -> str:
-        return ", ".join(sorted(k for k in held if not k.startswith("_"))) or "none"
+        return ", ".join(sorted(k for k in held if not k.startswith("_"))) or "no keys"
 
-    if options:
-        lacking = [name for name in options if name in keys and key not in keys[name]]
-        if lacking:
-            raise ConfigError(
-                f"{group}.{key}", f"unknown key for {group}={lacking[0]}; allowed: {shown(keys[lacking[0]])}"
-            )
-    elif not any(key in held for held in keys.values()):
+    having = [f"{group}={name}" for name, held in keys.items() if key in held]
+    if not having and (taking := _classes_taking(group, key)):
+        raise ConfigError(
+            f"{group}.{key}", f"not in a {group} option's yaml, but {taking} takes it: append it, +{group}.{key}=..."
+        )
+    if not having:
         raise ConfigError(
             f"{group}.{key}", f"no {group} option has this key; allowed: {shown(set().union(*keys.values()))}"
         )
+    lacking = [name for name in options or [] if name in keys and key not in keys[name]]
+    if lacking:
+        message = f"unknown key for {group}={lacking[0]}" + (f" ({origin})" if origin else "")
+        message += (
+            f"; allowed: {shown(keys[lacking[0]])}; {' and '.join(having)} {'has' if len(having) == 1 else 'have'} it"
+        )
+        raise ConfigError(f"{group}.{key}", message)
+
+
+def _classes_taking(group: str, key: str) -> str:
+    """The option classes of ``group`` with a parameter ``key`` their yaml leaves to its default (a hardware
+    profile's efficiencies, say), by name; "" for none."""
+    taking = []
+    for name in options_of(group):
+        target = (OmegaConf.load(CONF_DIR / group / f"{name}.yaml") or {}).get("_target_")
+        with contextlib.suppress(Exception):  # a class that cannot be imported or read here takes nothing here
+            if target and key in inspect.signature(get_object(target)).parameters and target not in taking:
+                taking.append(target)
+    return ", ".join(taking)
 
 
 def _unknown_key(key: str, allowed) -> ConfigError:
@@ -261,7 +322,7 @@ def check_target_node(key: str, node) -> None:
             continue
         if name not in params:
             raise ConfigError(
-                f"{key}.{name}", f"unknown key for {node._target_}; allowed: {', '.join(sorted(params)) or 'none'}"
+                f"{key}.{name}", f"unknown key for {node._target_}; allowed: {', '.join(sorted(params)) or 'no keys'}"
             )
         if name in hints and not _matches(value, hints[name]):
             raise ConfigError(f"{key}.{name}", f"expected {_describe(hints[name])}, got {value!r}")

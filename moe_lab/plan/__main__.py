@@ -101,6 +101,8 @@ def summary(record: dict) -> str:
             f"fastest that fits here: {fastest['overrides']} ({fastest['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
             f"{fastest['peak_gpu_mem_gib']:.1f} GiB; of settings within {TIE:.0%} of the fastest, the least memory)"
         )
+    elif p.get("largest_fitting_limits") is not None:  # searched, and nothing fits
+        lines.append("fastest that fits here: none (no AC mode, keep set, save mode or activation offload fits)")
     return "\n".join(lines)
 
 
