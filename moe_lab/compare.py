@@ -360,7 +360,9 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser, notes: l
     pd.set_option("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.6g}".format)
     for note in notes:  # a metrics.jsonl read as its steps so far
         print(f"note: {note.message}")
-    print(f"reference: {runs['label'].iloc[0]} ({reference_dir}); {args.metric} by step")
+    label = runs["label"].iloc[0]
+    where = "" if label.endswith(f"({reference_dir})") else f" ({reference_dir})"  # a label made unique by it already
+    print(f"reference: {label}{where}; {args.metric} by step")
     if (status := runs["status"].iloc[0]) != "ok":  # a failed reference is compared as its steps so far
         print(f"note: the reference ended {status} ({runs['error_message'].iloc[0]}): compared as far as it ran")
     print(difference_table(table, band).to_string())
