@@ -98,9 +98,9 @@ def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_
     key (``dispacher=fused``, ``trainer.stpes=10``), an option its group lacks (``dispatcher=fusd``, also in a sweep)
     or a key no chosen option of its group has (``dispatcher.sav=x``) is refused in one line naming what is allowed,
     rather than with Hydra's advice to append it with ``+`` or its search path. ``schema``: the entry point's
-    (train's, or the planner's and the tune's with their own groups). A group's key must be a key of each option the
-    command line chooses for it (``every_option``: each is composed with it), else of one of its options (a tune's
-    key axis applies where a point has the key; an experiment's choice is known only once composed). Appended keys
+    (train's, or the planner's and the tune's with their own groups). A group's key must be a key of each option it
+    has (``every_option``: each is composed with it): the command line's, else its presets', else train.yaml's default;
+    else (the tune: a key axis applies where a point has the key) of one of its options. Appended keys
     and deeper keys are checked once composed (``check_known_keys``, ``check_target_node``); a line Hydra cannot
     parse is left to Hydra to explain."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -123,11 +123,11 @@ def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_
         elif _is_group(key, hints) and not override.is_add():
             chosen[key] = _choices(override)
             check_options(key, chosen[key])
-    origin = dict.fromkeys(chosen, "")
+    origin: dict[str, str] = {}  # where a group's options came from, when not from the command line
     if every_option:  # a group the command line leaves alone has the preset's option, else train.yaml's default
-        for group, options in implied_choices(parsed).items():
+        for group, (options, source) in _implied_choices(parsed).items():
             if group not in chosen and _is_group(group, hints):
-                chosen[group], origin[group] = options[0], options[1]
+                chosen[group], origin[group] = options, source
     for override in parsed:
         key = override.key_or_group
         if override.is_add() or override.is_force_add() or key == "hydra" or key.startswith(("hydra.", "hydra/")):
@@ -198,7 +198,7 @@ def check_options(group: str, names: list[str]) -> None:
             raise ConfigError(group, f"no option {name!r}; {where}: {', '.join(options)}")
 
 
-def implied_choices(parsed) -> dict[str, tuple[list[str], str]]:
+def _implied_choices(parsed) -> dict[str, tuple[list[str], str]]:
     """The options of the groups a command line does not choose: its presets' (``+experiment``, each of a sweep's),
     else train.yaml's default; with where they come from, for the message."""
     presets = next((_choices(o) for o in parsed if o.key_or_group == EXPERIMENT and o.is_add()), [])
@@ -209,20 +209,20 @@ def implied_choices(parsed) -> dict[str, tuple[list[str], str]]:
     }
     implied: dict[str, tuple[list[str], str]] = {}
     for group, default in defaults.items():
-        options = sorted({preset_choices(name).get(group, default) for name in presets} or {default})
-        from_preset = any(group in preset_choices(name) for name in presets)
+        options = sorted({_preset_choices(name).get(group, default) for name in presets} or {default})
+        from_preset = any(group in _preset_choices(name) for name in presets)
         implied[group] = (options, "the preset's" if from_preset else "the default")
     return implied
 
 
-def preset_choices(name: str) -> dict[str, str]:
+def _preset_choices(name: str) -> dict[str, str]:
     """The group options a study's preset chooses: its defaults list, after those of the presets it includes."""
     path = EXPERIMENTS_DIR / name / "preset.yaml"
     path = path if path.is_file() else EXPERIMENTS_DIR / f"{name}.yaml"
     choices: dict[str, str] = {}
     for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults") or []:
         if isinstance(entry, str) and entry.startswith(f"/{EXPERIMENT}/"):
-            choices |= preset_choices(entry.removeprefix(f"/{EXPERIMENT}/"))
+            choices |= _preset_choices(entry.removeprefix(f"/{EXPERIMENT}/"))
         elif isinstance(entry, dict):
             for key, option in entry.items():
                 group = key.removeprefix("override").strip().strip("/")
