@@ -42,7 +42,8 @@ if __name__ == "__main__":
     if "--help" in sys.argv:
         sys.argv.append(config.register_help())
     try:  # a mistyped key gets moe_lab's message before Hydra's advice to append it with +
-        check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg])
+        overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg]
+        check_override_keys(overrides, multirun=bool({"-m", "--multirun"} & set(sys.argv)))
     except ConfigError as e:
         sys.exit(f"invalid config: {e}")
     main()

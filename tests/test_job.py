@@ -480,6 +480,12 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
     )
     check_override_keys(["+experiment=full_depth", "dispatcher.save=inputs"])  # the preset chooses fused
     check_override_keys(["+experiment=full_depth,full_depth/seq32768", "ac.keep=[matmul]"])  # each chooses selective
+    # grid_30b sweeps ac over full,selective under -m (its hydra.sweeper.params); one run of it has the default
+    with pytest.raises(ConfigError, match=r"ac.keep: unknown key for ac=full \(the preset's\); allowed: no keys; ac="):
+        check_override_keys(["+experiment=grid_30b", "ac.keep=[matmul]"], multirun=True)
+    with pytest.raises(ConfigError, match=r"ac.keep: unknown key for ac=none \(the default\)"):
+        check_override_keys(["+experiment=grid_30b", "ac.keep=[matmul]"])
+    check_override_keys(["+experiment=grid_30b", "ac=selective", "ac.keep=[matmul]"], multirun=True)
     with pytest.raises(ConfigError, match="trainer.checkpoint.evry: unknown key; allowed: every, dir"):
         check_override_keys(["trainer.steps=4", "trainer.checkpoint.evry=2"])
 

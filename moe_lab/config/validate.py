@@ -93,13 +93,16 @@ def _check_section(prefix: str, node, schema) -> None:
             _check_section(f"{prefix}.{key}", node[key], hint)
 
 
-def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_option: bool = True) -> None:
+def check_override_keys(
+    overrides: list[str], schema: type = TrainConfig, every_option: bool = True, multirun: bool = False
+) -> None:
     """The command line's keys and group options, before Hydra composes them: a mistyped top-level or schema-section
     key (``dispacher=fused``, ``trainer.stpes=10``), an option its group lacks (``dispatcher=fusd``, also in a sweep)
     or a key no chosen option of its group has (``dispatcher.sav=x``) is refused in one line naming what is allowed,
     rather than with Hydra's advice to append it with ``+`` or its search path. ``schema``: the entry point's
     (train's, or the planner's and the tune's with their own groups). A group's key must be a key of each option it
-    has (``every_option``: each is composed with it): the command line's, else its presets', else train.yaml's default;
+    has (``every_option``: each is composed with it): the command line's, else its presets' (their sweeps of it too
+    under ``multirun``: ``-m``), else train.yaml's default;
     else (the tune: a key axis applies where a point has the key) of one of its options. Appended keys
     and deeper keys are checked once composed (``check_known_keys``, ``check_target_node``); a line Hydra cannot
     parse is left to Hydra to explain."""
@@ -125,7 +128,7 @@ def check_override_keys(overrides: list[str], schema: type = TrainConfig, every_
             check_options(key, chosen[key])
     origin: dict[str, str] = {}  # where a group's options came from, when not from the command line
     if every_option:  # a group the command line leaves alone has the preset's option, else train.yaml's default
-        for group, (options, source) in _implied_choices(parsed).items():
+        for group, (options, source) in _implied_choices(parsed, multirun).items():
             if group not in chosen and _is_group(group, hints):
                 chosen[group], origin[group] = options, source
     for override in parsed:
@@ -198,10 +201,12 @@ def check_options(group: str, names: list[str]) -> None:
             raise ConfigError(group, f"no option {name!r}; {where}: {', '.join(options)}")
 
 
-def _implied_choices(parsed) -> dict[str, tuple[list[str], str]]:
-    """The options of the groups a command line does not choose: its presets' (``+experiment``, each of a sweep's),
-    else train.yaml's default; with where they come from, for the message."""
+def _implied_choices(parsed, multirun: bool) -> dict[str, tuple[list[str], str]]:
+    """The options of the groups a command line does not choose: its presets' (``+experiment``, each of a sweep's;
+    under ``multirun`` a preset's own sweep of a group too), else train.yaml's default; with where they come from,
+    for the message."""
     presets = next((_choices(o) for o in parsed if o.key_or_group == EXPERIMENT and o.is_add()), [])
+    chosen_by = [_preset_options(name, multirun) for name in presets]
     defaults = {
         next(iter(d)): d[next(iter(d))]
         for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"]
@@ -209,26 +214,31 @@ def _implied_choices(parsed) -> dict[str, tuple[list[str], str]]:
     }
     implied: dict[str, tuple[list[str], str]] = {}
     for group, default in defaults.items():
-        options = sorted({_preset_choices(name).get(group, default) for name in presets} or {default})
-        from_preset = any(group in _preset_choices(name) for name in presets)
-        implied[group] = (options, "the preset's" if from_preset else "the default")
+        options = sorted({o for by in chosen_by for o in by.get(group, [default])} or {default})
+        implied[group] = (options, "the preset's" if any(group in by for by in chosen_by) else "the default")
     return implied
 
 
-def _preset_choices(name: str) -> dict[str, str]:
-    """The group options a study's preset chooses: its defaults list, after those of the presets it includes."""
+def _preset_options(name: str, multirun: bool) -> dict[str, list[str]]:
+    """The group options a study's preset chooses: its defaults list, after those of the presets it includes; under
+    ``multirun`` its ``hydra.sweeper.params`` of a group (``ac: full,selective``) instead."""
     path = EXPERIMENTS_DIR / name / "preset.yaml"
     path = path if path.is_file() else EXPERIMENTS_DIR / f"{name}.yaml"
-    choices: dict[str, str] = {}
-    for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults") or []:
+    preset = yaml.safe_load(path.read_text()) or {}
+    options: dict[str, list[str]] = {}
+    for entry in preset.get("defaults") or []:
         if isinstance(entry, str) and entry.startswith(f"/{EXPERIMENT}/"):
-            choices |= _preset_choices(entry.removeprefix(f"/{EXPERIMENT}/"))
+            options |= _preset_options(entry.removeprefix(f"/{EXPERIMENT}/"), multirun)
         elif isinstance(entry, dict):
             for key, option in entry.items():
                 group = key.removeprefix("override").strip().strip("/")
                 if "/" not in group and isinstance(option, str):
-                    choices[group] = option
-    return choices
+                    options[group] = [option]
+    swept = ((preset.get("hydra") or {}).get("sweeper") or {}).get("params") or {} if multirun else {}
+    for group, values in swept.items():
+        if "." not in group:  # a group, not a key
+            options[group] = [str(v).strip() for v in (values if isinstance(values, list) else str(values).split(","))]
+    return options
 
 
 def _check_option_key(group: str, key: str, options: list[str] | None, origin: str | None = None) -> None:

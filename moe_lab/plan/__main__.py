@@ -137,7 +137,8 @@ if __name__ == "__main__":
     if "--help" in sys.argv:
         sys.argv.append(register_help(USAGE, GROUPS | {"hardware": HARDWARE}, {"hardware": DEFAULT_HARDWARE}))
     try:  # a mistyped key or option gets moe_lab's message before Hydra's
-        check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg], PlanConfig)
+        overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg]
+        check_override_keys(overrides, PlanConfig, multirun=bool({"-m", "--multirun"} & set(sys.argv)))
     except ConfigError as e:
         sys.exit(f"invalid config: {e}")
     main()
