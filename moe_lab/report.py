@@ -712,14 +712,9 @@ def keys(*paths: str) -> str:
     import yaml
 
     from moe_lab.config.help import SECTIONS, key_rows, option_line
-    from moe_lab.config.schema import GROUPS
+    from moe_lab.config.schema import GROUPS, default_options
 
-    defaults = {
-        k: v
-        for d in yaml.safe_load((CONF / "train.yaml").read_text())["defaults"]
-        if isinstance(d, dict)
-        for k, v in d.items()
-    }
+    defaults = default_options()
     rows = []
     for group, what in GROUPS.items():
         options = sorted((CONF / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))

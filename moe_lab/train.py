@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from moe_lab import config
-from moe_lab.config.validate import check_override_keys
+from moe_lab.config.validate import check_command_line
 from moe_lab.job.launcher import rank_hydra_overrides
 from moe_lab.job.lifecycle import run_job
 from moe_lab.results.record import job_meta
@@ -42,8 +42,7 @@ if __name__ == "__main__":
     if "--help" in sys.argv:
         sys.argv.append(config.register_help())
     try:  # a mistyped key gets moe_lab's message before Hydra's advice to append it with +
-        overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg]
-        check_override_keys(overrides, multirun=bool({"-m", "--multirun"} & set(sys.argv)))
+        check_command_line(sys.argv)
     except ConfigError as e:
         sys.exit(f"invalid config: {e}")
     main()

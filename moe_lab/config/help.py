@@ -13,7 +13,7 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_object
 
-from moe_lab.config.schema import GROUPS, ParallelConfig, ProfileConfig, TrainerConfig
+from moe_lab.config.schema import GROUPS, ParallelConfig, ProfileConfig, TrainerConfig, default_options
 from moe_lab.runtime.paths import CONF_DIR, EXPERIMENTS_DIR
 
 SECTIONS = {"trainer": TrainerConfig, "parallel": ParallelConfig, "profile": ProfileConfig}
@@ -49,11 +49,7 @@ def help_text(usage: str = TRAIN_USAGE, groups: dict[str, str] = GROUPS, default
     """The page: ``usage``, then ``groups`` (train's by default) with their options, train.yaml's default first
     (``defaults`` adds those of groups train.yaml lacks), the study presets and the schema's keys."""
     lines = [*usage.splitlines(), "", "== Config groups (group=option; the default first) =="]
-    defaults = {
-        next(iter(d)): d[next(iter(d))]
-        for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"]
-        if isinstance(d, dict)
-    } | (defaults or {})
+    defaults = default_options() | (defaults or {})
     for group, what in groups.items():
         options = sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: (p.stem != defaults.get(group), p.stem))
         lines.append(f"{group}: {what}")

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from hydra.core.config_store import ConfigStore
+
+from moe_lab.runtime.paths import CONF_DIR
 
 
 def _key(default, help: str):
@@ -166,3 +169,9 @@ def register() -> None:
     OmegaConf.register_new_resolver(
         "hf_config", lambda directory, key: read_hf_config(directory, "model.path")[key], replace=True
     )
+
+
+def default_options() -> dict[str, str]:
+    """Each group's default option, as conf/train.yaml's defaults list names it."""
+    train = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
+    return {group: option for d in train["defaults"] if isinstance(d, dict) for group, option in d.items()}

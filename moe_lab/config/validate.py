@@ -32,7 +32,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moe_lab.checkpoint import directory as checkpoint_directory
 from moe_lab.config.options import Options, build_options
-from moe_lab.config.schema import GROUPS, TrainConfig
+from moe_lab.config.schema import GROUPS, TrainConfig, default_options
 from moe_lab.parallel.emulate import emulated_target
 from moe_lab.runtime.device import Target, machine_target
 from moe_lab.runtime.errors import ConfigError
@@ -169,6 +169,12 @@ def _check_schema_value(key: str, section: type, name: str, override) -> None:
             ) from None
 
 
+def check_command_line(argv: list[str], schema: type = TrainConfig) -> None:
+    """``check_override_keys`` over an entry point's ``sys.argv``: its ``key=value`` words, a sweep under ``-m``."""
+    overrides = [arg for arg in argv[1:] if not arg.startswith("-") and "=" in arg]
+    check_override_keys(overrides, schema, multirun=bool({"-m", "--multirun"} & set(argv)))
+
+
 EXPERIMENT = "experiment"  # the studies' presets, appended: +experiment=<study>[/<variant>]
 
 
@@ -207,11 +213,7 @@ def _implied_choices(parsed, multirun: bool) -> dict[str, tuple[list[str], str]]
     for the message."""
     presets = next((_choices(o) for o in parsed if o.key_or_group == EXPERIMENT and o.is_add()), [])
     chosen_by = [_preset_options(name, multirun) for name in presets]
-    defaults = {
-        next(iter(d)): d[next(iter(d))]
-        for d in yaml.safe_load((CONF_DIR / "train.yaml").read_text())["defaults"]
-        if isinstance(d, dict)
-    }
+    defaults = default_options()
     implied: dict[str, tuple[list[str], str]] = {}
     for group, default in defaults.items():
         options = sorted({o for by in chosen_by for o in by.get(group, [default])} or {default})

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from moe_lab.config import ConfigError, register_help
 from moe_lab.config.schema import GROUPS
-from moe_lab.config.validate import check_override_keys
+from moe_lab.config.validate import check_command_line
 from moe_lab.plan import config as plan_config
 from moe_lab.plan.config import DEFAULT_HARDWARE, PlanConfig
 from moe_lab.plan.planner import TIE, build_hardware, plan
@@ -137,8 +137,7 @@ if __name__ == "__main__":
     if "--help" in sys.argv:
         sys.argv.append(register_help(USAGE, GROUPS | {"hardware": HARDWARE}, {"hardware": DEFAULT_HARDWARE}))
     try:  # a mistyped key or option gets moe_lab's message before Hydra's
-        overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg]
-        check_override_keys(overrides, PlanConfig, multirun=bool({"-m", "--multirun"} & set(sys.argv)))
+        check_command_line(sys.argv, PlanConfig)
     except ConfigError as e:
         sys.exit(f"invalid config: {e}")
     main()
