@@ -182,9 +182,11 @@ def test_a_sweep_directory_in_use_is_refused(tmp_path):
     assert proc.returncode == 0 and (sweep / "0" / "result.json").exists(), proc.stderr[-3000:]
 
 
-def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path, ranks):
     """The README's 30B proxy on a small CPU machine: refused before the kernel's OOM killer would end it with no
-    record (the fp32 weights and gradients alone are 8 bytes per parameter)."""
+    record (the fp32 weights and gradients alone are 8 bytes per parameter). At 2 ranks each rank refuses it alike,
+    and the record is rank 0's (its advice kept), not the launcher's account of two failed ranks."""
     import psutil
 
     layers = max(1, int(psutil.virtual_memory().total / (8 * 0.75e9)) + 1)  # > the host's RAM in weights + grads
@@ -195,12 +197,15 @@ def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path):
         "data.seq_len=64",
         "data.batch_size=1",
         "trainer.device=cpu",
+        f"trainer.nproc_per_node={ranks}",
+        f"parallel.ep={ranks}",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
     )
     assert proc.returncode != 0
     record = json.loads((run_dir / "result.json").read_text())
-    assert record["status"] == "oom" and "host memory" in record["error"]["message"], record["error"]
+    assert record["status"] == "oom" and record["error"]["type"] == "OutOfMemoryError", record["error"]
+    assert "host memory" in record["error"]["message"] and record["world_size"] == ranks
     assert "wants a GPU" in record["error"]["message"] and "model=tiny" in proc.stdout  # and how to shrink it
     assert record["metrics"]["peak_gpu_mem_gib"] is None and record["metrics"]["peak_host_rss_gib"] > 0
 

@@ -274,6 +274,23 @@ def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resumes(refere
     assert [row["step"] for row in metrics_rows(run_dir)] == list(range(16))
 
 
+def test_sigterm_to_the_whole_process_group_is_recorded_at_the_step_the_ranks_reached(tmp_path):
+    # As a scheduler or `timeout` sends it: the launcher, its ranks and the forkserver they forked from all get it.
+    # The launcher waits on its ranks through that server, so it must outlive the signal: else the launcher read no
+    # record yet, wrote its own "before training started" and exited while rank 0 still wrote the step it reached.
+    run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
+    job = Job([*BASE, *mesh("none", 2, 2), f"hydra.run.dir={run_dir}"], tmp_path, pause=f"5:{pause_dir}")
+    job.wait_for(paused(pause_dir, 2))
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    job.wait_for(lambda: job.output().count("SIGTERM received: stopping at the end of this step") >= 2)
+    (pause_dir / "release").touch()
+    assert job.wait() == 128 + signal.SIGTERM, job.output()[-5000:]
+    assert "SIGTERM received: stopped after step 6; recorded in" in job.output()
+    record = result(run_dir)
+    assert record["status"] == "interrupted" and record["error"]["step"] == 6
+    assert record["metrics"]["steps_done"] == 6 and record["environment"]["world_size"] == 2
+
+
 def test_sigint_ends_a_single_run_with_an_interrupted_record(tmp_path):
     run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
     job = Job([*BASE, *mesh("none", 1, 1), f"hydra.run.dir={run_dir}"], tmp_path, pause=f"3:{pause_dir}")

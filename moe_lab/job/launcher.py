@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import signal
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -93,7 +96,7 @@ def launch_local(nproc: int, entrypoint: Callable, *args, cuda: bool):
     group, so each rank still starts clean, in this process's environment and directory. ``cuda`` ranks start as
     fresh interpreters: a fork keeps whatever an import did to the CUDA driver."""
     if not cuda:
-        multiprocessing.get_context("forkserver").set_forkserver_preload([entrypoint.__module__])  # if not started
+        _start_forkserver([entrypoint.__module__])
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -113,6 +116,21 @@ def launch_local(nproc: int, entrypoint: Callable, *args, cuda: bool):
     return elastic_launch(config, _as_launched)(dict(os.environ), os.getcwd(), entrypoint, *args)[0]
 
 
+def _start_forkserver(preload: list[str]) -> None:
+    """Start multiprocessing's forkserver (if not running) with ``preload`` imported, ignoring SIGTERM as it ignores
+    SIGINT: a signal to the job's whole process group (a scheduler's, ``timeout``'s) must not end the server while
+    the ranks it forked finish their step and record it, for the launcher waits on the ranks through it."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        multiprocessing.forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the server inherits the disposition
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
     """A rank: ``entrypoint(*args)`` in the launcher's environment and directory (a forked rank has the server's,
     which may be older) with elastic's variables for this rank (what it set differs from the server's; a spawned
@@ -120,6 +138,7 @@ def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
     rank_variables = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRON.get(k) != v}
     os.environ.clear()
     os.environ.update({**environ, **rank_variables})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked rank inherits the server's SIG_IGN (_start_forkserver)
     os.chdir(cwd)
     tempfile.tempdir = None  # TMPDIR is read again
     try:
@@ -154,6 +173,12 @@ class RanksFailed(RuntimeError):
             "rank0_error": symptom,
         }
         self.traceback = _callstack(failed[0][1]) or (rank0_error or {}).get("traceback")
+
+
+def raised_alike(error: ChildFailedError, exception_type: str) -> bool:
+    """Whether every failed rank raised an exception of ``exception_type``: each found the same fault by itself (a
+    damaged checkpoint, a config its state does not fit, a memory check), which rank 0's own record tells best."""
+    return all((_exception(f) or "").startswith(f"{exception_type}: ") for f in error.failures.values())
 
 
 def _rank_failure(rank: int, failure: ProcessFailure) -> dict:

@@ -50,6 +50,7 @@ from moe_lab.job.launcher import (
     RanksFailed,
     adopt_slurm_environment,
     launch_local,
+    raised_alike,
     shared_run_dir,
     spawns_ranks,
     started_by_outer_launcher,
@@ -295,8 +296,11 @@ def _run_point(
             return record
         if isinstance(e, SignalException):  # no rank got as far as recording it
             return Record.point(meta, cfg).interrupted(e.sigval.name, None, None).write(run_dir)
-        if isinstance(e, ChildFailedError):  # which rank failed first, and how, before what rank 0 saw of it
-            e = RanksFailed(e, record["error"] if record is not None and record["status"] != "ok" else None)
+        rank0_error = record["error"] if record is not None and record["status"] != "ok" else None
+        # Which rank failed first, and how, before what rank 0 saw of it; unless every rank raised what rank 0
+        # recorded, whose record then stands with its fields (the damaged checkpoint, the memory advice).
+        if isinstance(e, ChildFailedError) and not (rank0_error and raised_alike(e, rank0_error["type"])):
+            e = RanksFailed(e, rank0_error)
         # Rank 0 records its own failure; when another rank failed first, the record tells that rank's story.
         if rank0 and (record is None or isinstance(e, RanksFailed) and record["status"] != "ok"):
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
