@@ -12,9 +12,8 @@ import yaml
 
 from moe_lab.metrics.flops import HARDWARE_CONF
 from moe_lab.plan import calibrate
-from moe_lab.plan.__main__ import profile_path_overrides
 from moe_lab.plan.config import compose
-from moe_lab.plan.hardware import Hardware
+from moe_lab.plan.hardware import Hardware, profile_path_overrides
 from moe_lab.plan.planner import plan
 
 

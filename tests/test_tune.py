@@ -495,3 +495,34 @@ def test_a_layout_says_where_it_measures():
     assert layout("cuda", 1, 8, "h200", emulated=False).describe() == "8 x h200 (1 x 8) on real ranks"
     assert layout("cpu", 1, 2, "h200", emulated=False).describe() == "the 2 x h200 (1 x 2) layout's ranks on the CPU"
     assert layout("cuda", 4, 8, "h200", emulated=True).describe() == "rank 0 of 32 x h200 (4 x 8), emulated on one cuda"
+
+
+def test_a_profile_file_is_taken_as_plan_takes_it(tmp_path, monkeypatch):
+    """``hardware=<profile.yaml>``, the shortcut plan documents, names the profile of the tune's plans too."""
+    from moe_lab.tune.__main__ import main
+
+    profile = yaml.safe_load((CONF_DIR / "hardware" / "h200.yaml").read_text()) | {"name": "h200_mine"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(profile))
+    directory = tmp_path / "tune"
+    monkeypatch.setattr(sys, "argv", ["tune", *NARROW, f"hardware={tmp_path / 'mine.yaml'}", f"tune.dir={directory}"])
+    main()
+    assert json.loads((directory / TUNE).read_text())["hardware"]["name"] == "h200_mine"
+
+
+def test_no_winner_where_every_measured_candidate_failed():
+    """A planned point in place of candidates that ran out of memory would be the plan the measurement refuted."""
+    from moe_lab.tune.report import winner
+
+    df = pd.DataFrame(
+        {
+            "point": ["a", "b", "c"],
+            "rank": [1, 2, 3],
+            "measured_status": ["oom", "oom", None],
+            "measured_tokens_per_s_per_gpu": [None, None, None],
+        }
+    )
+    assert winner(df) == (None, "none of the 2 candidates measured ran to the end (oom 2)")
+    df.loc[1, ["measured_status", "measured_tokens_per_s_per_gpu"]] = ["ok", 10.0]
+    assert winner(df)[0]["point"] == "b" and winner(df)[1] == "measured"
+    df["measured_status"] = None
+    assert winner(df)[0]["point"] == "a" and winner(df)[1] == "planned"  # nothing measured: the plan's best

@@ -30,6 +30,7 @@ from moe_lab.config.schema import GROUPS
 from moe_lab.config.validate import check_command_line
 from moe_lab.plan import config as plan_config
 from moe_lab.plan.config import DEFAULT_HARDWARE, PlanConfig
+from moe_lab.plan.hardware import profile_path_overrides
 from moe_lab.plan.planner import TIE, build_hardware, plan
 from moe_lab.results.record import RESULT, Record, git_state, job_meta
 from moe_lab.runtime.paths import CONF_DIR
@@ -118,18 +119,6 @@ def at_least(fit: dict, plan: dict, field: str) -> str:
 def main(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     return run(cfg, Path(hc.runtime.output_dir), job_meta(hc), multirun=hc.mode == RunMode.MULTIRUN)
-
-
-def profile_path_overrides(argv: list[str]) -> list[str]:
-    """``hardware=<a .yaml file>`` is short for ``hardware=file hardware.path=<it>``."""
-    out = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "hardware" and (value.endswith((".yaml", ".yml")) or "/" in value):
-            out += ["hardware=file", f"hardware.path={Path(value).resolve()}"]
-        else:
-            out.append(arg)
-    return out
 
 
 if __name__ == "__main__":

@@ -157,3 +157,15 @@ class HardwareFile(Hardware):
 
     def to_dict(self) -> dict:
         return {"path": self.path, **super().to_dict()}
+
+
+def profile_path_overrides(argv: list[str]) -> list[str]:
+    """``hardware=<a .yaml file>`` is short for ``hardware=file hardware.path=<it>`` (plan's and tune's command lines)."""
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "hardware" and (value.endswith((".yaml", ".yml")) or "/" in value):
+            out += ["hardware=file", f"hardware.path={Path(value).resolve()}"]
+        else:
+            out.append(arg)
+    return out

@@ -27,10 +27,10 @@ from omegaconf import OmegaConf
 
 from moe_lab.config import ConfigError
 from moe_lab.config.validate import check_override_keys, check_target_node
-from moe_lab.plan.hardware import GIB
+from moe_lab.plan.hardware import GIB, profile_path_overrides
 from moe_lab.plan.planner import build_hardware, plan, usable_device_bytes
 from moe_lab.results.record import git_state
-from moe_lab.results.tune import PLANS, TUNE, read_tune
+from moe_lab.results.tune import PLANS, TUNE, load_tune, read_tune
 from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune import config as tune_config
 from moe_lab.tune import measure as measuring
@@ -45,7 +45,7 @@ from moe_lab.tune.planning import (
     rank,
     workers,
 )
-from moe_lab.tune.report import named_point, report
+from moe_lab.tune.report import named_point, report, winner
 from moe_lab.tune.space import (
     Space,
     check_key_values,
@@ -262,11 +262,13 @@ def main() -> None:
         print(help_text())
         return
     try:
-        run(sys.argv[1:])
+        tune_dir = run(profile_path_overrides(sys.argv[1:]))
     except ConfigError as e:
         sys.exit(f"invalid tune: {e}")
     except HydraException as e:
         sys.exit(f"invalid tune: {e}")
+    if winner(load_tune(tune_dir))[0] is None:  # as a sweep with no ok point: a script sees nothing measured ran
+        sys.exit(1)
 
 
 if __name__ == "__main__":

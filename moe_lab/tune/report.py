@@ -70,12 +70,17 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join([lines[0], "|" + "---|" * len(table.columns), *lines[1:]])
 
 
-def winner(df: pd.DataFrame) -> tuple[pd.Series, str]:
-    """The fastest measured candidate (ok), else the best planned point; and by which."""
+def winner(df: pd.DataFrame) -> tuple[pd.Series | None, str]:
+    """The fastest measured candidate (ok), else the best planned point where none was measured; and by which.
+    None where candidates were measured and none ran to the end (the plan was refuted there: a planned point in
+    its place would be a guess), with what they ended as."""
     if "measured_status" in df.columns:
         ok = df[(df["measured_status"] == "ok") & df["measured_tokens_per_s_per_gpu"].notna()]
         if not ok.empty:
             return ok.loc[ok["measured_tokens_per_s_per_gpu"].astype(float).idxmax()], "measured"
+        if statuses := df["measured_status"].dropna().value_counts().to_dict():
+            ended = ", ".join(f"{status} {count}" for status, count in sorted(statuses.items()))
+            return None, f"none of the {sum(statuses.values())} candidates measured ran to the end ({ended})"
     fitting = df[df["rank"].notna()].sort_values("rank")
     return fitting.iloc[0], "planned"
 
@@ -230,8 +235,11 @@ def report(tune_dir: Path) -> str:
             lines += [note + ".", ""]
         lines += passed_over_lines(tune.get("passed_over", []))
         best, by = winner(df)
-        winning = f"Winner ({by}): {named_point(best['point'])}"
-        lines += [winning, "", "```bash", train_line(tune, best["point"]), "```", ""]
+        if best is None:
+            lines += [f"No winner: {by}; each one's record is under measured/.", ""]
+        else:
+            winning = f"Winner ({by}): {named_point(best['point'])}"
+            lines += [winning, "", "```bash", train_line(tune, best["point"]), "```", ""]
         plot(df, tune, tune_dir / PLOT)
         lines += [f"![tokens/s/GPU against peak memory]({PLOT})", ""]
     text = "\n".join(lines)
