@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.assert_equal and (args.rtol or args.atol):
         parser.error("--assert-equal checks bitwise equality: give no --rtol / --atol with it")
+    for flag in ("rtol", "atol", "noise_factor"):  # a negative width would fail every run, the reference's own
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag):g}")
     try:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
@@ -326,6 +329,8 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser, notes: l
     repeat_paths = [p for p in (args.noise or []) if not Path(p).is_file()]
     if repeat_paths:
         repeats = load_runs([reference_dir, *repeat_paths])
+        if len(repeats) < 2:  # the reference named again is no repeat of it
+            parser.error(f"--noise: {' '.join(repeat_paths)} holds no run but the reference; give repeats of it")
         repeat_curves = curves(repeats, args.metric)
         band = noise_from_repeats(repeat_curves).reindex(table.index).ffill()
         repeat_spread = spread(repeat_curves)

@@ -165,6 +165,24 @@ def test_bad_input_is_one_line_naming_the_run_and_the_file(tmp_path, capsys):
     assert compare.main([str(ref), str(failed)]) == 1
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--rtol", "-1"], "--rtol must be >= 0, got -1"),
+        (["--atol", "-0.5"], "--atol must be >= 0, got -0.5"),
+        (["--noise-factor", "-2"], "--noise-factor must be >= 0, got -2"),
+        (["--noise", "REF"], "--noise: REF holds no run but the reference; give repeats of it"),
+    ],
+)
+def test_a_wrong_argument_is_exit_2_naming_it(tmp_path, capsys, arguments, message):
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
+    run = fake_run(tmp_path / "run", [3.0, 2.5, 2.0], lr=0.2)
+    arguments = [str(ref) if a == "REF" else a for a in arguments]
+    with pytest.raises(SystemExit) as exit_status:
+        compare.main([str(ref), str(run), *arguments])
+    assert exit_status.value.code == 2 and message.replace("REF", str(ref)) in capsys.readouterr().err
+
+
 def test_a_cut_last_line_reads_as_the_steps_so_far_and_says_so(tmp_path, capsys):
     ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
     killed = fake_run(tmp_path / "killed", [3.0, 2.5, 2.0], lr=0.2)

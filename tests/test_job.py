@@ -251,6 +251,8 @@ def test_an_unreadable_record_is_a_row_naming_its_file(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.warns(UserWarning, match="no result.json under"):  # a sweep not started yet
         assert load(tmp_path / "empty").empty and load(tmp_path / "els*").empty
+    with pytest.warns(UserWarning, match="no result.json under"):
+        assert load(tmp_path / "empty")["status"].tolist() == []  # read as nothing, not a KeyError
     with pytest.raises(FileNotFoundError, match="no such sweep or run directory: .*elsewhere"):  # a typo
         load(tmp_path / "elsewhere")
 

@@ -207,6 +207,7 @@ def test_cli_sweep_writes_a_plan_record_per_point(tmp_path):
     table = load(tmp_path)
     ok = table[table["status"] == "ok"].iloc[0]
     assert ok["s_per_step"] > 0 and ok["peak_gpu_mem_gib"] > 0 and ok["time.attention"] > 0
+    assert list(table["kind"]) == ["plan", "plan"] and ok["plan.fits"] == records[0]["plan"]["fits"]
     assert "largest that fits" in done.stdout + done.stderr
 
 

@@ -71,6 +71,9 @@ def flatten(record: dict, run_dir: Path) -> dict:
     row.update({f"env.{k}": v for k, v in (record.get("environment") or {}).items()})
     if emulated := record.get("emulated"):
         row.update(emulated_columns(emulated))
+    if record.get("kind") == "plan":  # a plan's row says so, and whether it fits (its s/step holds either way)
+        plan = record.get("plan") or {}
+        row.update({"kind": "plan", "plan.fits": plan.get("fits"), "plan.fits_why": plan.get("fits_why")})
     metrics = dict(record.get("metrics") or {})
     row.update({f"planned_comm.{k}": v for k, v in (metrics.get("planned_exposed_comm_by_category_s") or {}).items()})
     trace = metrics.pop("trace_breakdown", None) or {}
@@ -136,12 +139,12 @@ def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
 def load_files(paths: list[Path]) -> pd.DataFrame:
     """``load`` of these result.json files, in this order."""
     rows = [_row(path) for path in paths]
+    head = ["run_dir", "status", "error_type", "error_message"]
     df = pd.DataFrame(rows)
-    if df.empty:
-        return df
+    if df.empty:  # no record yet: the columns every table has, so that df.status reads (as nothing)
+        return pd.DataFrame(columns=head)
     # Every point's axes between error_message and overrides, also a key only later points have (pandas appends
     # a column first seen in a later row at the end): varying_axes reads the axes from there.
-    head = ["run_dir", "status", "error_type", "error_message"]
     axes = list(dict.fromkeys(c for row in rows for c in list(row)[len(head) : list(row).index("overrides")]))
     for axis in axes:
         # An integer key some points lack would read as floats (pandas fills the gaps with NaN): model.num_layers=4,
