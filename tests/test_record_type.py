@@ -30,7 +30,9 @@ def test_each_outcome_sets_status_and_error_and_leaves_the_point_as_it_was():
     ok = base.ok({"s_per_step": 0.5})
     assert (ok["status"], ok["error"], ok["metrics"]) == ("ok", None, {"s_per_step": 0.5})
     invalid = Record.point(META, CFG).invalid(ConfigError("parallel.ep", "must divide 8, got 3"))
-    assert invalid["status"] == "invalid" and "world_size" not in invalid
+    assert invalid["status"] == "invalid" and "world_size" not in invalid  # nothing ran: no device, no ranks
+    assert invalid["environment"]["torch"] == torch.__version__ and "git_commit" in invalid["environment"]
+    assert "device" not in invalid["environment"]
     message = "parallel.ep: must divide 8, got 3"
     assert invalid["error"] == {"type": "ConfigError", "key": "parallel.ep", "message": message}
     unexpected = base.invalid(KeyError("x"))["error"]

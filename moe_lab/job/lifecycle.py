@@ -339,7 +339,7 @@ def earlier_record(run_dir: Path, cfg: DictConfig, multirun: bool) -> dict | Non
                 "record is then replaced by the longer run's), or trainer.resume=never to start this directory afresh."
             )
         log.warning(
-            "%s holds the record of another configuration; this run's record replaces it once the run starts "
+            "%s holds the record of another configuration; this run's record replaces it if its config is valid "
             "(trainer.resume=%s)",
             run_dir / RESULT,
             cfg.trainer.resume,

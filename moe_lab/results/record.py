@@ -103,7 +103,7 @@ class Record(dict):
             error = {"type": "ConfigError", "key": e.key, "message": str(e)}
         else:
             error = {"type": type(e).__name__, "key": None, "message": f"validation failed: {e}"}
-        return Record({**self, "status": "invalid", "error": error})
+        return Record({"environment": software(), **self, "status": "invalid", "error": error})
 
     def failure(self, e: BaseException, metrics: dict | None = None) -> Record:
         """``failure(e)``, with the fields an exception of this code carries for its record (``details``: the
@@ -200,20 +200,29 @@ def failure(e: BaseException) -> dict:
     }
 
 
-def environment(device: torch.device, world: int) -> dict:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+def software() -> dict:
+    """What ran the job, whatever its device and ranks: the host, Python, torch, CUDA and the moe_lab commit (an
+    ``invalid`` record's environment: the code that refused the config)."""
     env = {
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+    }
+    return env | git_state()
+
+
+def environment(device: torch.device, world: int) -> dict:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    env = {
+        **software(),
         "device": device.type,
         "world_size": world,
         "nodes": max(1, world // local_world),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "gpu_count": world if device.type == "cuda" else 0,
     }
-    return env | git_state()
+    return env
 
 
 def git_state(source_dir: Path = SOURCE_DIR) -> dict:
