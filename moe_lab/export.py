@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moe_lab.checkpoint import directory as ckpt_dir
+from moe_lab.checkpoint.checkpointer import find_damage
 from moe_lab.models.hf_weights import INDEX, SafetensorsWriter, published_tensors
 from moe_lab.optim.offload.full import MASTER
 
@@ -51,12 +52,20 @@ def export(
     problem = ckpt_dir.why_incomplete(checkpoint)
     if problem is not None:
         raise ValueError(f"{checkpoint} is not a complete training checkpoint: {problem}")
+    if damage := find_damage(checkpoint):  # as resuming it would say, not an unpickler's EOFError
+        raise ValueError(f"checkpoint {checkpoint} is damaged: {damage[0]}: {damage[1]}")
     model = ckpt_dir.read_marker(checkpoint)["model"]
     if model.get("routing", "learned") != "learned":
         log.warning(
             "the run forced its routing (model.routing=%s); the export holds the router's weights, which "
             "transformers routes by",
             model["routing"],
+        )
+    if model.get("router_balance") == "bias":
+        log.warning(
+            "the run chose its experts with a balancing bias on the router's scores (model.router_balance=bias); "
+            "transformers' Qwen3MoE has none: the export routes by the router's weights alone, so a token may "
+            "take other experts than in the run"
         )
     saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     sources = {}  # parameter name -> the key holding its values
@@ -147,7 +156,10 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).upper() not in UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB)")
-    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+    size = int(float(match.group(1)) * UNITS[match.group(2).upper()])
+    if size <= 0:  # every tensor a file of its own
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (must be > 0)")
+    return size
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         dtype = getattr(torch, args.dtype) if args.dtype else None
         export(args.checkpoint, args.out, args.max_shard_size, dtype, args.overwrite)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # an OSError: an output directory that cannot be made or written
         sys.exit(str(e))
     log.info("exported %s to %s", args.checkpoint, args.out)
 

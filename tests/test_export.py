@@ -176,3 +176,22 @@ def test_export_with_overwrite_replaces_the_previous_exports_weights(tmp_path):
     shards = set(json.loads((out / INDEX).read_text())["weight_map"].values())
     assert len(shards) == 2 and {p.name for p in out.glob("*.safetensors")} == shards
     assert (out / "notes").is_dir() and (out / "config.json").is_file()
+
+
+def test_export_of_a_damaged_checkpoint_names_the_file_and_a_bias_balanced_run_is_warned(tmp_path, caplog):
+    """A data file cut short is said as resuming says it (not an unpickler's EOFError); a run that chose its experts
+    with a balancing bias exports a model that routes without it (transformers' Qwen3MoE has none): said."""
+    checkpoint = tiny_checkpoint(tmp_path)
+    marker = ckpt_dir.read_marker(checkpoint)
+    marker["model"]["router_balance"] = "bias"
+    (checkpoint / ckpt_dir.MARKER).write_text(json.dumps(marker))
+    with caplog.at_level("WARNING", logger="moe_lab"):
+        export_main([str(checkpoint), str(tmp_path / "hf")])
+    assert "model.router_balance=bias" in caplog.text and "a token may take other experts" in caplog.text
+    data = next(checkpoint.glob("*.distcp"))
+    with open(data, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(SystemExit, match=f"checkpoint {checkpoint} is damaged: {data.name}: cut short: 10 bytes"):
+        export_main([str(checkpoint), str(tmp_path / "hf2")])
+    with pytest.raises(SystemExit):  # a size of no bytes would write each tensor to a file of its own
+        export_main([str(checkpoint), str(tmp_path / "hf3"), "--max-shard-size", "0"])
