@@ -254,14 +254,16 @@ def plot(table: pd.DataFrame, band: pd.Series | None, out: str | Path | None = N
 
 def sweep_view(runs: pd.DataFrame, metric: str = "loss") -> pd.DataFrame:
     """For a notebook: each ok point's curve against the first ok point's, with a plot; the noise band is that of the
-    sweep's own repeats of it (points with the same label), if there are any. -> the per-point summary."""
+    sweep's own repeats of it (points with the same label), if there are any. -> the per-point summary (empty where
+    fewer than two points have a curve: a plan's record has no steps)."""
     ok = runs[runs["status"] == "ok"]
-    if len(ok) < 2:
-        return pd.DataFrame()
     base = [str(label) for label in (ok["label"] if "label" in ok else point_labels(ok))]
     labels = [f"{label} #{i}" if base.count(label) > 1 else label for i, label in enumerate(base)]
-    table = curves(ok.assign(label=labels), metric)
-    repeats = [label for label, b in zip(labels, base) if b == base[0]]
+    table = curves(ok.assign(label=labels), metric).dropna(axis=1, how="all")
+    if table.shape[1] < 2:
+        return pd.DataFrame()
+    base = [b for label, b in zip(labels, base) if label in table.columns]
+    repeats = [label for label, b in zip(table.columns, base) if b == base[0]]
     band = noise_from_repeats(table[repeats]).reindex(table.index).ffill() if len(repeats) > 1 else None
     plot(table, band, metric=metric)
     diffs = table.iloc[:, 1:].sub(table.iloc[:, 0], axis=0).abs()

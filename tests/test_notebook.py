@@ -58,3 +58,9 @@ def test_notebook_executes_on_the_committed_h200_grid_by_its_relative_path(tmp_p
     assert "no expert_load in these records" in text(outputs)
     assert "s_per_step planned" in html(outputs) and "peak_gpu_mem_gib error %" in html(outputs)
     assert "12 points: 12 ok; axes: ['offload', 'ac', 'dispatcher']" in text(outputs)
+
+
+def test_notebook_executes_on_committed_plans(tmp_path):
+    """A sweep of plans (kind plan: no steps, so no loss curve) reads as a sweep of runs, its curves left out."""
+    outputs = execute("experiments/plan/records/h200_1gpu", tmp_path)
+    assert "fewer than two ok points with a loss curve (a plan has none): nothing to compare" in text(outputs)
