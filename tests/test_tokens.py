@@ -460,3 +460,20 @@ def test_prepare_refuses_a_corpus_that_makes_no_dataset_naming_the_file(name, co
         prepare_main(args)
     assert str(refused.value).startswith(f"--dataset {tmp_path / name}: {problem}"), refused.value
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize(
+    "tokenizer, problem",
+    [
+        (["--tokenizer", "{tmp}/no_tokenizer"], "--tokenizer {tmp}/no_tokenizer: no such directory"),
+        (["--tokenizer", "{tmp}"], "--tokenizer {tmp}: cannot be read as a tokenizer"),
+        (["--train-tokenizer", "5"], "--train-tokenizer must exceed 257"),
+    ],
+)
+def test_prepare_refuses_a_tokenizer_it_cannot_use_in_one_line(tokenizer, problem, tmp_path):
+    (tmp_path / "book.txt").write_text("\n\n".join(corpus(4)) + "\n")
+    args = ["--dataset", str(tmp_path / "book.txt"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as refused:
+        prepare_main(args + [a.format(tmp=tmp_path) for a in tokenizer])
+    assert str(refused.value).startswith(problem.format(tmp=tmp_path)), refused.value
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))

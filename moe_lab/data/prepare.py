@@ -140,6 +140,9 @@ def _why_unreadable(load, sources: list[str], kind: str, error: Exception) -> st
     return f"--dataset {' '.join(sources)}: cannot be read as {what} ({cause})"
 
 
+MIN_TRAINED_VOCAB = 257  # a byte-level BPE's alphabet and its end-of-document token
+
+
 def train_tokenizer(texts: Iterator[str], vocab_size: int, directory: Path):
     """A byte-level BPE tokenizer trained on ``texts``, saved as a Hugging Face tokenizer directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -177,6 +180,13 @@ def prepare(
         raise SystemExit("give one of --tokenizer DIR and --train-tokenizer VOCAB")
     if not 0 <= eval_fraction < 1:
         raise SystemExit(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    if tokenizer is not None and not Path(tokenizer).is_dir():  # offline: a hub name is no directory either
+        raise SystemExit(f"--tokenizer {tokenizer}: no such directory (a Hugging Face tokenizer's, AutoTokenizer's)")
+    if train_tokenizer_vocab is not None and train_tokenizer_vocab <= MIN_TRAINED_VOCAB:
+        raise SystemExit(
+            f"--train-tokenizer must exceed {MIN_TRAINED_VOCAB} (the 256 bytes and the end-of-document token: no "
+            f"merge learned below it), got {train_tokenizer_vocab}"
+        )
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"--out {out} exists and is not empty; choose a new directory")
@@ -202,7 +212,10 @@ def prepare(
                 )
                 tok = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
             else:
-                tok = AutoTokenizer.from_pretrained(tokenizer)
+                try:
+                    tok = AutoTokenizer.from_pretrained(tokenizer)
+                except (OSError, ValueError) as e:
+                    raise SystemExit(f"--tokenizer {tokenizer}: cannot be read as a tokenizer ({e})") from None
             if tok.eos_token_id is None:
                 raise SystemExit(f"--tokenizer {tokenizer}: it has no end-of-sequence token to end documents with")
             eos = np.array([tok.eos_token_id], dtype=np.uint32)
