@@ -477,3 +477,20 @@ def test_prepare_refuses_a_tokenizer_it_cannot_use_in_one_line(tokenizer, proble
         prepare_main(args + [a.format(tmp=tmp_path) for a in tokenizer])
     assert str(refused.value).startswith(problem.format(tmp=tmp_path)), refused.value
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_a_token_past_the_vocabulary_names_its_shard(tmp_path):
+    """A shard overwritten in place keeps its size (validation reads sizes): its ids past the vocabulary are said as
+    a damaged shard, not an embedding's bare IndexError a step later."""
+    docs = [("train", np.arange(n, dtype=np.uint32) % 500) for n in (30, 40, 25, 35)]
+    write_token_dir(tmp_path, iter(docs), {"tokenizer": "test", "vocab_size": 512, "eos_id": 0}, shard_tokens=50)
+    data = TokenData(str(tmp_path), seq_len=16, batch_size=2)
+    for step in range(4):  # intact: every batch reads
+        data.batch(step, 0, 1)
+    for shard in (tmp_path / "train").glob("tokens-*.bin"):
+        shard.write_bytes(b"\xff" * shard.stat().st_size)
+    with pytest.raises(
+        ValueError,
+        match=r"token id 4294967295 in train shard\(s\) tokens-0000\d.bin.* is past its vocabulary of 512 ids",
+    ):
+        TokenData(str(tmp_path), seq_len=16, batch_size=2).batch(0, 0, 1)
