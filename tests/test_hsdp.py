@@ -208,6 +208,18 @@ def test_emulated_hsdp_record_names_its_replicas(tmp_path):
         (4, 4, ["parallel.dp_replicate=0"], "parallel.dp_replicate", "must be >= 1"),
         (4, 4, ["parallel.dp_replicate=2", "parallel.ep=4"], "parallel.ep", "divide the 2 ranks of a replica"),
         (16, 4, ["parallel.dp_replicate=2", "parallel.ep=8"], "parallel.ep", "divide a node's 4 ranks"),
+        (
+            8,
+            4,
+            [
+                "parallel.emulate=true",
+                "trainer.nproc_per_node=4",
+                "parallel.emulate_nodes=2",
+                "parallel.dp_replicate=3",
+            ],
+            "parallel.dp_replicate",
+            "divide the emulated layout's 8 ranks (trainer.nproc_per_node x parallel.emulate_nodes)",
+        ),
     ],
 )
 def test_a_bad_mesh_is_refused_naming_its_key(world, node, overrides, key, message):

@@ -457,11 +457,15 @@ def check_mesh(p: DictConfig, world: int, node: int) -> None:
     """The (dp_replicate, dp_shard) mesh of ``world`` ranks, ``node`` on each node, and EP inside it (``p``: the
     parallel section): replicas of world / dp_replicate ranks each; EP groups split a replica's ranks and, with
     replicas, stay inside a node (consecutive ranks: an EP group never spans replicas or nodes)."""
+    ranks = (
+        f"the emulated layout's {world} ranks (trainer.nproc_per_node x parallel.emulate_nodes)"
+        if p.get("emulate")
+        else f"the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE)"
+    )
     _require(
         p.dp_replicate >= 1 and world % p.dp_replicate == 0,
         "parallel.dp_replicate",
-        f"must be >= 1 and divide the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE, x "
-        f"parallel.emulate_nodes when emulated), got {p.dp_replicate}",
+        f"must be >= 1 and divide {ranks}, got {p.dp_replicate}",
     )
     shard = world // p.dp_replicate  # FSDP2 shards the dense weights over a replica's ranks
     replica = f"the {shard} ranks of a replica (world {world} / parallel.dp_replicate={p.dp_replicate})"
@@ -470,7 +474,7 @@ def check_mesh(p: DictConfig, world: int, node: int) -> None:
         "parallel.ep",
         f"must be >= 1 and divide {replica}, got {p.ep}"
         if p.dp_replicate > 1
-        else f"must be >= 1 and divide the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE), got {p.ep}",
+        else f"must be >= 1 and divide {ranks}, got {p.ep}",
     )
     _require(
         p.dp_replicate == 1 or node % p.ep == 0,
