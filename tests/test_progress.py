@@ -32,8 +32,10 @@ def test_a_total_grown_is_the_one_counted_to():
     log = io.StringIO()
     console = ConsoleProgress("candidates measured", 2, unit="points", stream=log, every_s=1e9)
     console.advance(2)  # the first round done, and out of memory: a replacement to measure
+    console.advance(0)  # the measuring loop polls the finished count: nothing more to say
     console.grow(1)
     console.advance(1)
+    console.advance(0)
     assert log.getvalue().splitlines() == ["candidates measured: 2/2 points", "candidates measured: 3/3 points"]
 
 

@@ -29,6 +29,7 @@ class ConsoleProgress:
         if enabled and self.stream.isatty():
             self.bar = tqdm(desc=desc, initial=first, total=total, unit=unit, dynamic_ncols=True, file=self.stream)
         self.last_line = None  # when the last plain line was written (None: none yet)
+        self.shown = None  # the count it showed
 
     def advance(self, n: int = 1, note: str = "") -> None:
         """``n`` more done; ``note`` (the last step's loss, say) goes beside the count."""
@@ -38,11 +39,12 @@ class ConsoleProgress:
             self.bar.update(n)
             return
         now = time.monotonic()
-        if self.enabled and (self.last_line is None or now - self.last_line >= self.every_s or self.done >= self.total):
+        at_end = self.done >= self.total and self.done != self.shown  # once: a poll that moved nothing adds no line
+        if self.enabled and (self.last_line is None or now - self.last_line >= self.every_s or at_end):
             line = f"{self.desc}: {self.done}/{self.total} {self.unit}" + (f", {note}" if note else "")
             print(line, file=self.stream)
             self.stream.flush()
-            self.last_line = now
+            self.last_line, self.shown = now, self.done
 
     def grow(self, n: int) -> None:
         """``n`` more to do than first said (a tune's replacement candidates)."""
