@@ -147,6 +147,8 @@ BAD = [
     (["dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+dispatcher.foo=1"], {}, "dispatcher.foo"),
     (["+optimizer.foo=1"], {}, "optimizer.foo"),
+    (["ac=selective", "ac.keep=router"], {}, "ac.keep"),  # a list key given a string: not read letter by letter
+    (["optimizer.betas=0.9"], {}, "optimizer.betas"),  # nor a number left to the class to fail on
     (["ac=full", "ac._target_=moe_lab.metrics.logger.NoLogger"], {}, "ac._target_"),  # a class without the contract
     (["offload._target_=moe_lab.parallel.ac.NoCheckpoint"], {}, "offload._target_"),
     (["ac=full", "ac._target_=moe_lab.parallel.ac.Checkpointing"], {}, "ac._target_"),  # the contract itself

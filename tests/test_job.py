@@ -54,7 +54,8 @@ def test_a_sweep_that_recorded_no_point_does_not_block_the_corrected_one(tmp_pat
     nothing = train_cli(
         "-m", "dispatcher=torch,fused", *SMALL, "trainer.dry_run=true", f"hydra.sweep.dir={sweep}", cwd=tmp_path
     )
-    assert nothing.returncode == 1 and (sweep / "multirun.yaml").exists() and not list(sweep.rglob("result.json"))
+    assert nothing.returncode == 0 and (sweep / "multirun.yaml").exists() and not list(sweep.rglob("result.json"))
+    assert "2 points: 2 dry run (counted, nothing recorded)" in nothing.stdout  # not a sweep that failed
 
     corrected = train_cli("-m", "dispatcher=torch", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert corrected.returncode == 0, corrected.stderr[-2000:]
@@ -185,8 +186,8 @@ def test_a_sweep_directory_in_use_is_refused(tmp_path):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path, ranks):
     """The README's 30B proxy on a small CPU machine: refused before the kernel's OOM killer would end it with no
-    record (the fp32 weights and gradients alone are 8 bytes per parameter). At 2 ranks each rank refuses it alike,
-    and the record is rank 0's (its advice kept), not the launcher's account of two failed ranks."""
+    record (the fp32 weights and gradients alone are 8 bytes per parameter). At 2 ranks the job's process refuses it
+    before starting them (each would, after starting, in a page of the launcher's tracebacks)."""
     import psutil
 
     layers = max(1, int(psutil.virtual_memory().total / (8 * 0.75e9)) + 1)  # > the host's RAM in weights + grads
@@ -207,6 +208,7 @@ def test_a_cpu_run_too_large_for_the_host_is_an_oom_record(tmp_path, ranks):
     assert record["status"] == "oom" and record["error"]["type"] == "OutOfMemoryError", record["error"]
     assert "host memory" in record["error"]["message"] and record["world_size"] == ranks
     assert "wants a GPU" in record["error"]["message"] and "model=tiny" in proc.stdout  # and how to shrink it
+    assert "Traceback" not in proc.stdout + proc.stderr and "Terminating process" not in proc.stdout + proc.stderr
     assert record["metrics"]["peak_gpu_mem_gib"] is None and record["metrics"]["peak_host_rss_gib"] > 0
 
 
@@ -286,6 +288,27 @@ def test_a_damaged_checkpoint_is_a_record_and_the_sweep_goes_on(tmp_path):
     metrics = json.loads((sweep / "0" / "result.json").read_text())["metrics"]
     assert metrics["resumed_from"] == str(sweep / "0" / "checkpoints" / "step_00000001")
     assert metrics["damaged_checkpoints"][0]["set_aside_as"] == str(newest) + ".damaged"
+
+
+@pytest.mark.slow
+def test_a_fault_every_rank_finds_is_rank_0s_record_with_its_fields(tmp_path):
+    """A damaged checkpoint named by trainer.resume, at 2 ranks: each rank refuses it alike, and the record is rank
+    0's CheckpointDamaged naming the checkpoint and the file, as at one rank (not the launcher's RanksFailed)."""
+    ranks = ["trainer.nproc_per_node=2", "parallel.ep=2", "data.batch_size=1"]
+    first = train_cli(*SMALL, *ranks, "trainer.checkpoint.every=2", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
+    data = sorted(checkpoint.glob("*.distcp"))[0]
+    with open(data, "r+b") as f:
+        f.truncate(100)
+    resumed = train_cli(
+        *SMALL[1:], "trainer.steps=3", *ranks, f"trainer.resume={checkpoint}", f"hydra.run.dir={tmp_path / 'b'}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert resumed.returncode == 1
+    error = json.loads((tmp_path / "b" / "result.json").read_text())["error"]
+    assert error["type"] == "CheckpointDamaged", error
+    assert (error["checkpoint"], error["file"]) == (str(checkpoint), data.name)
 
 
 def test_a_record_that_is_no_object_is_run_again_when_the_sweep_resumes(tmp_path):

@@ -361,6 +361,8 @@ def _matches(value, annotation) -> bool:
         if origin is list or (len(args) == 2 and args[1] is Ellipsis):
             return all(_matches(v, args[0]) for v in value) if args else True
         return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
+    if origin in (tuple, list):  # a string would be read a character at a time, a number not at all
+        return False
     if inspect.isclass(annotation) and not isinstance(value, dict):
         # A yaml scalar or list is never a Tensor / ProcessGroup; a dict may be a node that instantiates one.
         return isinstance(value, annotation)

@@ -55,7 +55,13 @@ from moe_lab.job.launcher import (
     spawns_ranks,
     started_by_outer_launcher,
 )
-from moe_lab.job.trainer import peak_memory, reset_peak_host_rss, summary_line, train
+from moe_lab.job.trainer import (
+    check_cpu_memory_of_ranks,
+    peak_memory,
+    reset_peak_host_rss,
+    summary_line,
+    train,
+)
 from moe_lab.metrics.logger import NoLogger
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.optim.offload.host import share_host
@@ -95,10 +101,15 @@ class OutputDirGuard(Callback):
         # Points of this sweep that left no record of their own (the directory holds another configuration's): a
         # job that returns None. Seen where the launcher runs jobs in this process (not SLURM's).
         self.not_run: set[Path] = set()
+        self.dry_runs = 0  # points that only counted their parameters (trainer.dry_run): nothing to record
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
-        if job_return.status == JobStatus.COMPLETED and job_return.return_value is None:
+        if job_return.status != JobStatus.COMPLETED:
+            return
+        if job_return.return_value is None:
             self.not_run.add(Path(config.hydra.runtime.output_dir).resolve())
+        elif OmegaConf.select(config, "trainer.dry_run") and "status" not in job_return.return_value:  # not refused
+            self.dry_runs += 1
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         self._take(Path(config.hydra.run.dir), "hydra.run.dir", "job")
@@ -140,10 +151,10 @@ class OutputDirGuard(Callback):
             if point in self.not_run
             else (read_result(point) or {}).get("status", "unreadable")
             for point in sorted(points)
-        ]
+        ] + ["dry run (counted, nothing recorded)"] * self.dry_runs
         counts = ", ".join(f"{n} {status}" for status, n in Counter(statuses).most_common())
         print(f"sweep {config.hydra.sweep.dir}: {len(statuses)} points: {counts or 'none recorded'}")
-        if "ok" not in statuses:
+        if "ok" not in statuses and not self.dry_runs:
             raise SweepFailed(f"sweep {config.hydra.sweep.dir}: no point ended ok")
 
     def _take(self, directory: Path, key: str, job: str) -> bool:
@@ -283,6 +294,8 @@ def _run_point(
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
         if spawns_ranks(cfg) and not outer:
+            if not runs_on_cuda(cfg.trainer):
+                check_cpu_memory_of_ranks(options.model, cfg.trainer.nproc_per_node, cfg.parallel.dp_replicate)
             # Fresh processes build their own options from the resolved config.
             return launch_local(
                 cfg.trainer.nproc_per_node, worker, resolved, str(run_dir), meta, cuda=runs_on_cuda(cfg.trainer)
@@ -305,7 +318,7 @@ def _run_point(
         if rank0 and (record is None or isinstance(e, RanksFailed) and record["status"] != "ok"):
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
             base = Record(record) if record is not None else point_record(meta, cfg, device, cfg.trainer.nproc_per_node)
-            base.failure(e, base.get("metrics")).write(run_dir)
+            failure(base, e, base.get("metrics") or peak_memory(device), device).write(run_dir)
         record = read_result(run_dir)
         error = (record or {}).get("error") or {"type": type(e).__name__, "message": str(e)}
         where = f"recorded in {run_dir / RESULT}" if rank0 else f"rank 0 records it in {run_dir / RESULT}"
@@ -517,9 +530,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     except Interrupted as e:  # every rank stopped at the same step
         result = record.interrupted(e.signal_name, e.step, e.checkpoint, e.metrics)
     except Exception as e:
-        result = record.failure(e, peak_memory(device))
-        if result["status"] == "oom" and device.type == "cpu":  # the host check refused it before allocating
-            result["error"]["message"] += CPU_TOO_SMALL
+        result = failure(record, e, peak_memory(device), device)
         if emulated is not None:  # what the plan expected of the rank that failed (an OOM's planned memory)
             result["metrics"] |= emulated_metrics(cfg, result["metrics"])
         if writer:
@@ -538,6 +549,15 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
         # can abort ("terminate called without an active exception"). Only successful jobs meet here; a failing rank
         # exits at once and its launcher stops the others.
         dist.barrier()
+    return result
+
+
+def failure(record: Record, e: BaseException, metrics: dict, device: torch.device) -> Record:
+    """``record.failure``, with what to do where a CPU run ran out of host memory (a host check refuses it before
+    allocating: shrink it)."""
+    result = record.failure(e, metrics)
+    if result["status"] == "oom" and device.type == "cpu":
+        result["error"]["message"] += CPU_TOO_SMALL
     return result
 
 

@@ -33,6 +33,7 @@ from moe_lab.metrics.progress import ConsoleProgress
 from moe_lab.metrics.routing import ExpertLoad
 from moe_lab.metrics.trace import StepProfiler
 from moe_lab.models.hf_weights import load_hf_checkpoint
+from moe_lab.models.qwen3_moe import count_parameters
 from moe_lab.optim.offload.host import check_host_memory
 from moe_lab.optim.schedule import warmup_cosine
 from moe_lab.parallel import compile_loss, parallelize, replica_group, set_micro_batch
@@ -290,6 +291,14 @@ def check_cpu_memory(model: torch.nn.Module) -> None:
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     weights = sum(local_shard(p).numel() for p in model.parameters()) * 4 * ranks_here
     check_host_memory(2 * weights, f"the fp32 weights and gradients of {ranks_here} rank(s) on CPU")
+
+
+def check_cpu_memory_of_ranks(model_cfg, ranks: int, replicas: int) -> None:
+    """``check_cpu_memory`` of the ``ranks`` a job is about to start on this host, from the model's parameter count
+    (each of the ``replicas`` holds the whole model, sharded over its ranks): refused in the job's process, in one
+    line, where each rank would refuse it after starting, in a page of the launcher's tracebacks."""
+    total, _ = count_parameters(model_cfg)
+    check_host_memory(8 * total * replicas, f"the fp32 weights and gradients of {ranks} rank(s) on CPU")
 
 
 @torch.no_grad()
