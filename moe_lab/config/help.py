@@ -42,7 +42,7 @@ TRAIN_USAGE = """moe_lab: Mixture-of-Experts parallelism experiments on Qwen3-Mo
 
   python -m moe_lab.train [group=option ...] [key=value ...]      one run
   python -m moe_lab.train -m ac=full,selective dispatcher=torch,fused   a sweep: one result.json per point
-  python -m moe_lab.train [overrides] --cfg job                   the whole resolved config, nothing run"""
+  python -m moe_lab.train [overrides] --cfg job --resolve         the whole resolved config, nothing run"""
 
 
 def help_text(usage: str = TRAIN_USAGE, groups: dict[str, str] = GROUPS, defaults: dict[str, str] | None = None) -> str:
