@@ -227,6 +227,18 @@ def test_bad_override_fails_naming_its_key(overrides, env, key, monkeypatch):
     assert key in message, message
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ac=selective", "ac.keep=router"], "got 'router'"),  # was read a letter at a time: "unknown set 'r'"
+        (["optimizer.betas=0.9"], "got 0.9"),  # was left to the class: "'float' object is not iterable", no key
+    ],
+)
+def test_a_list_key_given_a_scalar_is_the_wrong_type(overrides, message):
+    kind, text = failure(overrides)
+    assert "expected a list of" in text and message in text, text
+
+
 def test_fused_ep_group_across_nodes_runs_on_the_reference_backend_only(monkeypatch):
     """The node rule is the gpu backend's: the reference backend exchanges over the process group, any group."""
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -178,7 +178,7 @@ def test_export_with_overwrite_replaces_the_previous_exports_weights(tmp_path):
     assert (out / "notes").is_dir() and (out / "config.json").is_file()
 
 
-def test_export_of_a_damaged_checkpoint_names_the_file_and_a_bias_balanced_run_is_warned(tmp_path, caplog):
+def test_export_of_a_damaged_checkpoint_names_the_file_and_a_bias_balanced_run_is_warned(tmp_path, caplog, capsys):
     """A data file cut short is said as resuming says it (not an unpickler's EOFError); a run that chose its experts
     with a balancing bias exports a model that routes without it (transformers' Qwen3MoE has none): said."""
     checkpoint = tiny_checkpoint(tmp_path)
@@ -193,5 +193,7 @@ def test_export_of_a_damaged_checkpoint_names_the_file_and_a_bias_balanced_run_i
         f.truncate(10)
     with pytest.raises(SystemExit, match=f"checkpoint {checkpoint} is damaged: {data.name}: cut short: 10 bytes"):
         export_main([str(checkpoint), str(tmp_path / "hf2")])
+
     with pytest.raises(SystemExit):  # a size of no bytes would write each tensor to a file of its own
-        export_main([str(checkpoint), str(tmp_path / "hf3"), "--max-shard-size", "0"])
+        export_main([str(tiny_checkpoint(tmp_path / "intact")), str(tmp_path / "hf3"), "--max-shard-size", "0"])
+    assert "not a size: '0' (must be > 0)" in capsys.readouterr().err and not (tmp_path / "hf3").exists()

@@ -467,11 +467,14 @@ def test_prepare_refuses_a_corpus_that_makes_no_dataset_naming_the_file(name, co
     [
         (["--tokenizer", "{tmp}/no_tokenizer"], "--tokenizer {tmp}/no_tokenizer: no such directory"),
         (["--tokenizer", "{tmp}"], "--tokenizer {tmp}: cannot be read as a tokenizer"),
+        (["--tokenizer", "{tmp}/not_one"], "--tokenizer {tmp}/not_one: cannot be read as a tokenizer"),
         (["--train-tokenizer", "5"], "--train-tokenizer must exceed 257"),
     ],
 )
 def test_prepare_refuses_a_tokenizer_it_cannot_use_in_one_line(tokenizer, problem, tmp_path):
     (tmp_path / "book.txt").write_text("\n\n".join(corpus(4)) + "\n")
+    (tmp_path / "not_one").mkdir()  # JSON, but no tokenizer's
+    (tmp_path / "not_one" / "tokenizer.json").write_text('{"version": "1.0", "model": 5}')
     args = ["--dataset", str(tmp_path / "book.txt"), "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as refused:
         prepare_main(args + [a.format(tmp=tmp_path) for a in tokenizer])
@@ -487,10 +490,15 @@ def test_a_token_past_the_vocabulary_names_its_shard(tmp_path):
     data = TokenData(str(tmp_path), seq_len=16, batch_size=2)
     for step in range(4):  # intact: every batch reads
         data.batch(step, 0, 1)
-    for shard in (tmp_path / "train").glob("tokens-*.bin"):
-        shard.write_bytes(b"\xff" * shard.stat().st_size)
-    with pytest.raises(
-        ValueError,
-        match=r"token id 4294967295 in train shard\(s\) tokens-0000\d.bin.* is past its vocabulary of 512 ids",
-    ):
-        TokenData(str(tmp_path), seq_len=16, batch_size=2).batch(0, 0, 1)
+    shard = tmp_path / "train" / "tokens-00001.bin"  # the other shards stay intact
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    data, refusals = TokenData(str(tmp_path), seq_len=16, batch_size=2), []
+    for step in range(4):  # the epoch's batches: those reading the damaged shard are refused, naming it alone
+        try:
+            data.batch(step, 0, 1)
+        except ValueError as e:
+            refusals.append(str(e))
+    assert refusals and all(
+        "token id 4294967295 in train shard(s) tokens-00001.bin is past its vocabulary of 512 ids" in r
+        for r in refusals
+    ), refusals

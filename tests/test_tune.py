@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -526,3 +527,28 @@ def test_no_winner_where_every_measured_candidate_failed():
     assert winner(df)[0]["point"] == "b" and winner(df)[1] == "measured"
     df["measured_status"] = None
     assert winner(df)[0]["point"] == "a" and winner(df)[1] == "planned"  # nothing measured: the plan's best
+
+
+def test_a_tune_whose_measured_candidates_all_failed_exits_1_naming_no_winner(tmp_path, monkeypatch):
+    """Every candidate out of memory (each round's sweep stood in for by one writing oom records): the report says
+    there is no winner and how they ended, and the command exits 1, as a sweep with no ok point does."""
+    from moe_lab.tune import measure as measuring
+    from moe_lab.tune.__main__ import main
+
+    def sweep(command, tune_dir, batch, log_path, bar):
+        for candidate in batch:
+            record = tune_dir / measuring.run_dir_of(candidate) / "result.json"
+            record.parent.mkdir(parents=True)
+            record.write_text(json.dumps({"status": "oom", "config": {}}))
+        return 1, 0.0
+
+    monkeypatch.setattr(measuring, "_run", sweep)
+    fixed = ["dispatcher=torch", "offload=none", "precision=bf16", "parallel.ep=1", "parallel.dp_replicate=1"]
+    args = ["model=tiny", "ac=none,full", *fixed, "parallel.reshard_after_forward=true", "tune.device=cpu"]
+    monkeypatch.setattr(sys, "argv", ["tune", *args, "tune.measure=1", f"tune.dir={tmp_path}"])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 1
+    report_text = (tmp_path / "report.md").read_text()
+    assert re.search(r"No winner: none of the \d candidates measured ran to the end \(oom \d\)", report_text)
+    assert "python -m moe_lab.train" not in report_text

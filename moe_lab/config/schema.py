@@ -83,9 +83,9 @@ class TrainerConfig:
 class ParallelConfig:
     ep: int = _key(
         1,
-        "expert-parallel degree: EP groups are consecutive ranks (with parallel.dp_replicate > 1 inside a node and "
-        "inside a replica); FSDP2 shards dense weights over a replica's ranks and experts over the replica's ranks "
-        "outside their EP group",
+        "expert-parallel degree: EP groups are consecutive ranks (inside a node with parallel.dp_replicate > 1 or "
+        "the fused dispatcher's gpu backend, and inside a replica); FSDP2 shards dense weights over a replica's "
+        "ranks and experts over the replica's ranks outside their EP group",
     )
     dp_replicate: int = _key(
         1,

@@ -458,7 +458,8 @@ def check_rules(cfg: DictConfig, target: Target) -> None:
 def check_mesh(p: DictConfig, world: int, node: int) -> None:
     """The (dp_replicate, dp_shard) mesh of ``world`` ranks, ``node`` on each node, and EP inside it (``p``: the
     parallel section): replicas of world / dp_replicate ranks each; EP groups split a replica's ranks and, with
-    replicas, stay inside a node (consecutive ranks: an EP group never spans replicas or nodes)."""
+    replicas, stay inside a node (consecutive ranks: an EP group never spans replicas, nor nodes where there are
+    replicas; the fused dispatcher's gpu backend checks its own node rule)."""
     ranks = (
         f"the emulated layout's {world} ranks (trainer.nproc_per_node x parallel.emulate_nodes)"
         if p.get("emulate")

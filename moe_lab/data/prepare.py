@@ -214,8 +214,10 @@ def prepare(
             else:
                 try:
                     tok = AutoTokenizer.from_pretrained(tokenizer)
-                except (OSError, ValueError) as e:
-                    raise SystemExit(f"--tokenizer {tokenizer}: cannot be read as a tokenizer ({e})") from None
+                except Exception as e:  # whatever a file that is no tokenizer's raises as it is parsed (KeyError, ...)
+                    raise SystemExit(
+                        f"--tokenizer {tokenizer}: cannot be read as a tokenizer ({type(e).__name__}: {e})"
+                    ) from None
             if tok.eos_token_id is None:
                 raise SystemExit(f"--tokenizer {tokenizer}: it has no end-of-sequence token to end documents with")
             eos = np.array([tok.eos_token_id], dtype=np.uint32)

@@ -248,7 +248,10 @@ class TokenData(DataSource):
         split = self.split(split_name)
         read = np.stack([np.concatenate([split.read(p) for p in pieces]) for pieces in samples])
         if (largest := int(read.max(initial=0))) >= self.meta["vocab_size"]:  # else an embedding's bare IndexError
-            shards = sorted({shard_name(int(split.index[p.document][0])) for pieces in samples for p in pieces})
+            damaged = [
+                p for pieces in samples for p in pieces if split.read(p).max(initial=0) >= self.meta["vocab_size"]
+            ]
+            shards = sorted({shard_name(int(split.index[p.document][0])) for p in damaged})
             raise ValueError(
                 f"data.path={self.path}: token id {largest} in {split_name} shard(s) {', '.join(shards)} is past its "
                 f"vocabulary of {self.meta['vocab_size']} ids: the shard is damaged (prepare it again)"

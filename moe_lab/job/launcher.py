@@ -10,7 +10,6 @@ import multiprocessing.forkserver
 import os
 import signal
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -117,18 +116,17 @@ def launch_local(nproc: int, entrypoint: Callable, *args, cuda: bool):
 
 
 def _start_forkserver(preload: list[str]) -> None:
-    """Start multiprocessing's forkserver (if not running) with ``preload`` imported, ignoring SIGTERM as it ignores
-    SIGINT: a signal to the job's whole process group (a scheduler's, ``timeout``'s) must not end the server while
-    the ranks it forked finish their step and record it, for the launcher waits on the ranks through it."""
+    """Start multiprocessing's forkserver (if not running) with ``preload`` imported and SIGTERM blocked in it (it
+    ignores SIGINT itself): a signal to the job's whole process group (a scheduler's, ``timeout``'s) must not end
+    the server while the ranks it forked finish their step and record it, for the launcher waits on the ranks
+    through it. Blocked, not ignored, in this thread while the server starts (it inherits the mask): a SIGTERM
+    meanwhile is delivered here once it is unblocked, not lost."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
-        multiprocessing.forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the server inherits the disposition
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
@@ -138,7 +136,7 @@ def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
     rank_variables = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRON.get(k) != v}
     os.environ.clear()
     os.environ.update({**environ, **rank_variables})
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked rank inherits the server's SIG_IGN (_start_forkserver)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a forked rank inherits the server's mask
     os.chdir(cwd)
     tempfile.tempdir = None  # TMPDIR is read again
     try:
@@ -175,10 +173,11 @@ class RanksFailed(RuntimeError):
         self.traceback = _callstack(failed[0][1]) or (rank0_error or {}).get("traceback")
 
 
-def raised_alike(error: ChildFailedError, exception_type: str) -> bool:
-    """Whether every failed rank raised an exception of ``exception_type``: each found the same fault by itself (a
-    damaged checkpoint, a config its state does not fit, a memory check), which rank 0's own record tells best."""
-    return all((_exception(f) or "").startswith(f"{exception_type}: ") for f in error.failures.values())
+def raised_alike(error: ChildFailedError, exception: str) -> bool:
+    """Whether every failed rank raised ``exception`` ("Type: message", rank 0's): each found the same fault by itself
+    (a damaged checkpoint, a config its state does not fit), which rank 0's own record tells best. A rank's other
+    failure, or a peer's symptom of it, is ``RanksFailed``'s story."""
+    return all(_exception(f) == exception for f in error.failures.values())
 
 
 def _rank_failure(rank: int, failure: ProcessFailure) -> dict:

@@ -312,13 +312,18 @@ def _run_point(
         rank0_error = record["error"] if record is not None and record["status"] != "ok" else None
         # Which rank failed first, and how, before what rank 0 saw of it; unless every rank raised what rank 0
         # recorded, whose record then stands with its fields (the damaged checkpoint, the memory advice).
-        if isinstance(e, ChildFailedError) and not (rank0_error and raised_alike(e, rank0_error["type"])):
+        raised = rank0_error and f"{rank0_error['type']}: {rank0_error['message'].removesuffix(CPU_TOO_SMALL)}"
+        if isinstance(e, ChildFailedError) and not (raised and raised_alike(e, raised)):
             e = RanksFailed(e, rank0_error)
         # Rank 0 records its own failure; when another rank failed first, the record tells that rank's story.
         if rank0 and (record is None or isinstance(e, RanksFailed) and record["status"] != "ok"):
             device = torch.device("cuda" if runs_on_cuda(cfg.trainer) else "cpu")
             base = Record(record) if record is not None else point_record(meta, cfg, device, cfg.trainer.nproc_per_node)
-            failure(base, e, base.get("metrics") or peak_memory(device), device).write(run_dir)
+            # this process's memory only for its own failure on CPU (the host check before the ranks start): it is
+            # not the ranks', and it never touched CUDA
+            own = not isinstance(e, RanksFailed) and device.type == "cpu"
+            metrics = base.get("metrics") or (peak_memory(device) if own else None)
+            failure_with_advice(base, e, metrics, device).write(run_dir)
         record = read_result(run_dir)
         error = (record or {}).get("error") or {"type": type(e).__name__, "message": str(e)}
         where = f"recorded in {run_dir / RESULT}" if rank0 else f"rank 0 records it in {run_dir / RESULT}"
@@ -530,7 +535,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     except Interrupted as e:  # every rank stopped at the same step
         result = record.interrupted(e.signal_name, e.step, e.checkpoint, e.metrics)
     except Exception as e:
-        result = failure(record, e, peak_memory(device), device)
+        result = failure_with_advice(record, e, peak_memory(device), device)
         if emulated is not None:  # what the plan expected of the rank that failed (an OOM's planned memory)
             result["metrics"] |= emulated_metrics(cfg, result["metrics"])
         if writer:
@@ -552,7 +557,7 @@ def _worker(resolved_yaml: str, run_dir: str, meta: dict, options: Options | Non
     return result
 
 
-def failure(record: Record, e: BaseException, metrics: dict, device: torch.device) -> Record:
+def failure_with_advice(record: Record, e: BaseException, metrics: dict | None, device: torch.device) -> Record:
     """``record.failure``, with what to do where a CPU run ran out of host memory (a host check refuses it before
     allocating: shrink it)."""
     result = record.failure(e, metrics)

@@ -289,16 +289,19 @@ def check_cpu_memory(model: torch.nn.Module) -> None:
     fit in the host's available memory, as an ``oom`` record, before the kernel's OOM killer ends it with none. The
     ranks of a job share the host: each counts all of them."""
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    weights = sum(local_shard(p).numel() for p in model.parameters()) * 4 * ranks_here
-    check_host_memory(2 * weights, f"the fp32 weights and gradients of {ranks_here} rank(s) on CPU")
+    _check_weights_and_gradients(sum(local_shard(p).numel() for p in model.parameters()) * ranks_here, ranks_here)
 
 
 def check_cpu_memory_of_ranks(model_cfg, ranks: int, replicas: int) -> None:
     """``check_cpu_memory`` of the ``ranks`` a job is about to start on this host, from the model's parameter count
     (each of the ``replicas`` holds the whole model, sharded over its ranks): refused in the job's process, in one
     line, where each rank would refuse it after starting, in a page of the launcher's tracebacks."""
-    total, _ = count_parameters(model_cfg)
-    check_host_memory(8 * total * replicas, f"the fp32 weights and gradients of {ranks} rank(s) on CPU")
+    _check_weights_and_gradients(count_parameters(model_cfg)[0] * replicas, ranks)
+
+
+def _check_weights_and_gradients(parameters: int, ranks: int) -> None:
+    """``parameters`` held on this host in fp32, with their fp32 gradients: 8 bytes each."""
+    check_host_memory(8 * parameters, f"the fp32 weights and gradients of {ranks} rank(s) on CPU")
 
 
 @torch.no_grad()
