@@ -218,7 +218,7 @@ def test_emulated_hsdp_record_names_its_replicas(tmp_path):
                 "parallel.dp_replicate=3",
             ],
             "parallel.dp_replicate",
-            "divide the emulated layout's 8 ranks (trainer.nproc_per_node x parallel.emulate_nodes)",
+            "divide the job's 8 ranks (trainer.nproc_per_node or WORLD_SIZE, x parallel.emulate_nodes when emulated)",
         ),
     ],
 )

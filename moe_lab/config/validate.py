@@ -460,11 +460,8 @@ def check_mesh(p: DictConfig, world: int, node: int) -> None:
     parallel section): replicas of world / dp_replicate ranks each; EP groups split a replica's ranks and, with
     replicas, stay inside a node (consecutive ranks: an EP group never spans replicas, nor nodes where there are
     replicas; the fused dispatcher's gpu backend checks its own node rule)."""
-    ranks = (
-        f"the emulated layout's {world} ranks (trainer.nproc_per_node x parallel.emulate_nodes)"
-        if p.get("emulate")
-        else f"the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE)"
-    )
+    # the same words for an emulated layout as for its real ranks: emulation refuses what the real run refuses
+    ranks = f"the job's {world} ranks (trainer.nproc_per_node or WORLD_SIZE, x parallel.emulate_nodes when emulated)"
     _require(
         p.dp_replicate >= 1 and world % p.dp_replicate == 0,
         "parallel.dp_replicate",
