@@ -148,7 +148,7 @@ def test_the_report_names_why_the_planner_failed(small_tune, tmp_path):
     plans.loc[invalid, "status"] = "error"
     plans.loc[invalid, "why"] = ["RuntimeError: the first"] * 2 + ["ValueError: the second"]
     plans.to_csv(failing / PLANS, index=False)
-    text = report(failing)
+    text, _ = report(failing)
     assert "3 failed to plan" in text
     assert "The planner failed on 3 points; the most frequent reason (2 of them): `RuntimeError: the first`" in text
 

@@ -246,17 +246,21 @@ class TokenData(DataSource):
 
     def _batch(self, samples: list[list[Piece]], split_name: str = "train") -> Batch:
         split = self.split(split_name)
-        read = np.stack([np.concatenate([split.read(p) for p in pieces]) for pieces in samples])
-        if (largest := int(read.max(initial=0))) >= self.meta["vocab_size"]:  # else an embedding's bare IndexError
+        read = [[split.read(p) for p in pieces] for pieces in samples]
+        tokens = np.stack([np.concatenate(pieces) for pieces in read])
+        if (largest := int(tokens.max(initial=0))) >= self.meta["vocab_size"]:  # else an embedding's bare IndexError
             damaged = [
-                p for pieces in samples for p in pieces if split.read(p).max(initial=0) >= self.meta["vocab_size"]
+                p
+                for pieces, values in zip(samples, read)
+                for p, v in zip(pieces, values)
+                if v.max(initial=0) >= self.meta["vocab_size"]
             ]
             shards = sorted({shard_name(int(split.index[p.document][0])) for p in damaged})
             raise ValueError(
                 f"data.path={self.path}: token id {largest} in {split_name} shard(s) {', '.join(shards)} is past its "
                 f"vocabulary of {self.meta['vocab_size']} ids: the shard is damaged (prepare it again)"
             )
-        tokens = torch.from_numpy(read.astype(np.int64))
+        tokens = torch.from_numpy(tokens.astype(np.int64))
         documents = None
         if self.document_mask:
             ids = np.stack([np.repeat(np.arange(len(pieces)), [p.length for p in pieces]) for pieces in samples])

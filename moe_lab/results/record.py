@@ -203,18 +203,17 @@ def failure(e: BaseException) -> dict:
 def software() -> dict:
     """What ran the job, whatever its device and ranks: the host, Python, torch, CUDA and the moe_lab commit (an
     ``invalid`` record's environment: the code that refused the config)."""
-    env = {
+    return {
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-    }
-    return env | git_state()
+    } | git_state()
 
 
 def environment(device: torch.device, world: int) -> dict:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    env = {
+    return {
         **software(),
         "device": device.type,
         "world_size": world,
@@ -222,7 +221,6 @@ def environment(device: torch.device, world: int) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "gpu_count": world if device.type == "cuda" else 0,
     }
-    return env
 
 
 def git_state(source_dir: Path = SOURCE_DIR) -> dict:

@@ -30,7 +30,7 @@ from moe_lab.config.validate import check_override_keys, check_target_node
 from moe_lab.plan.hardware import GIB, profile_path_overrides
 from moe_lab.plan.planner import build_hardware, plan, usable_device_bytes
 from moe_lab.results.record import git_state
-from moe_lab.results.tune import PLANS, TUNE, load_tune, read_tune
+from moe_lab.results.tune import PLANS, TUNE, read_tune
 from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune import config as tune_config
 from moe_lab.tune import measure as measuring
@@ -45,7 +45,7 @@ from moe_lab.tune.planning import (
     rank,
     workers,
 )
-from moe_lab.tune.report import named_point, report, winner
+from moe_lab.tune.report import named_point, report
 from moe_lab.tune.space import (
     Space,
     check_key_values,
@@ -140,8 +140,8 @@ def title(cfg, hw) -> str:
     )
 
 
-def run(argv: list[str], progress: bool = True) -> Path:
-    """The tune of ``argv`` (the command line's overrides); returns its directory."""
+def run(argv: list[str], progress: bool = True) -> tuple[Path, bool]:
+    """The tune of ``argv`` (the command line's overrides); returns its directory and whether it named a winner."""
     if any(a in ("-m", "--multirun") for a in argv):
         raise ConfigError("-m", "a tune sweeps its own space; narrow an axis with key=a,b, no -m")
     # as train and plan check theirs; a key axis (ac.keep) needs only some point to have it
@@ -237,9 +237,10 @@ def run(argv: list[str], progress: bool = True) -> Path:
                     f"its candidates without a record: see {tune['measured']['log']}."
                 )
         (tune_dir / TUNE).write_text(json.dumps(tune, indent=1))
-    print(report(tune_dir))
+    text, best = report(tune_dir)
+    print(text)
     print(f"tune directory: {tune_dir}")
-    return tune_dir
+    return tune_dir, best is not None
 
 
 def help_text() -> str:
@@ -262,12 +263,12 @@ def main() -> None:
         print(help_text())
         return
     try:
-        tune_dir = run(profile_path_overrides(sys.argv[1:]))
+        _, named_winner = run(profile_path_overrides(sys.argv[1:]))
     except ConfigError as e:
         sys.exit(f"invalid tune: {e}")
     except HydraException as e:
         sys.exit(f"invalid tune: {e}")
-    if winner(load_tune(tune_dir))[0] is None:  # as a sweep with no ok point: a script sees nothing measured ran
+    if not named_winner:  # as a sweep with no ok point: a script sees nothing measured ran
         sys.exit(1)
 
 

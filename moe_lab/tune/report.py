@@ -205,8 +205,9 @@ def plot(df: pd.DataFrame, tune: dict, path: Path) -> Path:
     return path
 
 
-def report(tune_dir: Path) -> str:
-    """``report.md`` and ``tune.png`` written into the tune's directory; returns the report's text."""
+def report(tune_dir: Path) -> tuple[str, pd.Series | None]:
+    """``report.md`` and ``tune.png`` written into the tune's directory; returns the report's text and the winner
+    (None: none named, ``winner``)."""
     tune = read_tune(tune_dir)
     df = load_tune(tune_dir)
     counts = df["status"].value_counts().to_dict()
@@ -228,6 +229,7 @@ def report(tune_dir: Path) -> str:
             f"`{reasons.index[0]}` (every point's in {PLANS}, column `why`).",
             "",
         ]
+    best = None
     if fitting:
         measuring = tune.get("measured") is not None or any("run_dir" in c for c in tune["candidates"])
         lines += [markdown(candidates_table(df, measuring)), ""]
@@ -244,4 +246,4 @@ def report(tune_dir: Path) -> str:
         lines += [f"![tokens/s/GPU against peak memory]({PLOT})", ""]
     text = "\n".join(lines)
     (tune_dir / REPORT).write_text(text)
-    return text
+    return text, best
