@@ -311,12 +311,15 @@ def test_fsdp_reduces_once_per_step_and_keeps_blocks_gathered(monkeypatch):
 
 def test_training_job_counts_every_micro_batch(tmp_path):
     """``python -m moe_lab.train`` at world 2 x accumulation 2 (offload=full) against world 1 in one micro-batch:
-    the same losses, and tokens per step (and so tokens/s) counting both micro-batches."""
+    the same losses, held-out losses on the same samples, and tokens per step (and so tokens/s) counting both
+    micro-batches."""
     root = Path(__file__).resolve().parents[1]
 
     def job(name, *overrides):
         run_dir = tmp_path / name
-        proc = train_cli(f"hydra.run.dir={run_dir}", *COMMON, *overrides, cwd=root)  # forked: tests/cli.py
+        proc = train_cli(
+            f"hydra.run.dir={run_dir}", *COMMON, "trainer.eval_every=2", *overrides, cwd=root
+        )  # forked: tests/cli.py
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return json.loads((run_dir / "result.json").read_text())["metrics"]
 
@@ -331,6 +334,9 @@ def test_training_job_counts_every_micro_batch(tmp_path):
     )
     one = job("one", f"data.batch_size={GLOBAL_BATCH}")
     assert accumulated["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert [e["step"] for e in accumulated["eval_losses"]] == [e["step"] for e in one["eval_losses"]] == [1, 2]
+    evaluated = [e["loss"] for e in accumulated["eval_losses"]]
+    assert evaluated == pytest.approx([e["loss"] for e in one["eval_losses"]], rel=1e-5)
     assert (
         accumulated["tokens_per_step_per_gpu"] == 2 * 1 * SEQ and one["tokens_per_step_per_gpu"] == GLOBAL_BATCH * SEQ
     )

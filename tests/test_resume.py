@@ -49,6 +49,8 @@ BASE = [
     "data.seq_len=16",
     "data._target_=tests.pausing_data.PausingData",
     "trainer.checkpoint.every=8",
+    "trainer.eval_every=4",  # held-out losses and the expert load are the whole run's too
+    "trainer.eval_batches=1",
 ]
 # Several chunks and fewer transfer buffers than chunks for the offload modes.
 CHUNKS = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
@@ -166,6 +168,10 @@ def test_killed_run_resumes_bit_for_bit(case, reference, tmp_path):
     assert record["status"] == "ok"
     assert record["metrics"]["resumed_from"] == str(run_dir / "checkpoints" / "step_00000008")
     assert record["metrics"]["losses"] == expected  # bit for bit
+    uninterrupted = result(reference(case))["metrics"]
+    assert [e["step"] for e in record["metrics"]["eval_losses"]] == [3, 7, 11, 15]
+    assert record["metrics"]["eval_losses"] == uninterrupted["eval_losses"]
+    assert record["metrics"]["expert_load"] == uninterrupted["expert_load"]
     rows = metrics_rows(run_dir)
     assert [row["step"] for row in rows] == list(range(16)) and [row["loss"] for row in rows] == expected
     assert checkpoints(run_dir) == ["step_00000008", "step_00000016"]

@@ -13,7 +13,8 @@ A checkpoint's DCP keys:
     param_group/<name>        the hyperparameters of the parameter's group (the LR where the schedule left it, ...),
                               pickled, as are the objects below; for the record: a resumed run steps with its own
                               config's
-    progress                  steps done and the loss of each
+    progress                  steps done, the loss of each, the held-out losses and the run's sums (the routers'
+                              statistics) summed over the ranks
     rng/rank<r>, data/rank<r> each rank's random generators and data position (read back at the same world size,
                               whatever parallel.dp_replicate: rank r reads the same data at any)
 
@@ -64,10 +65,15 @@ _MARKER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoin
 
 @dataclass
 class Progress:
-    """How far a run is: optimizer steps done, and the loss of each."""
+    """How far a run is: optimizer steps done, the loss of each, the held-out losses (``{"step", "loss"}``) and
+    ``sums``: tensors each rank adds its share of every step into (on its device), which a run's record reports
+    for the whole run. A checkpoint holds each sum over the ranks; a resumed run's ranks each start from that
+    divided by their number (any world size), so summing them over the ranks again gives the whole run's."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
+    eval_losses: list[dict] = field(default_factory=list)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def advance(self, loss: float) -> None:
         self.step += 1
@@ -297,7 +303,8 @@ class Checkpointer:
                 self.world,
             )
         progress = _unpickled(target["progress"])
-        return Progress(progress["step"], list(progress["losses"]))
+        sums = {name: (value / self.world).to(self.device) for name, value in progress.get("sums", {}).items()}
+        return Progress(progress["step"], list(progress["losses"]), list(progress.get("eval_losses", [])), sums)
 
     def _check_shape(self, path: Path, saved: dict, key: str, name: str) -> None:
         if key not in saved:
@@ -409,7 +416,14 @@ class Checkpointer:
             hyperparameters = _pickled({k: v for k, v in group.items() if k != "params"})
             for position in group["params"]:
                 state[f"param_group/{self.names[position]}"] = hyperparameters
-        state["progress"] = _pickled({"step": progress.step, "losses": list(progress.losses)})
+        state["progress"] = _pickled(
+            {
+                "step": progress.step,
+                "losses": list(progress.losses),
+                "eval_losses": list(progress.eval_losses),
+                "sums": {name: _summed_over_ranks(value) for name, value in progress.sums.items()},
+            }
+        )
         state[f"rng/rank{self.rank}"] = _pickled(_rng_state(self.device))
         state[f"data/rank{self.rank}"] = _pickled(self.data.state_dict())
         return state
@@ -557,6 +571,14 @@ def optimizer_mismatch(marker: dict, config: dict) -> str | None:
 def _optimizer_class(config: dict | None) -> str | None:
     """The optimizer class a run's config names (``optimizer._target_``), if it names one."""
     return ((config or {}).get("optimizer") or {}).get("_target_")
+
+
+def _summed_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over every rank (a collective: every rank saves at the same step), on the host."""
+    value = value.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+    return value.cpu()
 
 
 def _pickled(obj) -> torch.Tensor:

@@ -39,8 +39,9 @@ class DataSource(Protocol):
         ``step``'s global batch, [batch_size, seq_len] on the CPU."""
         ...
 
-    def eval_batch(self, index: int, dp_rank: int, dp_size: int) -> Batch:
-        """Rank ``dp_rank``'s share of held-out batch ``index``, drawn from what no training step reads."""
+    def eval_batch(self, index: int, dp_rank: int, dp_size: int, micro_batch: int = 0, micro_batches: int = 1) -> Batch:
+        """Micro-batch ``micro_batch`` (of ``micro_batches``) of rank ``dp_rank``'s share of held-out batch
+        ``index`` (as large as a step's global batch, and split alike), drawn from what no training step reads."""
         ...
 
     def state_dict(self) -> dict:

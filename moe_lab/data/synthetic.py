@@ -44,9 +44,10 @@ class SyntheticData(DataSource):
         ``step``'s batch, [batch_size, seq_len] on the CPU."""
         return self._batch(step, (micro_batch * dp_size + dp_rank) * self.batch_size)
 
-    def eval_batch(self, index: int, dp_rank: int, dp_size: int) -> Batch:
-        """Rank ``dp_rank``'s share of held-out batch ``index``: streams of negative step numbers."""
-        return self._batch(-1 - index, dp_rank * self.batch_size)
+    def eval_batch(self, index: int, dp_rank: int, dp_size: int, micro_batch: int = 0, micro_batches: int = 1) -> Batch:
+        """Micro-batch ``micro_batch`` of rank ``dp_rank``'s share of held-out batch ``index``: streams of negative
+        step numbers, split as a step's batch is."""
+        return self._batch(-1 - index, (micro_batch * dp_size + dp_rank) * self.batch_size)
 
     def state_dict(self) -> dict:
         """Nothing: a batch is a function of (seed, step, sample), so the step is all a resumed run needs."""

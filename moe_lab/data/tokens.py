@@ -212,13 +212,14 @@ class TokenData(DataSource):
         first += (micro_batch * dp_size + dp_rank) * self.batch_size
         return self._batch([self._train_pieces(g) for g in range(first, first + self.batch_size)])
 
-    def eval_batch(self, index: int, dp_rank: int, dp_size: int) -> Batch:
-        """Rank ``dp_rank``'s share of held-out batch ``index`` (the eval split's samples in order, wrapping)."""
+    def eval_batch(self, index: int, dp_rank: int, dp_size: int, micro_batch: int = 0, micro_batches: int = 1) -> Batch:
+        """Micro-batch ``micro_batch`` of rank ``dp_rank``'s share of held-out batch ``index`` (the eval split's
+        samples in order, wrapping; split as a step's batch is)."""
         if self._eval is None:
             lengths = self.split("eval").lengths
             self._eval = Packing(lengths, np.arange(len(lengths)), self.seq_len + 1)
         packing = self._eval
-        first = index * self.batch_size * dp_size + dp_rank * self.batch_size
+        first = (index * micro_batches + micro_batch) * dp_size * self.batch_size + dp_rank * self.batch_size
         return self._batch([packing.pieces(g % packing.samples) for g in range(first, first + self.batch_size)], "eval")
 
     def state_dict(self) -> dict:

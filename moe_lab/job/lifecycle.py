@@ -442,7 +442,7 @@ def _record_invalid(cfg, run_dir: Path, meta: dict, multirun: bool, rank0: bool,
     if rank0 and not keep:
         record.write(run_dir)
     if multirun:
-        log.error("invalid config, point skipped: %s (%s)", record["error"]["message"], where)
+        log.error("invalid config, point not run: %s (%s)", record["error"]["message"], where)
         return None if keep else record
     sys.exit(f"invalid config: {record['error']['message']} ({where})")
 

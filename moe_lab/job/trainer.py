@@ -74,9 +74,11 @@ def train(
     # q * world / dp_replicate onwards): each replica reads its own share of the global batch.
     dp_rank = rank
     balance = options.model.balance()
-    expert_load = ExpertLoad(options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps)
     checkpointer = build_checkpointer(cfg, options, run_dir, model, optimizer, device)
     progress = checkpointer.restore()
+    expert_load = ExpertLoad(
+        options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps, progress.sums
+    )
     # The LR is a function of the step and this config: a resumed run follows this config's schedule from its step.
     scheduler = warmup_cosine(optimizer, t.steps, t.warmup_steps, t.min_lr_ratio, start_step=progress.step)
 
@@ -85,7 +87,8 @@ def train(
     tokens_per_step = t.grad_accum * cfg.data.batch_size * cfg.data.seq_len  # per rank, every micro-batch
     writer = rank == 0 or is_emulated()  # an emulated rank is its job's one process
     metrics_log = MetricsLog(run_dir, first_step=progress.step) if writer else None
-    step_times, eval_losses = [], []  # this process's steps and evaluations
+    step_times = []  # this process's steps
+    eval_losses = progress.eval_losses  # the whole run's, as its losses
 
     def load_micro_batch(step: int, micro_batch: int):
         return data.batch(step, dp_rank, world, micro_batch, t.grad_accum).to(device)
@@ -131,7 +134,12 @@ def train(
         routing_row = expert_load.add(step, router_stats, balance_loss)
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
             eval_losses.append(
-                {"step": step, "loss": evaluate(model, data, t.eval_batches, device, dp_rank, world, autocast, loss_fn)}
+                {
+                    "step": step,
+                    "loss": evaluate(
+                        model, data, t.eval_batches, device, dp_rank, world, t.grad_accum, autocast, loss_fn
+                    ),
+                }
             )
         if metrics_log:
             row = {
@@ -156,8 +164,9 @@ def train(
     if metrics_log:
         metrics_log.close()
 
-    # Timed over this process's steps (a resumed run warms up again); losses cover the whole run.
-    # Fewer steps than trainer.timing_skip (a short run, a resumed one): all of them, warm-up included, and said so.
+    # Timed over this process's steps (a resumed run warms up again); losses, held-out losses and the expert load
+    # cover the whole run.
+    # No more steps than trainer.timing_skip (a short run, a resumed one): all of them, warm-up included, and said so.
     timed = step_times[t.timing_skip :] or step_times
     s_per_step = statistics.median(timed) if timed else None  # None: resumed from the last step's checkpoint
     tokens_per_s = tokens_per_step / s_per_step if s_per_step else None
@@ -305,14 +314,18 @@ def _check_weights_and_gradients(parameters: int, ranks: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, data, batches: int, device, dp_rank: int, world: int, autocast, loss_fn) -> float:
+def evaluate(
+    model, data, batches: int, device, dp_rank: int, world: int, micro_batches: int, autocast, loss_fn
+) -> float:
     """Mean next-token loss (``loss_fn``, the training loss) over ``batches`` held-out batches
-    (``data.eval_batch``) of the global batch size, over every rank."""
+    (``data.eval_batch``) of the global batch size, read as a step reads its batch (``micro_batches`` per rank),
+    over every rank: any split of the same global batch evaluates the same samples."""
     losses = []
     for index in range(batches):
-        batch = data.eval_batch(index, dp_rank, world).to(device)
-        with autocast:
-            losses.append(model(batch.inputs, batch.documents, labels=batch.labels, loss=loss_fn).loss)
+        for micro_batch in range(micro_batches):
+            batch = data.eval_batch(index, dp_rank, world, micro_batch, micro_batches).to(device)
+            with autocast:
+                losses.append(model(batch.inputs, batch.documents, labels=batch.labels, loss=loss_fn).loss)
     return to_host(mean_over_ranks(torch.stack(losses).mean(), world)).item()
 
 
@@ -344,7 +357,7 @@ def summary_line(m: dict) -> str:
         return f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | no step run (resumed from {m['resumed_from']})"
     mfu = "n/a (CPU)" if m["mfu"] is None else f"{100 * m['mfu']:.1f}% (executed {100 * m['mfu_executed']:.1f}%)"
     gpu = "n/a" if m["peak_gpu_mem_gib"] is None else f"{m['peak_gpu_mem_gib']:.2f} GiB"
-    warmup = " (warm-up steps included: fewer steps ran than trainer.timing_skip)" if m.get("timed_warmup") else ""
+    warmup = " (warm-up steps included: no more steps ran than trainer.timing_skip)" if m.get("timed_warmup") else ""
     return (
         f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | {m['s_per_step']:.3f} s/step{warmup} | "
         f"{m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU | MFU {mfu} | peak GPU mem {gpu} | "

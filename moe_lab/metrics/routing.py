@@ -32,17 +32,24 @@ def describe(stats: torch.Tensor, top_k: int, ep: int) -> dict:
 
 
 class ExpertLoad:
-    """Collects every step's routing statistics; ``add`` returns the metrics-row fields of a logging step."""
+    """Collects every step's routing statistics; ``add`` returns the metrics-row fields of a logging step.
 
-    def __init__(self, top_k: int, ep: int, every: int, steps: int):
+    The run's statistics are summed on the device into ``sums["expert_load"]`` (a run's ``Progress.sums``, which a
+    checkpoint keeps: a resumed run's summary covers the whole run)."""
+
+    def __init__(self, top_k: int, ep: int, every: int, steps: int, sums: dict[str, torch.Tensor] | None = None):
         self.top_k, self.ep, self.every, self.last = top_k, ep, every, steps - 1
-        self.total: torch.Tensor | None = None  # the run's statistics, summed on the device
+        self.sums = {} if sums is None else sums
+
+    @property
+    def total(self) -> torch.Tensor | None:
+        return self.sums.get("expert_load")
 
     def add(self, step: int, stats: torch.Tensor, balance_loss: torch.Tensor | float) -> dict:
         """The step's statistics [L, 2E + 1] and balancing loss; at a logging step, ``expert_load`` (``describe``
         of the step's global batch) and ``balance_loss`` (this rank's), else nothing."""
         stats = stats.detach()
-        self.total = stats.double() if self.total is None else self.total + stats
+        self.sums["expert_load"] = stats.double() if self.total is None else self.total + stats
         if not self.every or (step % self.every and step != self.last):
             return {}
         row = {"expert_load": describe(_global(stats), self.top_k, self.ep)}

@@ -81,8 +81,9 @@ def check_fp8(cfg, target: Target, emulated: bool) -> None:
     if not target.runs_on_cuda(cfg.trainer):
         raise ConfigError(
             key,
-            "fp8 runs DeepGEMM's FP8 GEMMs on an SM90+ GPU; without CUDA only its emulation (dispatcher=fused with "
-            "dispatcher.backend=reference, or dispatcher=torch on CPU) runs it (slowly)",
+            "fp8 at dispatcher.backend=auto or gpu runs DeepGEMM's FP8 GEMMs on an SM90+ GPU; without CUDA only its "
+            "emulation runs it (slowly), asked for by name: dispatcher=fused with dispatcher.backend=reference, or "
+            "dispatcher=torch on CPU",
         )
     capability = target.compute_capability
     if capability is not None and capability < (9, 0):

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.futures import Future
 
 from moe_lab.runtime.device import Target, machine_target
@@ -247,6 +248,9 @@ def init_emulated_world(rank: int, world: int) -> None:
         if dist.get_backend() == BACKEND and (dist.get_rank(), dist.get_world_size()) == (rank, world):
             return
         dist.destroy_process_group()
+    # DTensor caches each op's output placements by its inputs' meshes, and meshes of the same ranks compare equal
+    # whichever rank built them: a mesh of the last point's rank (and its coordinates) would come back.
+    _clear_sharding_prop_cache()
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -45,9 +46,17 @@ def _mesh_like(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
     return _rank_mesh(device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
 
 
-@functools.cache
 def _rank_mesh(
     device_type: str, ranks: tuple[int, ...], shape: tuple[int, ...], names: tuple[str, ...] | None
+) -> DeviceMesh:
+    # A DeviceMesh holds this process's rank and its coordinates from when it was built: the cache is per rank (a
+    # sweep of emulated ranks is one process whose rank changes from point to point).
+    return _rank_mesh_of(dist.get_rank() if dist.is_initialized() else 0, device_type, ranks, shape, names)
+
+
+@functools.cache
+def _rank_mesh_of(
+    rank: int, device_type: str, ranks: tuple[int, ...], shape: tuple[int, ...], names: tuple[str, ...] | None
 ) -> DeviceMesh:
     return DeviceMesh(device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=names, _init_backend=False)
 
