@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from moe_lab import config
 from moe_lab.config import ConfigError
-from moe_lab.models.loss import ChunkedLoss, FullLoss, lm_loss
+from moe_lab.models.loss import IGNORE_INDEX, ChunkedLoss, FullLoss, lm_loss
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig
 from tests.configs import compose_train
 from tests.distributed import run_world
@@ -52,6 +52,28 @@ def test_chunked_gives_todays_loss_and_gradients_in_fp32(chunk_tokens):
     for name, g, e in zip(("loss", "d hidden", "d weight"), got, expected):
         assert g.dtype == e.dtype and g.shape == e.shape, name
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("loss_fn", [FullLoss(), ChunkedLoss(7)], ids=["full", "chunked"])
+def test_ignored_labels_count_in_no_mean(loss_fn):
+    """Labels of -100 (a data option's masked tokens) are left out of the mean, its gradients zero in their rows:
+    the mean over the other tokens alone, in training and in evaluation; with every label ignored, nan."""
+    hidden, weight, labels = problem()
+    ignored = torch.zeros_like(labels, dtype=torch.bool)
+    ignored[:, ::3] = True
+    masked = labels.masked_fill(ignored, IGNORE_INDEX)
+    kept = ~ignored.flatten()
+    expected_loss = F.cross_entropy(F.linear(hidden, weight).double().flatten(0, 1)[kept], labels.flatten()[kept])
+    got = loss_and_grads(loss_fn, hidden, weight, masked)
+    torch.testing.assert_close(got[0].double(), expected_loss, rtol=1e-5, atol=1e-7)
+    expected_hidden, expected_weight = torch.autograd.grad(expected_loss, (hidden, weight))
+    torch.testing.assert_close(got[1], expected_hidden.float(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[2], expected_weight.float(), rtol=1e-5, atol=1e-7)
+    assert got[1].flatten(0, 1)[~kept].abs().max() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(loss_fn(hidden, weight, masked).double(), expected_loss, rtol=1e-5, atol=1e-7)
+        assert loss_fn(hidden, weight, torch.full_like(labels, IGNORE_INDEX)).isnan()
+    assert loss_fn(hidden, weight, torch.full_like(labels, IGNORE_INDEX)).isnan()
 
 
 def test_full_is_todays_loss():

@@ -15,6 +15,9 @@ gathered; the loss knows nothing of process groups.
   GEMM runs twice (the head's three, as with ``full``), and only one chunk's logits exist at a time, beside the
   weight gradient's fp32 sum (4 bytes per head parameter) and each chunk's share of it in the compute dtype (2); at
   ``chunk_tokens`` or fewer tokens it holds what ``full`` holds.
+
+Both leave a label of ``IGNORE_INDEX`` (-100, torch's ``cross_entropy`` default) out of the mean, as a data option
+that masks tokens (prompts, padding) writes them; with every label ignored the mean is nan, as ``cross_entropy``'s.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch.nn.functional as F
 
 from moe_lab.runtime.errors import ConfigError
 
+IGNORE_INDEX = -100
+
 
 @runtime_checkable
 class LanguageModelLoss(Protocol):
@@ -36,7 +41,8 @@ class LanguageModelLoss(Protocol):
         """The mean over tokens of the cross-entropy of ``hidden @ head_weight.T`` against ``labels``, in fp32.
         ``hidden`` [..., H]: the final norm's output; ``head_weight`` [V, H]: the LM head's weight as the head's
         forward sees it (gathered under FSDP2; cast as an enclosing autocast casts a linear's operands);
-        ``labels`` [...]: token ids. Differentiable in ``hidden`` and ``head_weight``."""
+        ``labels`` [...]: token ids, ``IGNORE_INDEX`` where a token counts in no mean. Differentiable in ``hidden``
+        and ``head_weight``."""
         ...
 
     def compiled(self) -> LanguageModelLoss:
@@ -46,8 +52,9 @@ class LanguageModelLoss(Protocol):
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [B, S, V] against labels [B, S], computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    """Mean next-token cross-entropy of logits [B, S, V] against labels [B, S] (``IGNORE_INDEX`` left out), computed
+    in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
 class FullLoss(LanguageModelLoss):
@@ -66,21 +73,31 @@ class FullLoss(LanguageModelLoss):
 
 
 def chunk_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The summed fp32 cross-entropy of a chunk's logits [C, V] against its labels [C]."""
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
+    """The summed fp32 cross-entropy of a chunk's logits [C, V] against its labels [C] (``IGNORE_INDEX`` left out)."""
+    return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
 
 
-def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's summed fp32 cross-entropy and the gradient of ``scale`` times it in its logits [C, V]:
-    ``scale * (softmax - onehot(labels))`` computed in fp32, returned in the logits' dtype (as autograd gives the
-    gradient of ``lm_loss``'s upcast). All of it element-wise but the row reduction, so that compiled it is a
-    reduction and one kernel that reads the logits and writes their gradient, with no [C, V] buffer in between."""
-    dtype, logits, labels = logits.dtype, logits.float(), labels.unsqueeze(-1)
+    ``scale * (softmax - onehot(labels))`` computed in fp32 (zero in an ignored token's row), returned in the
+    logits' dtype (as autograd gives the gradient of ``lm_loss``'s upcast). All of it element-wise but the row
+    reduction, so that compiled it is a reduction and one kernel that reads the logits and writes their gradient,
+    with no [C, V] buffer in between."""
+    dtype, logits = logits.dtype, logits.float()
+    counted = (labels != IGNORE_INDEX).unsqueeze(-1)
+    labels = torch.where(counted, labels.unsqueeze(-1), 0)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    loss = (lse - logits.gather(-1, labels)).sum()
+    loss = torch.where(counted, lse - logits.gather(-1, labels), 0.0).sum()
     probs = (logits - lse).exp()
     is_label = torch.arange(logits.shape[-1], device=logits.device) == labels
-    return loss, (torch.where(is_label, probs - 1, probs) * scale).to(dtype)
+    return loss, (torch.where(is_label, probs - 1, probs) * (scale * counted)).to(dtype)
+
+
+def _counted(labels: torch.Tensor) -> torch.Tensor:
+    """How many of ``labels`` count in the mean, a float32 tensor on their device (no host read)."""
+    return (labels != IGNORE_INDEX).sum(dtype=torch.float32)
 
 
 class ChunkedLoss(LanguageModelLoss):
@@ -108,7 +125,7 @@ class ChunkedLoss(LanguageModelLoss):
                 )
             else:  # evaluation: the loss alone
                 chunks = zip(tokens.split(self.chunk_tokens), labels.split(self.chunk_tokens))
-                loss = torch.stack([self._loss(h @ head_weight.t(), y) for h, y in chunks]).sum() / tokens.shape[0]
+                loss = torch.stack([self._loss(h @ head_weight.t(), y) for h, y in chunks]).sum() / _counted(labels)
         return loss
 
     def compiled(self) -> ChunkedLoss:
@@ -125,7 +142,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, weight, labels, chunk_tokens, loss_and_grad):
         needs_tokens_grad, needs_weight_grad = ctx.needs_input_grad[:2]
-        scale = 1.0 / tokens.shape[0]
+        scale = 1.0 / _counted(labels)
         grad_tokens = torch.empty_like(tokens) if needs_tokens_grad else None
         # The weight's gradient summed over several chunks in fp32, as the one GEMM over every token sums it (a bf16
         # gradient then rounded once, at the end); over one chunk that GEMM is the chunk's.
