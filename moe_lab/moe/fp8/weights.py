@@ -4,7 +4,9 @@ once per optimizer step.
 
 ``fp8_expert_weights`` is a custom op (a fake implementation, so a compiled block calls it like any op) whose
 implementation keeps one copy per parameter: it is reused while nothing can have changed the parameter (every
-micro-batch and every recompute of a step) and made again after any optimizer step or in-place write. A copy is keyed
+micro-batch and every recompute of a step) and made again after any optimizer step or in-place write that moves
+the version counter (``copy_``, ``load_state_dict``; a write through ``.data`` moves none and is not seen: moe_lab
+writes none). A copy is keyed
 on the tensor object itself (weakly, so a temporary that happens to reuse a freed parameter's address never hits), its
 storage, its version counter and the optimizer-step epoch: ``torch.optim.AdamW(fused=True)`` updates parameters
 without bumping their version counter, so the version alone let FP8 experts train on stale weights. The epoch moves
