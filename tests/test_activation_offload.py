@@ -16,7 +16,7 @@ from moe_lab.moe.dispatcher import FusedDispatcher
 from moe_lab.moe.router import Router
 from moe_lab.parallel.ac import KEEP_SETS, NoCheckpoint, SelectiveCheckpoint
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
-from moe_lab.runtime.determinism import set_determinism
+from moe_lab.runtime.determinism import CUBLAS_WORKSPACE_CONFIG, set_determinism
 from tests.test_ac import OpCounter
 
 
@@ -79,8 +79,9 @@ def test_keep_sets_choose_what_selective_recomputes(keep):
 
 
 @pytest.fixture
-def deterministic():
-    """torch's deterministic algorithms for one test, switched back off after it."""
+def deterministic(monkeypatch):
+    """torch's deterministic algorithms for one test, switched back off after it (cuBLAS's setting with them)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     set_determinism(True, seed=0)
     yield
     set_determinism(False, seed=0)

@@ -283,14 +283,14 @@ def test_rank_0_of_large_worlds_trains(tmp_path, layout):
 
 def test_a_sweep_of_emulated_ranks_trains_each_as_it_trains_alone(tmp_path):
     """A sweep's points share one process: each emulated rank's meshes (and DTensor's cached placements over them)
-    are its own, not the point's before (rank 1 after rank 0 failed its layout check)."""
+    are its own, not the point's before (rank 1, run after rank 0, failed its layout check)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     layout = ["parallel.emulate=true", "trainer.nproc_per_node=4", "parallel.ep=4"]
     proc = cli.train_cli(
         "-m",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         "trainer.device=cpu",
-        "trainer.steps=2",
+        "trainer.steps=3",
         "data.seq_len=32",
         "data.batch_size=1",
         *layout,
@@ -301,7 +301,7 @@ def test_a_sweep_of_emulated_ranks_trains_each_as_it_trains_alone(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     swept = [result(tmp_path / "sweep" / str(i)) for i in (0, 1)]
     assert [r["status"] for r in swept] == ["ok", "ok"], [r.get("error") for r in swept]
-    alone = _job(tmp_path / "alone", *layout, "trainer.steps=2", "parallel.emulate_rank=1")
+    alone = _job(tmp_path / "alone", *layout, "parallel.emulate_rank=1")  # _job's 3 steps
     assert swept[1]["emulated"]["rank"] == 1 and swept[1]["metrics"]["losses"] == alone["metrics"]["losses"]
 
 

@@ -191,6 +191,9 @@ def test_resume_at_another_mesh_continues_the_curve(saved, resumed, reference, t
     assert losses[:8] == saved_losses[:8]  # the checkpoint's own
     assert losses[8:] == pytest.approx(result(reference(resumed))["metrics"]["losses"][8:], rel=1e-5)
     assert losses[8:] != pytest.approx(losses[:8], rel=1e-3)  # it trained on
+    # the whole run's expert load, the checkpoint's share once (not per rank, not lost): every token's 2 experts
+    tokens = result(run_dir)["metrics"]["expert_load"]["tokens"]
+    assert [sum(layer) for layer in tokens] == [16 * GLOBAL_BATCH * 16 * 2] * len(tokens)
 
 
 def lrs(run_dir: Path) -> list[float]:

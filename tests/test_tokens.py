@@ -225,6 +225,29 @@ def test_eval_batches_come_from_the_held_out_split(tmp_path):
     assert torch.equal(data.eval_batch(3, 0, 2).inputs, data.eval_batch(0, 0, 2).inputs)  # 6 samples, wrapping
 
 
+@pytest.mark.parametrize("split", [(2, 2, 1), (3, 2, 2), (4, 1, 2)], ids=lambda s: "accum{}-ranks{}-batch{}".format(*s))
+@pytest.mark.parametrize("source", ["synthetic", "tokens"])
+def test_a_held_out_batch_split_over_ranks_and_micro_batches_holds_the_one_big_batchs_samples(source, split, tmp_path):
+    """Held-out batch i read as a step reads its batch (each rank's share in micro-batches) is the same samples, in
+    the same order, as the one batch of the whole global size: none repeated, none left out."""
+    micro_batches, ranks, batch_size = split
+    path = str(synthetic_dir(tmp_path, [50, 50]))
+
+    def make(batch_size):
+        if source == "synthetic":
+            return SyntheticData(seq_len=9, batch_size=batch_size, vocab_size=64)
+        return TokenData(path, seq_len=9, batch_size=batch_size)
+
+    whole, parts = make(micro_batches * ranks * batch_size), make(batch_size)
+    for index in range(2):
+        pieces = [
+            parts.eval_batch(index, rank, ranks, micro_batch, micro_batches).inputs
+            for micro_batch in range(micro_batches)
+            for rank in range(ranks)
+        ]
+        assert torch.equal(torch.cat(pieces), whole.eval_batch(index, 0, 1).inputs)
+
+
 def test_documents_carry_ids_and_restarting_positions(tmp_path):
     data = TokenData(str(synthetic_dir(tmp_path, [4, 6, 3, 9])), seq_len=11, batch_size=1, document_mask=True)
     batch = data.batch(0, 0, 1)

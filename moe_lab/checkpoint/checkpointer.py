@@ -13,8 +13,8 @@ A checkpoint's DCP keys:
     param_group/<name>        the hyperparameters of the parameter's group (the LR where the schedule left it, ...),
                               pickled, as are the objects below; for the record: a resumed run steps with its own
                               config's
-    progress                  steps done, the loss of each, the held-out losses and the run's sums (the routers'
-                              statistics) summed over the ranks
+    progress                  steps done, the loss of each, the held-out losses and the routers' statistics
+                              summed over the run's steps and ranks
     rng/rank<r>, data/rank<r> each rank's random generators and data position (read back at the same world size,
                               whatever parallel.dp_replicate: rank r reads the same data at any)
 
@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 from moe_lab.checkpoint import directory as ckpt_dir
 from moe_lab.parallel.emulate import is_emulated
 from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
+from moe_lab.runtime.host_read import summed_over_ranks
 
 log = logging.getLogger("moe_lab")
 # Marks background saves complete once written, one at a time (a save waits for the one before).
@@ -66,14 +67,14 @@ _MARKER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoin
 @dataclass
 class Progress:
     """How far a run is: optimizer steps done, the loss of each, the held-out losses (``{"step", "loss"}``) and
-    ``sums``: tensors each rank adds its share of every step into (on its device), which a run's record reports
-    for the whole run. A checkpoint holds each sum over the ranks; a resumed run's ranks each start from that
-    divided by their number (any world size), so summing them over the ranks again gives the whole run's."""
+    ``expert_load``, this rank's share of the routers' statistics summed over the steps (on its device; the
+    trainer's ``ExpertLoad.total``), which the record reports for the whole run. A checkpoint holds it summed over
+    the ranks; a resumed run's ranks split that so that their sum is it again, at any world size."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
     eval_losses: list[dict] = field(default_factory=list)
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    expert_load: torch.Tensor | None = None
 
     def advance(self, loss: float) -> None:
         self.step += 1
@@ -303,8 +304,24 @@ class Checkpointer:
                 self.world,
             )
         progress = _unpickled(target["progress"])
-        sums = {name: (value / self.world).to(self.device) for name, value in progress.get("sums", {}).items()}
-        return Progress(progress["step"], list(progress["losses"]), list(progress.get("eval_losses", [])), sums)
+        if "eval_losses" not in progress:
+            log.warning(
+                "checkpoint %s predates held-out losses and expert load in checkpoints: the record's cover the steps "
+                "from %d on",
+                path,
+                progress["step"],
+            )
+        expert_load = progress.get("expert_load")
+        if expert_load is not None:
+            expert_load = self._share(torch.tensor(expert_load, dtype=torch.float64, device=self.device))
+        return Progress(progress["step"], list(progress["losses"]), list(progress.get("eval_losses", [])), expert_load)
+
+    def _share(self, total: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a sum over the ranks, the shares summing to it exactly: all of it on rank 0; an
+        emulated rank's peers mirror it, so there each holds 1 / world of it."""
+        if is_emulated():
+            return total / self.world
+        return total if self.rank == 0 else torch.zeros_like(total)
 
     def _check_shape(self, path: Path, saved: dict, key: str, name: str) -> None:
         if key not in saved:
@@ -421,7 +438,9 @@ class Checkpointer:
                 "step": progress.step,
                 "losses": list(progress.losses),
                 "eval_losses": list(progress.eval_losses),
-                "sums": {name: _summed_over_ranks(value) for name, value in progress.sums.items()},
+                "expert_load": None
+                if progress.expert_load is None
+                else summed_over_ranks(progress.expert_load).tolist(),
             }
         )
         state[f"rng/rank{self.rank}"] = _pickled(_rng_state(self.device))
@@ -571,14 +590,6 @@ def optimizer_mismatch(marker: dict, config: dict) -> str | None:
 def _optimizer_class(config: dict | None) -> str | None:
     """The optimizer class a run's config names (``optimizer._target_``), if it names one."""
     return ((config or {}).get("optimizer") or {}).get("_target_")
-
-
-def _summed_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over every rank (a collective: every rank saves at the same step), on the host."""
-    value = value.detach().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-    return value.cpu()
 
 
 def _pickled(obj) -> torch.Tensor:

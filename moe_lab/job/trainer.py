@@ -77,7 +77,7 @@ def train(
     checkpointer = build_checkpointer(cfg, options, run_dir, model, optimizer, device)
     progress = checkpointer.restore()
     expert_load = ExpertLoad(
-        options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps, progress.sums
+        options.model.num_experts_per_tok, cfg.parallel.ep, t.expert_load_every, t.steps, progress.expert_load
     )
     # The LR is a function of the step and this config: a resumed run follows this config's schedule from its step.
     scheduler = warmup_cosine(optimizer, t.steps, t.warmup_steps, t.min_lr_ratio, start_step=progress.step)
@@ -88,7 +88,6 @@ def train(
     writer = rank == 0 or is_emulated()  # an emulated rank is its job's one process
     metrics_log = MetricsLog(run_dir, first_step=progress.step) if writer else None
     step_times = []  # this process's steps
-    eval_losses = progress.eval_losses  # the whole run's, as its losses
 
     def load_micro_batch(step: int, micro_batch: int):
         return data.batch(step, dp_rank, world, micro_batch, t.grad_accum).to(device)
@@ -132,8 +131,9 @@ def train(
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
         routing_row = expert_load.add(step, router_stats, balance_loss)
+        progress.expert_load = expert_load.total
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step == t.steps - 1):
-            eval_losses.append(
+            progress.eval_losses.append(
                 {
                     "step": step,
                     "loss": evaluate(
@@ -152,8 +152,8 @@ def train(
             if grad_norm is not None:
                 row["grad_norm"] = grad_norm
             row |= offload_metrics
-            if eval_losses and eval_losses[-1]["step"] == step:
-                row["eval_loss"] = eval_losses[-1]["loss"]
+            if progress.eval_losses and progress.eval_losses[-1]["step"] == step:
+                row["eval_loss"] = progress.eval_losses[-1]["loss"]
             row |= routing_row
             metrics_log.write(row)
             logger.log(row, step)
@@ -175,8 +175,8 @@ def train(
         "final_loss": progress.losses[-1],
         "first_loss": progress.losses[0],
         "losses": progress.losses,
-        "final_eval_loss": eval_losses[-1]["loss"] if eval_losses else None,
-        "eval_losses": eval_losses,
+        "final_eval_loss": progress.eval_losses[-1]["loss"] if progress.eval_losses else None,
+        "eval_losses": progress.eval_losses,
         "s_per_step": s_per_step,
         "tokens_per_s_per_gpu": tokens_per_s,
         "tokens_per_step_per_gpu": tokens_per_step,

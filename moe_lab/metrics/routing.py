@@ -9,10 +9,9 @@ device; they are summed over the ranks (the global batch) and read from the devi
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from moe_lab.moe.router import split_stats
-from moe_lab.runtime.host_read import to_host
+from moe_lab.runtime.host_read import summed_over_ranks, to_host
 
 
 def describe(stats: torch.Tensor, top_k: int, ep: int) -> dict:
@@ -34,25 +33,21 @@ def describe(stats: torch.Tensor, top_k: int, ep: int) -> dict:
 class ExpertLoad:
     """Collects every step's routing statistics; ``add`` returns the metrics-row fields of a logging step.
 
-    The run's statistics are summed on the device into ``sums["expert_load"]`` (a run's ``Progress.sums``, which a
-    checkpoint keeps: a resumed run's summary covers the whole run)."""
+    ``total``: this rank's share of the run's statistics, summed on the device; a resumed run starts from its
+    checkpoint's (``Progress.expert_load``), so the summary covers the whole run."""
 
-    def __init__(self, top_k: int, ep: int, every: int, steps: int, sums: dict[str, torch.Tensor] | None = None):
+    def __init__(self, top_k: int, ep: int, every: int, steps: int, total: torch.Tensor | None = None):
         self.top_k, self.ep, self.every, self.last = top_k, ep, every, steps - 1
-        self.sums = {} if sums is None else sums
-
-    @property
-    def total(self) -> torch.Tensor | None:
-        return self.sums.get("expert_load")
+        self.total = total
 
     def add(self, step: int, stats: torch.Tensor, balance_loss: torch.Tensor | float) -> dict:
         """The step's statistics [L, 2E + 1] and balancing loss; at a logging step, ``expert_load`` (``describe``
         of the step's global batch) and ``balance_loss`` (this rank's), else nothing."""
         stats = stats.detach()
-        self.sums["expert_load"] = stats.double() if self.total is None else self.total + stats
+        self.total = stats.double() if self.total is None else self.total + stats
         if not self.every or (step % self.every and step != self.last):
             return {}
-        row = {"expert_load": describe(_global(stats), self.top_k, self.ep)}
+        row = {"expert_load": describe(summed_over_ranks(stats), self.top_k, self.ep)}
         if isinstance(balance_loss, torch.Tensor):
             row["balance_loss"] = to_host(balance_loss).item()
         return row
@@ -62,7 +57,7 @@ class ExpertLoad:
         layers, ``expert_load_max_over_mean``, ``busiest_ep_rank_share`` and ``router_entropy``."""
         if self.total is None:
             return {}
-        run = describe(_global(self.total), self.top_k, self.ep)
+        run = describe(summed_over_ranks(self.total), self.top_k, self.ep)
         mean = lambda values: sum(values) / len(values)  # noqa: E731
         return {
             "expert_load": run,
@@ -70,11 +65,3 @@ class ExpertLoad:
             "busiest_ep_rank_share": mean(run["busiest_ep_rank_share"]),
             "router_entropy": mean(run["entropy"]),
         }
-
-
-def _global(stats: torch.Tensor) -> torch.Tensor:
-    """Summed over every rank (each holds its share of the global batch), on the host."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        stats = stats.clone()
-        dist.all_reduce(stats)
-    return to_host(stats)

@@ -19,7 +19,8 @@ def warmup_cosine(
         f(s) = (s + 1) / warmup_steps                                    for s < warmup_steps,
         f(s) = min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2  after, p = (s - warmup_steps) / T,
     with T = max(1, steps - warmup_steps - 1), so the decay starts at 1 and reaches ``min_lr_ratio`` at step
-    ``steps - 1`` (a run with one step after its warmup runs that step at ``lr``: the decay's start is its end). ``warmup_steps`` may be 0, or ``>= steps`` (a run that ends inside its warmup).
+    ``steps - 1`` (a run with one step after its warmup runs that step at ``lr``: the decay's start is its end).
+    ``warmup_steps`` may be 0, or ``>= steps`` (a run that ends inside its warmup).
 
     The scheduler sets step ``start_step``'s LR when built (a resumed run's first step: a function of the step and
     these arguments alone, so a run resumed with other ones follows theirs from there); call ``scheduler.step()``

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.distributed as dist
 
 _staging: dict[torch.device, torch.Tensor] = {}  # a pinned buffer per device, grown as needed, never freed in use
 _staging_lock = threading.Lock()
@@ -34,3 +35,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
         store_bytes(staging.data_ptr(), t)
         torch.cuda.current_stream(t.device).synchronize()
         return staging[:nbytes].view(t.dtype).reshape(t.shape).clone()
+
+
+def summed_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (each rank's share) summed over every rank of the default group, on the host (``to_host``). A
+    collective: every rank calls it at the same point."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.detach().clone()
+        dist.all_reduce(t)
+    return to_host(t)
