@@ -226,20 +226,18 @@ def test_fused_receive_buffer_holds_the_mirrored_rows():
         assert r["finite"], kind
 
 
-def _job(run_dir, *overrides):
-    """``python -m moe_lab.train``, forked from a process that imported it (tests/cli.py)."""
+def _train(*args, multirun: bool = False) -> None:
+    """``python -m moe_lab.train`` of a small CPU job (3 steps) with ``args`` after its settings (``-m`` before them:
+    Hydra reads no flag after an override), forked from a process that imported it (tests/cli.py); it must exit 0."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = cli.train_cli(
-        f"hydra.run.dir={run_dir}",
-        "trainer.device=cpu",
-        "trainer.steps=3",
-        "data.seq_len=32",
-        "data.batch_size=1",
-        *overrides,
-        cwd=ROOT,
-        env=env,
-    )
+    small = ["trainer.device=cpu", "trainer.steps=3", "data.seq_len=32", "data.batch_size=1"]
+    proc = cli.train_cli(*(["-m"] if multirun else []), *small, *args, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _job(run_dir, *overrides):
+    """One ``_train`` run's record."""
+    _train(f"hydra.run.dir={run_dir}", *overrides)
     return result(run_dir)
 
 
@@ -284,24 +282,11 @@ def test_rank_0_of_large_worlds_trains(tmp_path, layout):
 def test_a_sweep_of_emulated_ranks_trains_each_as_it_trains_alone(tmp_path):
     """A sweep's points share one process: each emulated rank's meshes (and DTensor's cached placements over them)
     are its own, not the point's before (rank 1, run after rank 0, failed its layout check)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     layout = ["parallel.emulate=true", "trainer.nproc_per_node=4", "parallel.ep=4"]
-    proc = cli.train_cli(
-        "-m",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        "trainer.device=cpu",
-        "trainer.steps=3",
-        "data.seq_len=32",
-        "data.batch_size=1",
-        *layout,
-        "parallel.emulate_rank=0,1",
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    _train(f"hydra.sweep.dir={tmp_path / 'sweep'}", *layout, "parallel.emulate_rank=0,1", multirun=True)
     swept = [result(tmp_path / "sweep" / str(i)) for i in (0, 1)]
     assert [r["status"] for r in swept] == ["ok", "ok"], [r.get("error") for r in swept]
-    alone = _job(tmp_path / "alone", *layout, "parallel.emulate_rank=1")  # _job's 3 steps
+    alone = _job(tmp_path / "alone", *layout, "parallel.emulate_rank=1")
     assert swept[1]["emulated"]["rank"] == 1 and swept[1]["metrics"]["losses"] == alone["metrics"]["losses"]
 
 
