@@ -147,6 +147,18 @@ def test_prepare_reads_saved_datasets_and_text_files_and_trains_a_tokenizer(tmp_
                 str(tmp_path / "b"),
             ]
         )
+    (tmp_path / "a_file").write_text("not a directory")
+    with pytest.raises(SystemExit, match="is a file; choose a new directory"):
+        prepare_main(
+            [
+                "--dataset",
+                str(tmp_path / "book.txt"),
+                "--tokenizer",
+                str(tmp_path / "a" / "tokenizer"),
+                "--out",
+                str(tmp_path / "a_file"),
+            ]
+        )
 
 
 def synthetic_dir(tmp_path, lengths, eval_lengths=(30, 30)) -> TokenData:
@@ -200,6 +212,12 @@ def test_any_world_size_sees_the_same_global_batch_and_resumes_at_its_position(t
     assert torch.equal(bigger.batch(5, 0, 1).inputs, torch.cat(steps[5:7]))
     with pytest.raises(ValueError, match="data.seq_len"):
         TokenData(path, seq_len=8, batch_size=4, seed=1).load_state_dict(state)
+    # Another corpus is refused naming data.path; a position saved before positions named their corpus is taken.
+    other = TokenData(str(synthetic_dir(tmp_path / "other", [30, 40])), seq_len=7, batch_size=4, seed=1)
+    with pytest.raises(ValueError, match="another corpus than data.path"):
+        other.load_state_dict(state)
+    unnamed = {key: value for key, value in state.items() if key != "corpus"}
+    TokenData(path, seq_len=7, batch_size=4, seed=1).load_state_dict(unnamed)
 
 
 @pytest.mark.parametrize("saved_by", ["synthetic", "tokens"])
@@ -362,6 +380,27 @@ def test_training_job_reads_prepared_tokens_and_records_eval_loss(prepared, tmp_
     assert metrics["expert_load_max_over_mean"] >= 1 and record["config"]["data"]["path"] == str(out)
 
 
+@pytest.mark.slow  # three jobs, one of two ranks
+def test_a_resume_at_another_world_size_reads_the_next_unseen_samples(prepared, tmp_path):
+    """A checkpoint of one rank resumed on two, with twice the global batch, trains on what the same resume on one
+    rank trains on: the data position goes on from rank 0's, not from sample 0 (step 3 of 4 samples: sample 12)."""
+    _, _, out = prepared
+    common = ["data=tokens", f"data.path={out}", "data.seq_len=32", "trainer.steps=6", "trainer.warmup_steps=0"]
+    first = tmp_path / "first"
+    proc = train_cli(*common, "data.batch_size=2", "trainer.checkpoint.every=3", f"hydra.run.dir={first}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkpoint = f"trainer.resume={first / 'checkpoints' / 'step_00000003'}"
+    losses = {}
+    for name, layout in {
+        "one": ["data.batch_size=4"],
+        "two": ["data.batch_size=2", "trainer.nproc_per_node=2"],
+    }.items():
+        proc = train_cli(*common, *layout, checkpoint, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[name] = json.loads((tmp_path / name / "result.json").read_text())["metrics"]["losses"]
+    assert losses["two"][3:] == pytest.approx(losses["one"][3:], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -469,6 +508,7 @@ def test_damaged_token_files_fail_validation_naming_the_file(damage, tmp_path, m
         ("empty.jsonl", b"", "the file is empty"),
         ("noise.txt", bytes(random.Random(0).randrange(128, 256) for _ in range(2000)), "cannot be read as UTF-8 text"),
         ("cut.jsonl", b'{"text": "the cat"}\n{"text": "the d', "cannot be read as JSON lines or a JSON file"),
+        ("bytes.jsonl", b'{"text": "the cat"}\n{"text": "ok \xff\xfe"}\n', "holds bytes that are not UTF-8 text"),
         ("blank.txt", b"\n\n  \n", "none of its 1 texts held for training has a token"),
     ],
 )

@@ -16,7 +16,9 @@ A checkpoint's DCP keys:
     progress                  steps done, the loss of each, the held-out losses and the routers' statistics
                               summed over the run's steps and ranks
     rng/rank<r>, data/rank<r> each rank's random generators and data position (read back at the same world size,
-                              whatever parallel.dp_replicate: rank r reads the same data at any)
+                              whatever parallel.dp_replicate: rank r reads the same data at any); at another world
+                              size the generators start afresh and every rank reads data/rank0 (a data position is
+                              the global batch's, the same on every rank: ``DataSource.state_dict``)
 
 The optimizer is read and restored through ``state_dict`` / ``load_state_dict`` in torch's format over the model's
 parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode. Its state per
@@ -252,10 +254,11 @@ class Checkpointer:
                     f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this model's is {tuple(buffer.shape)}"
                 )
             target[key] = buffer  # loaded in place
+        per_rank = {f"rng/rank{self.rank}", f"data/rank{self.rank}"} if same_world else {"data/rank0"}
         for key, meta in saved.items():
             kind, name, state_key = _split(key)
             if kind in OBJECTS:
-                if kind not in PER_RANK or same_world and name == f"rank{self.rank}":
+                if kind not in PER_RANK or f"{kind}/{name}" in per_rank:
                     target[key] = torch.empty(meta.size, dtype=torch.uint8)
                 continue
             if kind == "buffer" and name not in self.buffers:
@@ -296,9 +299,10 @@ class Checkpointer:
             _set_rng_state(_unpickled(target[f"rng/rank{self.rank}"]), self.device)
             self.data.load_state_dict(_unpickled(target[f"data/rank{self.rank}"]))
         else:
+            self.data.load_state_dict(_unpickled(target["data/rank0"]))
             log.info(
-                "checkpoint %s was written by %d ranks, this run has %d: random generator states and data positions "
-                "start afresh",
+                "checkpoint %s was written by %d ranks, this run has %d: random generator states start afresh, the "
+                "data position goes on from rank 0's",
                 path,
                 marker["world_size"],
                 self.world,
@@ -562,7 +566,7 @@ PER_PARAMETER = ("model", "optimizer", "optimizer_value", "param_group")
 # tensors into the dict it is given, which its own path for objects does not do. The ones a resume reads back (not
 # param groups, nor an older checkpoint's scheduler state):
 OBJECTS = ("optimizer_value", "progress", "rng", "data")
-PER_RANK = ("rng", "data")  # keyed by rank, read back at the same world size only
+PER_RANK = ("rng", "data")  # keyed by rank: read back by the same rank at the same world size (data: rank 0's else)
 
 
 def _split(key: str) -> tuple[str, str, str]:

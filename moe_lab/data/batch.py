@@ -45,7 +45,8 @@ class DataSource(Protocol):
         ...
 
     def state_dict(self) -> dict:
-        """Where this rank's reader stands, for a checkpoint."""
+        """Where the reader stands, for a checkpoint: a function of the global batch, the same on every rank (a run
+        resumed at another world size loads rank 0's)."""
         ...
 
     def load_state_dict(self, state: dict) -> None:

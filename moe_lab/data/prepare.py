@@ -20,6 +20,7 @@ is complete or absent.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import shutil
@@ -188,6 +189,8 @@ def prepare(
             f"merge learned below it), got {train_tokenizer_vocab}"
         )
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out} is a file; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"--out {out} exists and is not empty; choose a new directory")
     with tempfile.TemporaryDirectory() as cache:  # the datasets library's arrow copies of the files
@@ -248,10 +251,29 @@ def prepare(
             if out.exists():
                 out.rmdir()
             os.replace(work, out)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(work, ignore_errors=True)
+            if isinstance(
+                e, UnicodeDecodeError
+            ):  # a JSON string's bytes: the reader decodes them only as they are read
+                raise SystemExit(f"--dataset {_not_utf8(sources)}: holds bytes that are not UTF-8 text ({e})") from None
             raise
     return meta
+
+
+def _not_utf8(sources: list[str]) -> str:
+    """The first of ``sources`` (files) that does not decode as UTF-8, else all of them."""
+    for source in sources:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(source, "rb") as file:
+                while chunk := file.read(1 << 24):
+                    decoder.decode(chunk)
+                decoder.decode(b"", final=True)
+        except (UnicodeDecodeError, IsADirectoryError):
+            if Path(source).is_file():
+                return source
+    return " ".join(sources)
 
 
 def _texts(texts, batch_size: int) -> Iterator[str]:

@@ -223,18 +223,36 @@ class TokenData(DataSource):
         return self._batch([packing.pieces(g % packing.samples) for g in range(first, first + self.batch_size)], "eval")
 
     def state_dict(self) -> dict:
-        """Where the next step's batch starts: its step and its first global sample."""
-        return {"step": self.next_step, "sample": self.next_sample, "seed": self.seed, "seq_len": self.seq_len}
+        """Where the next step's batch starts (its step and its first global sample), and over what: the seed, the
+        sample length and the corpus (``corpus``: its vocabulary and training split's size)."""
+        return {
+            "step": self.next_step,
+            "sample": self.next_sample,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "corpus": self._corpus(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        refuse_another_sources_state(state, set(self.state_dict()), "tokens")
+        state = dict(state)
+        corpus = state.pop("corpus", None)  # a checkpoint written before 2026-12-07 names no corpus
+        refuse_another_sources_state(state, set(self.state_dict()) - {"corpus"}, "tokens")
         for key in ("seed", "seq_len"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the saved data position was made with data.{key}={state[key]}, this run has {getattr(self, key)}"
                 )
+        if corpus is not None and corpus != self._corpus():
+            raise ValueError(
+                f"the saved data position is in another corpus than data.path={self.path}: {_described(corpus)} there, "
+                f"{_described(self._corpus())} here"
+            )
         self.resume_step, self.resume_sample = state["step"], state["sample"]
         self.next_step, self.next_sample = state["step"], state["sample"]
+
+    def _corpus(self) -> dict:
+        train = self.meta["splits"]["train"]
+        return {"vocab_size": self.meta["vocab_size"], "documents": train["documents"], "tokens": train["tokens"]}
 
     def _train_pieces(self, sample: int) -> list[Piece]:
         split = self.split("train")
@@ -268,3 +286,7 @@ class TokenData(DataSource):
             positions = np.stack([np.concatenate([np.arange(p.length) for p in pieces]) for pieces in samples])
             documents = Documents(torch.from_numpy(ids[:, :-1].astype(np.int32)), torch.from_numpy(positions[:, :-1]))
         return Batch(tokens[:, :-1], tokens[:, 1:], documents)
+
+
+def _described(corpus: dict) -> str:
+    return f"{corpus['documents']:,} training documents of {corpus['tokens']:,} tokens, {corpus['vocab_size']:,} ids"
