@@ -211,6 +211,22 @@ def test_cli_sweep_writes_a_plan_record_per_point(tmp_path):
     assert "largest that fits" in done.stdout + done.stderr
 
 
+def test_cli_refuses_an_emulated_point_naming_the_key(tmp_path):
+    """``parallel.emulate`` describes one rank of a layout the planner takes from ``hardware.*``: refused, recorded
+    with its key (its emulate_nodes were not read: a layout train accepts was refused as too small)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_lab.plan", "model=tiny", "parallel.emulate=true", "parallel.emulate_nodes=2"]
+        + [f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "parallel.emulate: the planner plans the whole layout" in done.stderr
+    record = json.loads((tmp_path / "result.json").read_text())
+    assert record["status"] == "invalid" and record["error"]["key"] == "parallel.emulate"
+
+
 def test_cli_help_lists_the_hardware_group_beside_trains(tmp_path):
     """``python -m moe_lab.plan --help``: train's page (groups, presets, keys) with plan's usage and the hardware
     group, its default first; nothing written."""

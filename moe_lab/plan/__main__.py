@@ -51,6 +51,12 @@ def run(cfg: DictConfig, run_dir: Path, meta: dict, multirun: bool) -> dict:
     """One point: its record, ok or invalid (a config train would refuse, with the key it names)."""
     record = Record.plan(meta, cfg, datetime.now(UTC).isoformat(timespec="seconds"))
     try:
+        if cfg.parallel.emulate:  # its keys describe a layout the planner takes from hardware.*
+            raise ConfigError(
+                "parallel.emulate",
+                "the planner plans the whole layout, not one emulated rank of it: leave it out and give the layout "
+                "as hardware=<profile> hardware.nodes=N (parallel.emulate_hardware and emulate_nodes are not read)",
+            )
         hw = build_hardware(cfg.hardware, cfg.trainer.nproc_per_node)
         record["world_size"] = hw.gpus
         record["environment"] = {
