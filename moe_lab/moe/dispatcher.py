@@ -338,7 +338,8 @@ class FusedDispatcher(TokenDispatcher):
             if cfg.model[key] % multiple:
                 raise ConfigError(
                     f"model.{key}",
-                    f"the fused gpu backend's grouped GEMMs need a multiple of {multiple}, got {cfg.model[key]}",
+                    f"the fused gpu backend's grouped GEMMs need a multiple of {multiple}, got {cfg.model[key]} "
+                    "(dispatcher.backend=reference runs any size, slowly)",
                 )
 
     def __call__(self, x, topk_ids, topk_weights, gate_up_proj, down_proj):
