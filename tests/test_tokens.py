@@ -136,29 +136,13 @@ def test_prepare_reads_saved_datasets_and_text_files_and_trains_a_tokenizer(tmp_
         ]
     )
     assert json.loads((tmp_path / "b" / "meta.json").read_text())["splits"]["train"]["documents"] == 5
-    with pytest.raises(SystemExit, match="not empty"):
-        prepare_main(
-            [
-                "--dataset",
-                str(tmp_path / "book.txt"),
-                "--tokenizer",
-                str(tmp_path / "a" / "tokenizer"),
-                "--out",
-                str(tmp_path / "b"),
-            ]
-        )
     (tmp_path / "a_file").write_text("not a directory")
-    with pytest.raises(SystemExit, match="is a file; choose a new directory"):
-        prepare_main(
-            [
-                "--dataset",
-                str(tmp_path / "book.txt"),
-                "--tokenizer",
-                str(tmp_path / "a" / "tokenizer"),
-                "--out",
-                str(tmp_path / "a_file"),
-            ]
-        )
+    for out, refusal in [("b", "exists and is not empty"), ("a_file", "is a file; choose a new directory")]:
+        with pytest.raises(SystemExit, match=refusal):
+            prepare_main(
+                ["--dataset", str(tmp_path / "book.txt"), "--tokenizer", str(tmp_path / "a" / "tokenizer")]
+                + ["--out", str(tmp_path / out)]
+            )
 
 
 def synthetic_dir(tmp_path, lengths, eval_lengths=(30, 30)) -> TokenData:
