@@ -253,26 +253,24 @@ def prepare(
             os.replace(work, out)
         except BaseException as e:
             shutil.rmtree(work, ignore_errors=True)
-            if isinstance(
-                e, UnicodeDecodeError
-            ):  # a JSON string's bytes: the reader decodes them only as they are read
+            # a JSON string's bytes: the reader decodes them only as they are read, naming no file
+            if isinstance(e, UnicodeDecodeError):
                 raise SystemExit(f"--dataset {_not_utf8(sources)}: holds bytes that are not UTF-8 text ({e})") from None
             raise
     return meta
 
 
 def _not_utf8(sources: list[str]) -> str:
-    """The first of ``sources`` (files) that does not decode as UTF-8, else all of them."""
-    for source in sources:
+    """The first of ``sources`` that is a file and does not decode as UTF-8, else all of them."""
+    for source in filter(lambda s: Path(s).is_file(), sources):
         decoder = codecs.getincrementaldecoder("utf-8")()
         try:
             with open(source, "rb") as file:
                 while chunk := file.read(1 << 24):
                     decoder.decode(chunk)
                 decoder.decode(b"", final=True)
-        except (UnicodeDecodeError, IsADirectoryError):
-            if Path(source).is_file():
-                return source
+        except UnicodeDecodeError:
+            return source
     return " ".join(sources)
 
 
