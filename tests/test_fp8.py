@@ -470,6 +470,34 @@ def test_torch_dispatcher_fp8_close_to_exact_within_fp8_error():
     assert max(rel(a, b) for a, b in zip(fp8, fused)) < 0.05
 
 
+@pytest.mark.parametrize("dispatcher", ["torch", "fused"])
+def test_fp8_emulation_is_fp32_under_autocast_as_under_checkpoint(dispatcher):
+    """Under bf16 autocast the emulated FP8 GEMMs stay fp32 inside the ops' bodies, where autocast would reach (the
+    custom op's eager body) as where selective AC's dispatch mode hides it: the dispatcher plain and checkpointed
+    give the same output and gradients bit for bit (AC changes memory, not the maths)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
+
+    x, ids, w, gate_up_proj, down_proj, grad_out = problem(tokens=16)
+    layer = TorchDispatcher("fp8") if dispatcher == "torch" else FusedDispatcher("reference", expert_precision="fp8")
+    recompute = functools.partial(
+        create_selective_checkpoint_contexts, lambda *_, **__: CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+    def run(checkpointed):
+        inputs = [t.clone().requires_grad_() for t in (x, w, gate_up_proj, down_proj)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            args = (inputs[0], ids, *inputs[1:])
+            y = checkpoint(layer, *args, use_reentrant=False, context_fn=recompute) if checkpointed else layer(*args)
+        return [y, *torch.autograd.grad(y, inputs, grad_out.to(y.dtype))]
+
+    for plain, checkpointed in zip(run(False), run(True)):
+        assert torch.equal(plain, checkpointed)
+
+
 def _torch_fp8_ep2_rank():
     import torch.distributed as dist
 

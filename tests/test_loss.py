@@ -57,7 +57,8 @@ def test_chunked_gives_todays_loss_and_gradients_in_fp32(chunk_tokens):
 @pytest.mark.parametrize("loss_fn", [FullLoss(), ChunkedLoss(7)], ids=["full", "chunked"])
 def test_ignored_labels_count_in_no_mean(loss_fn):
     """Labels of -100 (a data option's masked tokens) are left out of the mean, its gradients zero in their rows:
-    the mean over the other tokens alone, in training and in evaluation; with every label ignored, nan."""
+    the mean over the other tokens alone, in training and in evaluation; with every label ignored the loss is nan and
+    the gradients zero (as ``F.cross_entropy`` gives them: one such micro-batch writes no nan into the weights)."""
     hidden, weight, labels = problem()
     ignored = torch.zeros_like(labels, dtype=torch.bool)
     ignored[:, ::3] = True
@@ -73,7 +74,9 @@ def test_ignored_labels_count_in_no_mean(loss_fn):
     with torch.no_grad():
         torch.testing.assert_close(loss_fn(hidden, weight, masked).double(), expected_loss, rtol=1e-5, atol=1e-7)
         assert loss_fn(hidden, weight, torch.full_like(labels, IGNORE_INDEX)).isnan()
-    assert loss_fn(hidden, weight, torch.full_like(labels, IGNORE_INDEX)).isnan()
+    nothing_counted = loss_and_grads(loss_fn, hidden, weight, torch.full_like(labels, IGNORE_INDEX))
+    assert nothing_counted[0].isnan()
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in nothing_counted[1:])
 
 
 def test_full_is_todays_loss():

@@ -38,7 +38,8 @@ class Options:
 
     def with_rules(self) -> list:
         """The options that own cross-group rules (their ``validate(cfg, target)``), in the order validation runs them."""
-        return [self.dispatcher, self.precision, self.ac, self.offload, self.data, self.logger]
+        # precision before the dispatcher: where both refuse, the precision's refusal is the one a user acts on first
+        return [self.precision, self.dispatcher, self.ac, self.offload, self.data, self.logger]
 
 
 def build_options(cfg: DictConfig) -> Options:

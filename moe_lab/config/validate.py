@@ -337,7 +337,9 @@ def check_target_node(key: str, node) -> None:
                 f"{key}.{name}", f"unknown key for {node._target_}; allowed: {', '.join(sorted(params)) or 'no keys'}"
             )
         if name in hints and not _matches(value, hints[name]):
-            raise ConfigError(f"{key}.{name}", f"expected {_describe(hints[name])}, got {value!r}")
+            source = node._get_node(name)._value() if OmegaConf.is_interpolation(node, name) else None
+            given = f" (from {source})" if source else ""  # the key the user set, where this one follows it
+            raise ConfigError(f"{key}.{name}", f"expected {_describe(hints[name])}, got {value!r}{given}")
 
 
 def _matches(value, annotation) -> bool:

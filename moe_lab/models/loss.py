@@ -92,7 +92,8 @@ def chunk_loss_and_grad(
     loss = torch.where(counted, lse - logits.gather(-1, labels), 0.0).sum()
     probs = (logits - lse).exp()
     is_label = torch.arange(logits.shape[-1], device=logits.device) == labels
-    return loss, (torch.where(is_label, probs - 1, probs) * (scale * counted)).to(dtype)
+    # where, not a product with counted: with no label counted the scale is inf, and inf * 0 is nan
+    return loss, torch.where(counted, torch.where(is_label, probs - 1, probs) * scale, 0.0).to(dtype)
 
 
 def _counted(labels: torch.Tensor) -> torch.Tensor:

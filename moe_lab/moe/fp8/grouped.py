@@ -70,7 +70,8 @@ def emulated_nt(a_q: Tensor, a_scale: Tensor, w: tuple[Tensor, Tensor], j: int, 
     """Rows of expert j (quantized per 1x128) @ its block-quantized w[j] [N, K] transposed, in fp32, rounded to
     ``dtype``."""
     w_j = quant.dequantize_blocks(w[0][j : j + 1], w[1][j : j + 1])[0]
-    return (quant.dequantize_rows(a_q, a_scale) @ w_j.T).to(dtype)
+    with torch.autocast(a_q.device.type, enabled=False):  # fp32 also where autocast reaches into a custom op's body
+        return (quant.dequantize_rows(a_q, a_scale) @ w_j.T).to(dtype)
 
 
 def quantize_k_tiles(x: Tensor, ends: Tensor, x_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -129,7 +130,8 @@ def deep_gemm_weight_gradient(grad: Tensor, rows: tuple, ends: Tensor, ks: list[
 def emulated_weight_gradient(grad: Tensor, rows: Tensor) -> Tensor:
     """One expert's FP8 weight gradient in plain PyTorch: both operands quantized per 128 rows of each column
     (``quant.quantize_cols``), dequantized, grad^T rows in fp32."""
-    return quant.dequantize_cols(*quant.quantize_cols(grad)).T @ quant.dequantize_cols(*quant.quantize_cols(rows))
+    with torch.autocast(grad.device.type, enabled=False):  # as in emulated_nt
+        return quant.dequantize_cols(*quant.quantize_cols(grad)).T @ quant.dequantize_cols(*quant.quantize_cols(rows))
 
 
 def weight_gradient(grad: Tensor, rows: Tensor, offs: Tensor) -> Tensor:
