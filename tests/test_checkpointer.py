@@ -117,6 +117,37 @@ def test_a_checkpoint_holding_the_lr_schedulers_state_still_loads(tmp_path, monk
     assert resumed["losses"] == reference["losses"]
 
 
+def fp32_weights(overrides: list[str], run_dir, checkpoint) -> list[torch.Tensor]:
+    """Each parameter's fp32 weights (its master where the optimizer keeps one apart: offload=full) of a bf16-compute
+    model and optimizer built from ``overrides`` and restored from ``checkpoint``."""
+    cfg = compose_train(SMALL + ["trainer.precision=bf16", *overrides, f"trainer.resume={checkpoint}"])
+    options = config.validate(cfg)
+    model = build_model(cfg, options, torch.device("cpu"), torch.bfloat16)
+    optimizer = options.offload.build(model, options.make_optimizer, torch.bfloat16)
+    build_checkpointer(cfg, options, run_dir, model, optimizer, torch.device("cpu")).restore()
+    if not hasattr(optimizer, "master_weights"):  # no master carried on into an optimizer that keeps none
+        assert all("master" not in state for state in optimizer.state_dict()["state"].values())
+        return [w.detach().clone() for w in model.parameters()]
+    return [w.clone() for w in optimizer.master_weights()]
+
+
+@pytest.mark.parametrize(
+    "saved, resumed", [("full", "none"), ("full", "optimizer"), ("none", "full"), ("full", "full")]
+)
+def test_a_checkpoint_resumes_its_fp32_weights_under_another_offload_mode(saved, resumed, tmp_path):
+    """With bf16 compute, offload=full keeps the fp32 weights in its masters (the model's in bf16) and the others in
+    the model: a checkpoint of either restores them exactly under the other, and carries no master on (one read
+    later by a resume or an export would be the checkpoint's stale weights)."""
+    chunks = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
+    every = ["trainer.precision=bf16", "trainer.checkpoint.every=2", "trainer.steps=2", f"offload={saved}"]
+    train_in_process(every + (chunks if saved != "none" else []), tmp_path / "a")
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
+    expected = fp32_weights([f"offload={saved}"], tmp_path / "e", checkpoint)
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in expected)  # fp32 weights, not bf16 ones widened
+    got = fp32_weights([f"offload={resumed}"] + (chunks if resumed != "none" else []), tmp_path / "b", checkpoint)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
 # Aux-loss-free balancing at a rate that moves the choice of experts within a step or two: a resumed run whose
 # routers forgot their biases routes (and so trains) differently.
 EXPERT_BIAS = ["model.router_balance=bias", "model.router_bias_update_rate=0.05"]

@@ -646,6 +646,27 @@ def test_offload_full_that_cannot_build_its_kernel_fails_when_built_naming_why(b
         host_kernel.load.cache_clear()
 
 
+def test_the_worker_has_ended_when_its_finalizer_returns():
+    """A failed run's traceback holds the optimizer until interpreter exit, where its finalizer runs: it returns once
+    the worker has ended (a worker still freeing a chunk during finalization aborted the process, exit 134)."""
+    model, loss = _two_chunk_model()
+    optimizer = InBackwardOptimizer(
+        list(model.parameters()),
+        functools.partial(SignSGD, lr=0.1),
+        torch.float32,
+        chunk_numel=64,
+        max_inflight=2,
+        timeout_s=5,
+        num_threads=1,
+    )
+    optimizer.attach()
+    loss.backward()
+    optimizer.step()
+    assert optimizer.stop_worker.atexit and optimizer.worker.is_alive()
+    optimizer.stop_worker()
+    assert not optimizer.worker.is_alive()
+
+
 class _SwitchIntervalSeen(HostSignSGD):
     seen: list[float] = []
 
@@ -700,6 +721,13 @@ def test_host_step_hands_the_gil_over_promptly_and_reports_its_work():
         (["offload=full", "offload.threads=0"], "offload.threads"),
         (["offload=full", "offload.device_share=1.5"], "offload.device_share"),
         (["offload=optimizer", "offload.chunk_mib=0"], "offload.chunk_mib"),
+        # not finite: a chunk's element count and the worker's wait have none (they failed after the model was built)
+        (["offload=optimizer", "offload.chunk_mib=inf"], "offload.chunk_mib"),
+        (["offload=full", "offload.chunk_mib=nan"], "offload.chunk_mib"),
+        (["offload=full", "offload.timeout_s=inf"], "offload.timeout_s"),
+        (["offload=full", "offload.timeout_s=nan"], "offload.timeout_s"),
+        (["offload=full", "+optimizer.amsgrad=true"], "optimizer.amsgrad"),  # the host kernel's AdamW has no path
+        (["offload=full", "+optimizer.maximize=true"], "optimizer.maximize"),
     ],
 )
 def test_rules_fail_with_their_key(overrides, key):

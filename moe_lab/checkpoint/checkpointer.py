@@ -21,8 +21,11 @@ A checkpoint's DCP keys:
                               the global batch's, the same on every rank: ``DataSource.state_dict``)
 
 The optimizer is read and restored through ``state_dict`` / ``load_state_dict`` in torch's format over the model's
-parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode. Its state per
-parameter is restored; its hyperparameters (LR, betas, weight decay, ...) stay those the run's config built it with,
+parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode, and one state
+key has a meaning: ``master``, the fp32 weights of an optimizer that keeps them apart from the model's (offload=full,
+whose model holds the compute dtype's copy). A checkpoint with masters restores its masters into the weights of a run
+without them, one without into a run's masters its fp32 model tensors: either way the fp32 weights, and no master
+carried on. Its state per parameter is restored; its hyperparameters (LR, betas, weight decay, ...) stay those the run's config built it with,
 and the LR schedule is not restored either (checkpoints written before hold a ``scheduler`` key, never read): it is
 a function of the step, built after ``restore()`` at the step it returns, so a run continued with more steps or
 other settings follows its own schedule from there. On disk a checkpoint is complete or absent
@@ -57,6 +60,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from moe_lab.checkpoint import directory as ckpt_dir
+from moe_lab.optim.offload.full import MASTER
 from moe_lab.parallel.emulate import is_emulated
 from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
 from moe_lab.runtime.host_read import summed_over_ranks
@@ -238,13 +242,26 @@ class Checkpointer:
                 "another model, e.g. another model.num_layers?)"
             )
         target: dict = {}  # what DCP fills in place, by key
+        # An optimizer that keeps fp32 masters apart from the weights (offload=full) and a checkpoint of one that
+        # keeps none: the fp32 weights are the one's master and the other's model tensor, read into where this run
+        # keeps them (the other tensor, in the compute dtype, is left unread, and no master is carried on).
+        masters_from_weights: dict[str, torch.Tensor] = {}
         for name in self.names:
             self._check_shape(path, saved, f"model/{name}", name)
             if f"param_group/{name}" not in saved:
                 raise CheckpointMismatch(
                     f"checkpoint {path}: no param_group/{name}, the optimizer state of a parameter this model has"
                 )
-            target[f"model/{name}"] = self.layout.view(name, local_shard(self.params[name]).detach())
+            weights = local_shard(self.params[name]).detach()
+            master = current["state"].get(position[name], {}).get(MASTER)
+            saved_master = f"optimizer/{name}/{MASTER}"
+            if master is not None and saved_master not in saved:
+                masters_from_weights[name] = local_shard(master).detach()
+                target[f"model/{name}"] = self.layout.view(name, masters_from_weights[name])
+            elif master is None and saved_master in saved:
+                target[saved_master] = self.layout.view(name, weights)
+            else:
+                target[f"model/{name}"] = self.layout.view(name, weights)
         for name, buffer in self.buffers.items():
             key = f"buffer/{name}"
             if key not in saved:
@@ -265,7 +282,7 @@ class Checkpointer:
                 raise CheckpointMismatch(
                     f"checkpoint {path}: {key} is a buffer this model lacks (another model.router_balance?)"
                 )
-            if kind != "optimizer":
+            if kind != "optimizer" or key in target:
                 continue
             if len(meta.size) == 0:  # a scalar (AdamW's step count)
                 target[key] = torch.empty((), dtype=meta.properties.dtype)
@@ -282,9 +299,11 @@ class Checkpointer:
         with torch.no_grad():
             dcp.load(target, checkpoint_id=str(path), planner=_load_planner(), no_dist=not dist.is_initialized())
 
-        state: dict[int, dict] = {}
+        state = {position[n]: {MASTER: shaped_like(self.params[n], m)} for n, m in masters_from_weights.items()}
         for key, value in target.items():
             kind, name, state_key = _split(key)
+            if kind == "optimizer" and state_key == MASTER and MASTER not in current["state"].get(position[name], {}):
+                continue  # read into the weights
             if kind == "optimizer":
                 value = shaped_like(self.params[name], local_shard(value)) if value.dim() > 0 else value
             elif kind == "optimizer_value":

@@ -21,7 +21,9 @@ buffers, side-stream copies), ``numa.py`` (CPU binding for ``full``).
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +32,7 @@ from omegaconf import DictConfig
 
 from moe_lab.optim.offload import numa
 from moe_lab.optim.offload.full import InBackwardOptimizer
+from moe_lab.optim.offload.host_step import HOST_ADAMW_LACKS
 from moe_lab.optim.offload.optimizer import StreamedStateOptimizer
 from moe_lab.parallel.sharding import local_shard
 from moe_lab.runtime.device import Target, gpu_pci_address
@@ -46,8 +49,8 @@ def _training_device(model: torch.nn.Module) -> torch.device:
 
 
 def _check_chunking(chunk_mib: float, max_inflight: int) -> None:
-    if chunk_mib <= 0:
-        raise ConfigError("offload.chunk_mib", f"must be > 0, got {chunk_mib}")
+    if not 0 < chunk_mib < math.inf:  # nan fails both comparisons
+        raise ConfigError("offload.chunk_mib", f"must be a finite number > 0, got {chunk_mib}")
     if max_inflight < 1:
         raise ConfigError("offload.max_inflight", f"must be >= 1, got {max_inflight}")
 
@@ -186,10 +189,15 @@ class FullOffload(Offload):
                 "optimizer._target_",
                 f"offload=full steps on the host with {' or '.join(HOST_OPTIMIZERS)} only, got {optimizer}",
             )
+        for flag in HOST_ADAMW_LACKS:
+            if cfg.optimizer.get(flag):
+                raise ConfigError(f"optimizer.{flag}", f"offload=full's host AdamW steps without {flag}; got true")
         _refuse_grad_clip(cfg, "offload=full")
         _check_chunking(self.chunk_mib, self.max_inflight)
-        if self.timeout_s <= 0:
-            raise ConfigError("offload.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= threading.TIMEOUT_MAX:  # a longer wait overflows the lock's timeout
+            raise ConfigError(
+                "offload.timeout_s", f"must be > 0 and at most {threading.TIMEOUT_MAX:.0f} s, got {self.timeout_s}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError("offload.threads", f"must be null or >= 1, got {self.threads}")
         if not 0.0 <= self.device_share <= 1.0:

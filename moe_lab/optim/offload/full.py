@@ -142,7 +142,9 @@ class InBackwardOptimizer(ChunkedOptimizer):
         self.worker = threading.Thread(
             target=_worker_loop, args=(weakref.ref(self), self.ready), name="offload-full-step", daemon=True
         )
-        weakref.finalize(self, self.ready.put, None)
+        # Also at interpreter exit (a failed run's traceback keeps the optimizer alive until then): the worker ends
+        # before finalization, which would abort it mid-Python (std::terminate) where it frees a chunk.
+        self.stop_worker = weakref.finalize(self, _stop_worker, self.ready, self.worker)
         self.worker.start()
 
     def attach(self) -> None:
@@ -350,6 +352,12 @@ def device_chunk_count(sizes: list[int], share: float) -> int:
     return count
 
 
+def _stop_worker(ready: queue.Queue, worker: threading.Thread) -> None:
+    ready.put(None)
+    if worker is not threading.current_thread():  # the worker itself may drop the optimizer's last reference
+        worker.join(timeout=60)  # bounded: a hung chunk must not hang the exit
+
+
 @torch.no_grad()
 def _worker_loop(owner: weakref.ref, ready: queue.Queue) -> None:
     """The CPU worker's loop: step each submitted chunk; ``None`` (put when the optimizer is collected) ends it."""
@@ -367,4 +375,4 @@ def _worker_loop(owner: weakref.ref, ready: queue.Queue) -> None:
         if optimizer is None:
             return
         optimizer._run_chunk(*item)
-        del optimizer
+        del optimizer, item  # hold no chunk while waiting

@@ -59,14 +59,17 @@ def prompt_gil_handover(seconds: float = HOST_STEP_SWITCH_INTERVAL_S):
                 sys.setswitchinterval(_handover["previous"])
 
 
+HOST_ADAMW_LACKS = ("amsgrad", "maximize")  # torch.optim.AdamW's flags the host step kernel has no path for
+
+
 class HostAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (no amsgrad, no maximize) over flat fp32 masters on the host, stepped from a gradient
     in the compute dtype (``step(transfer=...)``, see the module's docstring)."""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
-        if any(group["amsgrad"] or group["maximize"] for group in self.param_groups):
-            raise ValueError("HostAdamW steps without amsgrad and maximize")
+        if any(group[flag] for group in self.param_groups for flag in HOST_ADAMW_LACKS):
+            raise ValueError(f"HostAdamW steps without {' and '.join(HOST_ADAMW_LACKS)}")
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None, *, transfer: torch.Tensor) -> None:
