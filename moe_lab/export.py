@@ -147,6 +147,7 @@ def hf_config(model: dict, dtype: torch.dtype) -> dict:
         "attention_bias": False,
         "tie_word_embeddings": False,
         "initializer_range": model["init_std"],
+        "router_aux_loss_coef": model["router_aux_loss_coef"],
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 

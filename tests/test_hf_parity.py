@@ -231,3 +231,58 @@ def test_init_checkpoint_config_json_is_checked_against_the_model(tmp_path, monk
     with pytest.raises(config.ConfigError, match="trainer.init_checkpoint") as e:
         config.validate(cfg)
     assert e.value.key == "model.rope_theta"
+
+
+def test_an_exported_config_reads_back_as_the_model(tmp_path):
+    """``moe_lab.export``'s config.json, read by model=hf's reader and by transformers, is the model exported: every
+    model key (the aux loss coefficient and init std included) comes back."""
+    from omegaconf import OmegaConf
+
+    from moe_lab.export import hf_config
+    from moe_lab.models.hf_config import read_hf_config
+
+    model = OmegaConf.to_container(compose_model("model.router_aux_loss_coef=0.01", "model.init_std=0.01").model)
+    path = write_config(tmp_path / "export", hf_config(model, torch.bfloat16))
+    read = read_hf_config(path, "model.path")
+    assert {k: read[k] for k in read if k != "name"} == {k: model[k] for k in read if k != "name"}
+    assert transformers.AutoConfig.from_pretrained(path).router_aux_loss_coef == 0.01
+
+
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),  # the experts' gate: another function, the same shapes
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+        ({"rope_parameters": {"type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn'"),  # the older spelling
+        ({"rope_parameters": "yarn"}, "rope_parameters='yarn'"),
+        ({"rope_theta": 1e6, "rope_parameters": {"rope_theta": 1e4}}, "rope_parameters.rope_theta=10000.0"),
+        ({"num_experts": 8}, "num_experts=8, num_local_experts=128"),
+    ],
+)
+def test_a_config_json_read_otherwise_by_transformers_is_refused(change, refused, tmp_path):
+    """What moe_lab would build otherwise than transformers does from one config.json is refused naming the file's
+    key: another activation or attention dropout (not built), another RoPE in either spelling, or a key given in both
+    spellings with two values (the two readers pick different ones). The same value twice, or swish for silu, reads."""
+    from moe_lab.config import ConfigError
+    from moe_lab.models.hf_config import read_hf_config
+
+    path = write_config(tmp_path / "ckpt", {**TRANSFORMERS_5, **change})
+    with pytest.raises(ConfigError, match=refused) as e:
+        read_hf_config(path, "model.path")
+    assert e.value.key == "model.path"
+    agreeing = {**TRANSFORMERS_5, "hidden_act": "swish", "rope_theta": 1000000, "num_experts": 128}
+    assert read_hf_config(write_config(tmp_path / "same", agreeing), "model.path")["rope_theta"] == 1e6
+
+
+@pytest.mark.parametrize("setting", ["model.path", "trainer.init_checkpoint"])
+def test_a_config_json_not_an_object_is_refused_naming_the_setting(setting, tmp_path):
+    from moe_lab import config
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text("[1, 2]")
+    (path / "model.safetensors").write_bytes(b"")  # there: the config is read before any weight
+    given = ["model=hf", f"model.path={path}"] if setting == "model.path" else [f"trainer.init_checkpoint={path}"]
+    with pytest.raises(config.ConfigError, match="JSON list") as e:
+        config.validate(compose_model(*given))
+    assert e.value.key == setting

@@ -2,7 +2,9 @@
 that a model config does not contradict one. Plain Python (json only): validation reads it before anything is built.
 
 Both spellings transformers has written are read: ``num_experts`` (transformers 4) or ``num_local_experts`` (5),
-``rope_theta`` at the top (4) or under ``rope_parameters`` (5), and ``head_dim`` absent (hidden_size / heads).
+``rope_theta`` at the top (4) or under ``rope_parameters`` (5), ``rope_type`` or its older ``type``, and ``head_dim``
+absent (hidden_size / heads); a file giving both spellings of one key with two values is refused (the two readers
+would pick different ones).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ UNSUPPORTED = {
     "attention_bias": False,
     "use_sliding_window": False,
     "rope_scaling": None,
+    "attention_dropout": 0.0,
 }
+ACTIVATIONS = ("silu", "swish")  # the experts' SwiGLU gate: transformers' two names of one function
 
 
 def read_hf_config(directory: str | Path, key: str) -> dict:
@@ -49,12 +53,21 @@ def read_hf_config(directory: str | Path, key: str) -> dict:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(key, f"needs a Hugging Face {CONFIG} in {directory!r}: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(key, f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
     if hf.get("model_type") != "qwen3_moe":
         raise ConfigError(key, f"{path} is model_type {hf.get('model_type')!r}; moe_lab builds qwen3_moe")
     rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    if not isinstance(rope, dict):
+        raise ConfigError(key, f"{path} has rope_parameters={rope!r}, not an object of RoPE keys")
+    rope_type = _one_of(path, key, {"rope_parameters.rope_type": rope, "rope_parameters.type": rope}, "default")
+    if rope_type != "default":
         raise ConfigError(
-            key, f"{path} has rope_parameters.rope_type={rope['rope_type']!r}; moe_lab's RoPE is the default one"
+            key, f"{path} has rope_parameters' rope_type {rope_type!r}; moe_lab's RoPE is the default one"
+        )
+    if hf.get("hidden_act", "silu") not in ACTIVATIONS:
+        raise ConfigError(
+            key, f"{path} has hidden_act={hf['hidden_act']!r}; moe_lab's experts gate with {' = '.join(ACTIVATIONS)}"
         )
     for name, assumed in UNSUPPORTED.items():
         if hf.get(name, assumed) not in (assumed, None):
@@ -70,18 +83,36 @@ def read_hf_config(directory: str | Path, key: str) -> dict:
             "num_heads": hf["num_attention_heads"],
             "num_kv_heads": hf["num_key_value_heads"],
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            "num_experts": hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
+            "num_experts": _one_of(path, key, {"num_experts": hf, "num_local_experts": hf}),
             "num_experts_per_tok": hf["num_experts_per_tok"],
             "moe_intermediate_size": hf["moe_intermediate_size"],
             "norm_topk_prob": hf["norm_topk_prob"],
             "max_position_embeddings": hf["max_position_embeddings"],
-            "rope_theta": float(hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"]),
+            "rope_theta": float(_one_of(path, key, {"rope_theta": hf, "rope_parameters.rope_theta": rope})),
             "rms_norm_eps": float(hf["rms_norm_eps"]),
             "init_std": float(hf.get("initializer_range", 0.02)),
             "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
         }
     except KeyError as e:
         raise ConfigError(key, f"{path} has no {e.args[0]}") from None
+
+
+def _one_of(path: Path, key: str, spellings: dict[str, dict], default=None):
+    """The value of a key ``config.json`` may spell several ways (each spelling: the dict that holds it, the last part
+    of its name its key there): the one given, or ``default`` (none given and no default: ``KeyError``); two
+    spellings given with two values are refused."""
+    given = {
+        name: where[name.rsplit(".", 1)[-1]] for name, where in spellings.items() if name.rsplit(".", 1)[-1] in where
+    }
+    values = list(given.values())
+    if any(value != values[0] for value in values[1:]):
+        both = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise ConfigError(
+            key, f"{path} gives {both}: two values for one setting (readers differ on which wins); keep one"
+        )
+    if not given and default is None:
+        raise KeyError(next(iter(spellings)))
+    return values[0] if values else default
 
 
 def check_agrees(model: dict, directory: str | Path, key: str) -> None:

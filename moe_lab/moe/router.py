@@ -164,7 +164,7 @@ class AuxLoss(RouterBalance):
 
 
 class ExpertBias(RouterBalance):
-    """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every learned router's ``expert_bias`` moves by
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every router's ``expert_bias`` moves by
     ``rate`` towards the mean load, up for an expert below it and down above it, from the load of the whole global
     batch (summed over every rank, so the bias stays the same everywhere). The bias changes which experts are chosen,
     never their weights, and adds nothing to the loss."""
