@@ -527,8 +527,20 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
         (["ac=none,selectve"], "ac: no option 'selectve'; options: full, none, selective"),  # a sweep's too
         (["+experiment=grid_30"], "experiment: no option 'grid_30'; studies' presets: benchmark, "),
         (["experiment=grid_30b"], "experiment: a study's preset is appended: +experiment=<study>"),
-        (["dispatcher.sav=x"], "dispatcher.sav: no dispatcher option has this key; allowed: backend, "),
-        (["loss.chunk_token=8"], "loss.chunk_token: no loss option has this key; allowed: chunk_tokens"),
+        # the keys of the option in use (the default's, here; a chosen one's below)
+        (
+            ["dispatcher.sav=x"],
+            "dispatcher.sav: no dispatcher option has this key; allowed with dispatcher=torch (the default): "
+            "expert_precision, permute",
+        ),
+        (
+            ["loss.chunk_token=8"],
+            "loss.chunk_token: no loss option has this key; allowed with loss=chunked (the default)",
+        ),
+        (
+            ["offload=optimizer", "offload.chunk_mb=1"],
+            "offload.chunk_mb: no offload option has this key; allowed with offload=optimizer: chunk_mib, max_inflight",
+        ),
         # the options chosen on the command line decide: torch has no save, nor has one point of a sweep
         (["dispatcher=torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch; allowed: "),
         (["dispatcher=fused,torch", "dispatcher.save=rows"], "dispatcher.save: unknown key for dispatcher=torch"),

@@ -258,9 +258,11 @@ def _check_option_key(group: str, key: str, options: list[str] | None, origin: s
             f"{group}.{key}", f"not in a {group} option's yaml, but {taking} takes it: append it, +{group}.{key}=..."
         )
     if not having:
-        raise ConfigError(
-            f"{group}.{key}", f"no {group} option has this key; allowed: {shown(set().union(*keys.values()))}"
-        )
+        chosen = [name for name in options or [] if name in keys]  # the keys of the options in use, where known
+        scope = f" with {', '.join(f'{group}={name}' for name in chosen)}" if chosen else ""
+        scope += f" ({origin})" if chosen and origin else ""
+        allowed = shown(set().union(*(keys[name] for name in chosen or keys)))
+        raise ConfigError(f"{group}.{key}", f"no {group} option has this key; allowed{scope}: {allowed}")
     lacking = [name for name in options or [] if name in keys and key not in keys[name]]
     if lacking:
         message = f"unknown key for {group}={lacking[0]}" + (f" ({origin})" if origin else "")
