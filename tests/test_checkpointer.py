@@ -117,7 +117,7 @@ def test_a_checkpoint_holding_the_lr_schedulers_state_still_loads(tmp_path, monk
     assert resumed["losses"] == reference["losses"]
 
 
-def fp32_weights(overrides: list[str], run_dir, checkpoint) -> list[torch.Tensor]:
+def fp32_weights(overrides: list[str], run_dir, checkpoint) -> dict[str, torch.Tensor]:
     """Each parameter's fp32 weights (its master where the optimizer keeps one apart: offload=full) of a bf16-compute
     model and optimizer built from ``overrides`` and restored from ``checkpoint``."""
     cfg = compose_train(SMALL + ["trainer.precision=bf16", *overrides, f"trainer.resume={checkpoint}"])
@@ -125,10 +125,11 @@ def fp32_weights(overrides: list[str], run_dir, checkpoint) -> list[torch.Tensor
     model = build_model(cfg, options, torch.device("cpu"), torch.bfloat16)
     optimizer = options.offload.build(model, options.make_optimizer, torch.bfloat16)
     build_checkpointer(cfg, options, run_dir, model, optimizer, torch.device("cpu")).restore()
+    names = [name for name, _ in model.named_parameters()]
     if not hasattr(optimizer, "master_weights"):  # no master carried on into an optimizer that keeps none
         assert all("master" not in state for state in optimizer.state_dict()["state"].values())
-        return [w.detach().clone() for w in model.parameters()]
-    return [w.clone() for w in optimizer.master_weights()]
+        return {name: w.detach().clone() for name, w in zip(names, model.parameters())}
+    return {name: w.clone() for name, w in zip(names, optimizer.master_weights())}
 
 
 @pytest.mark.parametrize(
@@ -143,9 +144,34 @@ def test_a_checkpoint_resumes_its_fp32_weights_under_another_offload_mode(saved,
     train_in_process(every + (chunks if saved != "none" else []), tmp_path / "a")
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
     expected = fp32_weights([f"offload={saved}"], tmp_path / "e", checkpoint)
-    assert any(not torch.equal(w, w.bfloat16().float()) for w in expected)  # fp32 weights, not bf16 ones widened
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in expected.values())  # fp32, not bf16 widened
     got = fp32_weights([f"offload={resumed}"] + (chunks if resumed != "none" else []), tmp_path / "b", checkpoint)
-    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+
+
+def test_masters_a_run_of_another_offload_mode_carried_on_are_not_read(tmp_path):
+    """Before 2026-12-07 a run of another offload mode resumed from offload=full's checkpoint carried its masters on,
+    stale, into its own checkpoints: a checkpoint whose marker names another offload mode is read through its model
+    tensors, whatever masters it holds, under every mode."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    chunks = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
+    train_in_process(
+        ["trainer.precision=bf16", "trainer.checkpoint.every=2", "trainer.steps=2", "offload=full", *chunks],
+        tmp_path / "a",
+    )
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
+    marker_file = checkpoint / ckpt_dir.MARKER
+    marker = json.loads(marker_file.read_text())
+    marker["config"]["offload"] = {"_target_": "moe_lab.optim.offload.NoOffload"}  # as the old resumed run wrote it
+    marker_file.write_text(json.dumps(marker))
+    dcp_to_torch_save(checkpoint, tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    weights = {key.removeprefix("model/"): value.float() for key, value in saved.items() if key.startswith("model/")}
+    assert any(not torch.equal(w, saved[f"optimizer/{n}/master"]) for n, w in weights.items())  # bf16 vs fp32
+    for resumed in (["offload=none"], ["offload=full", *chunks]):
+        got = fp32_weights(resumed, tmp_path / resumed[0], checkpoint)
+        assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in got), resumed
 
 
 # Aux-loss-free balancing at a rate that moves the choice of experts within a step or two: a resumed run whose

@@ -140,6 +140,7 @@ def tiny_checkpoint(directory: Path) -> Path:
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
         "init_std": 0.02,
+        "router_aux_loss_coef": 0.001,
     }
     checkpoint = directory / "step_00000001"
     weights = {f"model/{name}.weight": torch.ones(16, 16) for name in ("model.embed_tokens", "lm_head")}

@@ -255,6 +255,7 @@ def test_an_exported_config_reads_back_as_the_model(tmp_path):
         ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
         ({"rope_parameters": {"type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn'"),  # the older spelling
         ({"rope_parameters": "yarn"}, "rope_parameters='yarn'"),
+        ({"rope_parameters": []}, r"rope_parameters=\[\]"),
         ({"rope_theta": 1e6, "rope_parameters": {"rope_theta": 1e4}}, "rope_parameters.rope_theta=10000.0"),
         ({"num_experts": 8}, "num_experts=8, num_local_experts=128"),
     ],

@@ -531,7 +531,7 @@ def test_a_mistyped_key_gets_moe_labs_message_before_hydras(tmp_path):
         (
             ["dispatcher.sav=x"],
             "dispatcher.sav: no dispatcher option has this key; allowed with dispatcher=torch (the default): "
-            "expert_precision, permute",
+            "expert_precision, permute; dispatcher=fused has save",  # another option's key, mistyped
         ),
         (
             ["loss.chunk_token=8"],

@@ -21,12 +21,12 @@ A checkpoint's DCP keys:
                               the global batch's, the same on every rank: ``DataSource.state_dict``)
 
 The optimizer is read and restored through ``state_dict`` / ``load_state_dict`` in torch's format over the model's
-parameters in order (the offload modes' optimizers give that too): nothing here knows an offload mode, and one state
-key has a meaning: ``master``, the fp32 weights of an optimizer that keeps them apart from the model's (offload=full,
-whose model holds the compute dtype's copy). A checkpoint with masters restores its masters into the weights of a run
-without them, one without into a run's masters its fp32 model tensors: either way the fp32 weights, and no master
-carried on. Its state per parameter is restored; its hyperparameters (LR, betas, weight decay, ...) stay those the run's config built it with,
-and the LR schedule is not restored either (checkpoints written before hold a ``scheduler`` key, never read): it is
+parameters in order (the offload modes' optimizers give that too). One state key has a meaning here: ``master``, the
+fp32 weights of an optimizer that keeps them apart from the model's (offload=full, whose model holds the compute
+dtype's copy): offload=full's checkpoint restores its masters into the weights of a run without masters, another
+mode's its fp32 model tensors into a run's masters; either way the fp32 weights, and no master carried on. Its state
+per parameter is restored; its hyperparameters (LR, betas, weight decay, ...) stay those the run's config built it
+with, and the LR schedule is not restored either (checkpoints written before hold a ``scheduler`` key, never read): it is
 a function of the step, built after ``restore()`` at the step it returns, so a run continued with more steps or
 other settings follows its own schedule from there. On disk a checkpoint is complete or absent
 (``moe_lab.checkpoint.directory``).
@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from moe_lab.checkpoint import directory as ckpt_dir
+from moe_lab.optim.offload import FullOffload
 from moe_lab.optim.offload.full import MASTER
 from moe_lab.parallel.emulate import is_emulated
 from moe_lab.parallel.sharding import GlobalLayout, local_shard, shaped_like
@@ -245,7 +246,9 @@ class Checkpointer:
         # An optimizer that keeps fp32 masters apart from the weights (offload=full) and a checkpoint of one that
         # keeps none: the fp32 weights are the one's master and the other's model tensor, read into where this run
         # keeps them (the other tensor, in the compute dtype, is left unread, and no master is carried on).
+        saved_masters = _writer_kept_masters(marker)
         masters_from_weights: dict[str, torch.Tensor] = {}
+        masters_into_weights: set[str] = set()
         for name in self.names:
             self._check_shape(path, saved, f"model/{name}", name)
             if f"param_group/{name}" not in saved:
@@ -255,10 +258,12 @@ class Checkpointer:
             weights = local_shard(self.params[name]).detach()
             master = current["state"].get(position[name], {}).get(MASTER)
             saved_master = f"optimizer/{name}/{MASTER}"
-            if master is not None and saved_master not in saved:
+            has_master = saved_masters and saved_master in saved
+            if master is not None and not has_master:
                 masters_from_weights[name] = local_shard(master).detach()
                 target[f"model/{name}"] = self.layout.view(name, masters_from_weights[name])
-            elif master is None and saved_master in saved:
+            elif master is None and has_master:
+                masters_into_weights.add(name)
                 target[saved_master] = self.layout.view(name, weights)
             else:
                 target[f"model/{name}"] = self.layout.view(name, weights)
@@ -282,7 +287,7 @@ class Checkpointer:
                 raise CheckpointMismatch(
                     f"checkpoint {path}: {key} is a buffer this model lacks (another model.router_balance?)"
                 )
-            if kind != "optimizer" or key in target:
+            if kind != "optimizer" or key in target or (state_key == MASTER and not saved_masters):
                 continue
             if len(meta.size) == 0:  # a scalar (AdamW's step count)
                 target[key] = torch.empty((), dtype=meta.properties.dtype)
@@ -302,8 +307,8 @@ class Checkpointer:
         state = {position[n]: {MASTER: shaped_like(self.params[n], m)} for n, m in masters_from_weights.items()}
         for key, value in target.items():
             kind, name, state_key = _split(key)
-            if kind == "optimizer" and state_key == MASTER and MASTER not in current["state"].get(position[name], {}):
-                continue  # read into the weights
+            if kind == "optimizer" and state_key == MASTER and name in masters_into_weights:
+                continue
             if kind == "optimizer":
                 value = shaped_like(self.params[name], local_shard(value)) if value.dim() > 0 else value
             elif kind == "optimizer_value":
@@ -608,6 +613,14 @@ def optimizer_mismatch(marker: dict, config: dict) -> str | None:
             f"optimizer._target_={saved}, or start afresh: trainer.resume=never)"
         )
     return None
+
+
+def _writer_kept_masters(marker: dict) -> bool:
+    """Whether a checkpoint's ``master`` states are its fp32 weights: written by a run that kept them apart from its
+    weights (offload=full; a marker naming no offload option is taken at its word). A run of another offload mode
+    resumed from offload=full's checkpoint before 2026-12-07 carried those masters on into its own checkpoints, stale."""
+    offload = ((marker.get("config") or {}).get("offload") or {}).get("_target_")
+    return offload is None or offload == f"{FullOffload.__module__}.{FullOffload.__qualname__}"
 
 
 def _optimizer_class(config: dict | None) -> str | None:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -261,8 +263,12 @@ def _check_option_key(group: str, key: str, options: list[str] | None, origin: s
         chosen = [name for name in options or [] if name in keys]  # the keys of the options in use, where known
         scope = f" with {', '.join(f'{group}={name}' for name in chosen)}" if chosen else ""
         scope += f" ({origin})" if chosen and origin else ""
-        allowed = shown(set().union(*(keys[name] for name in chosen or keys)))
-        raise ConfigError(f"{group}.{key}", f"no {group} option has this key; allowed{scope}: {allowed}")
+        allowed = set().union(*(keys[name] for name in chosen or keys))
+        message = f"no {group} option has this key; allowed{scope}: {shown(allowed)}"
+        others = {k: name for name, held in keys.items() for k in held - allowed if not k.startswith("_")}
+        if near := difflib.get_close_matches(key, others, n=1):  # another option's key, mistyped
+            message += f"; {group}={others[near[0]]} has {near[0]}"
+        raise ConfigError(f"{group}.{key}", message)
     lacking = [name for name in options or [] if name in keys and key not in keys[name]]
     if lacking:
         message = f"unknown key for {group}={lacking[0]}" + (f" ({origin})" if origin else "")
@@ -330,7 +336,7 @@ def check_target_node(key: str, node) -> None:
         hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     except Exception:
         hints = {}
-    values = OmegaConf.to_container(node, resolve=True)
+    values, raw = OmegaConf.to_container(node, resolve=True), OmegaConf.to_container(node, resolve=False)
     for name, value in values.items():
         if name.startswith("_"):
             continue
@@ -339,9 +345,13 @@ def check_target_node(key: str, node) -> None:
                 f"{key}.{name}", f"unknown key for {node._target_}; allowed: {', '.join(sorted(params)) or 'no keys'}"
             )
         if name in hints and not _matches(value, hints[name]):
-            source = node._get_node(name)._value() if OmegaConf.is_interpolation(node, name) else None
-            given = f" (from {source})" if source else ""  # the key the user set, where this one follows it
-            raise ConfigError(f"{key}.{name}", f"expected {_describe(hints[name])}, got {value!r}{given}")
+            message = f"expected {_describe(hints[name])}, got {value!r}"
+            followed = (
+                re.fullmatch(r"\$\{([\w.]+)\}", str(raw[name])) if OmegaConf.is_interpolation(node, name) else None
+            )
+            if followed:  # the key the user set, which this one follows (``${precision.experts}``)
+                raise ConfigError(followed[1], f"{message} (as {key}.{name}, which follows it)")
+            raise ConfigError(f"{key}.{name}", message)
 
 
 def _matches(value, annotation) -> bool:

@@ -57,10 +57,12 @@ def read_hf_config(directory: str | Path, key: str) -> dict:
         raise ConfigError(key, f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
     if hf.get("model_type") != "qwen3_moe":
         raise ConfigError(key, f"{path} is model_type {hf.get('model_type')!r}; moe_lab builds qwen3_moe")
-    rope = hf.get("rope_parameters") or {}
+    rope = hf.get("rope_parameters")
+    rope = {} if rope is None else rope
     if not isinstance(rope, dict):
         raise ConfigError(key, f"{path} has rope_parameters={rope!r}, not an object of RoPE keys")
-    rope_type = _one_of(path, key, {"rope_parameters.rope_type": rope, "rope_parameters.type": rope}, "default")
+    spellings = [("rope_parameters.rope_type", rope, "rope_type"), ("rope_parameters.type", rope, "type")]
+    rope_type = _one_of(path, key, spellings, default="default")
     if rope_type != "default":
         raise ConfigError(
             key, f"{path} has rope_parameters' rope_type {rope_type!r}; moe_lab's RoPE is the default one"
@@ -83,12 +85,18 @@ def read_hf_config(directory: str | Path, key: str) -> dict:
             "num_heads": hf["num_attention_heads"],
             "num_kv_heads": hf["num_key_value_heads"],
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            "num_experts": _one_of(path, key, {"num_experts": hf, "num_local_experts": hf}),
+            "num_experts": _one_of(
+                path, key, [("num_experts", hf, "num_experts"), ("num_local_experts", hf, "num_local_experts")]
+            ),
             "num_experts_per_tok": hf["num_experts_per_tok"],
             "moe_intermediate_size": hf["moe_intermediate_size"],
             "norm_topk_prob": hf["norm_topk_prob"],
             "max_position_embeddings": hf["max_position_embeddings"],
-            "rope_theta": float(_one_of(path, key, {"rope_theta": hf, "rope_parameters.rope_theta": rope})),
+            "rope_theta": float(
+                _one_of(
+                    path, key, [("rope_theta", hf, "rope_theta"), ("rope_parameters.rope_theta", rope, "rope_theta")]
+                )
+            ),
             "rms_norm_eps": float(hf["rms_norm_eps"]),
             "init_std": float(hf.get("initializer_range", 0.02)),
             "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
@@ -97,22 +105,21 @@ def read_hf_config(directory: str | Path, key: str) -> dict:
         raise ConfigError(key, f"{path} has no {e.args[0]}") from None
 
 
-def _one_of(path: Path, key: str, spellings: dict[str, dict], default=None):
-    """The value of a key ``config.json`` may spell several ways (each spelling: the dict that holds it, the last part
-    of its name its key there): the one given, or ``default`` (none given and no default: ``KeyError``); two
-    spellings given with two values are refused."""
-    given = {
-        name: where[name.rsplit(".", 1)[-1]] for name, where in spellings.items() if name.rsplit(".", 1)[-1] in where
-    }
-    values = list(given.values())
-    if any(value != values[0] for value in values[1:]):
-        both = ", ".join(f"{name}={value!r}" for name, value in given.items())
+def _one_of(path: Path, key: str, spellings: list[tuple[str, dict, str]], default=None):
+    """The value of a setting ``config.json`` may spell several ways, each spelling (its name in a message, the
+    object holding it, its key there): the one given, or ``default``; none given without a default is a
+    ``KeyError`` naming the first spelling, two given with two values a ``ConfigError``."""
+    given = [(name, holder[field]) for name, holder, field in spellings if field in holder]
+    if any(value != given[0][1] for _, value in given[1:]):
+        both = ", ".join(f"{name}={value!r}" for name, value in given)
         raise ConfigError(
             key, f"{path} gives {both}: two values for one setting (readers differ on which wins); keep one"
         )
-    if not given and default is None:
-        raise KeyError(next(iter(spellings)))
-    return values[0] if values else default
+    if given:
+        return given[0][1]
+    if default is None:
+        raise KeyError(spellings[0][0])
+    return default
 
 
 def check_agrees(model: dict, directory: str | Path, key: str) -> None:
