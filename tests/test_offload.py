@@ -630,38 +630,41 @@ def test_offload_full_that_cannot_build_its_kernel_fails_when_built_naming_why(b
         monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
         message = r"offload=full caches its host step kernel in .*a file"
     host_kernel.load.cache_clear()
-    model, _ = _two_chunk_model()
     try:
         with pytest.raises(RuntimeError, match=message):
-            InBackwardOptimizer(
-                list(model.parameters()),
-                functools.partial(SignSGD, lr=0.1),
-                torch.float32,
-                chunk_numel=64,
-                max_inflight=1,
-                timeout_s=5,
-                num_threads=1,
-            )
+            _two_chunk_optimizer(SignSGD)
     finally:
         host_kernel.load.cache_clear()
 
 
-def test_the_worker_has_ended_when_its_finalizer_returns():
-    """A failed run's traceback holds the optimizer until interpreter exit, where its finalizer runs: it returns once
-    the worker has ended (a worker still freeing a chunk during finalization aborted the process, exit 134)."""
+def _two_chunk_optimizer(host_optimizer) -> tuple[InBackwardOptimizer, torch.Tensor]:
+    """offload=full's optimizer over the two-chunk model with ``host_optimizer`` (a class), and the model's loss."""
     model, loss = _two_chunk_model()
     optimizer = InBackwardOptimizer(
         list(model.parameters()),
-        functools.partial(SignSGD, lr=0.1),
+        functools.partial(host_optimizer, lr=0.1),
         torch.float32,
         chunk_numel=64,
         max_inflight=2,
         timeout_s=5,
         num_threads=1,
     )
+    return optimizer, loss
+
+
+def _stepped_two_chunk_optimizer(host_optimizer) -> InBackwardOptimizer:
+    """``_two_chunk_optimizer`` after one step."""
+    optimizer, loss = _two_chunk_optimizer(host_optimizer)
     optimizer.attach()
     loss.backward()
     optimizer.step()
+    return optimizer
+
+
+def test_the_worker_has_ended_when_its_finalizer_returns():
+    """A failed run's traceback holds the optimizer until interpreter exit, where its finalizer runs: it returns once
+    the worker has ended (a worker still freeing a chunk during finalization aborted the process, exit 134)."""
+    optimizer = _stepped_two_chunk_optimizer(SignSGD)
     assert optimizer.stop_worker.atexit and optimizer.worker.is_alive()
     optimizer.stop_worker()
     assert not optimizer.worker.is_alive()
@@ -680,19 +683,7 @@ def test_host_step_hands_the_gil_over_promptly_and_reports_its_work():
     gets the GIL soon beside a training thread running Python) and restores it; ``step_metrics()`` reports the
     host step's time, rate and ``step()``'s wait for it, once per step."""
     default = sys.getswitchinterval()
-    model, loss = _two_chunk_model()
-    optimizer = InBackwardOptimizer(
-        list(model.parameters()),
-        functools.partial(_SwitchIntervalSeen, lr=0.1),
-        torch.float32,
-        chunk_numel=64,
-        max_inflight=2,
-        timeout_s=5,
-        num_threads=1,
-    )
-    optimizer.attach()
-    loss.backward()
-    optimizer.step()
+    optimizer = _stepped_two_chunk_optimizer(_SwitchIntervalSeen)
     assert _SwitchIntervalSeen.seen and max(_SwitchIntervalSeen.seen) <= HOST_STEP_SWITCH_INTERVAL_S < default
     assert sys.getswitchinterval() == default
     metrics = optimizer.step_metrics()
