@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moe_lab.checkpoint import directory as ckpt_dir
-from moe_lab.checkpoint.checkpointer import find_damage
+from moe_lab.checkpoint.checkpointer import find_damage, writer_kept_masters
 from moe_lab.models.hf_weights import INDEX, SafetensorsWriter, published_tensors
 from moe_lab.optim.offload.full import MASTER
 
@@ -54,7 +54,8 @@ def export(
         raise ValueError(f"{checkpoint} is not a complete training checkpoint: {problem}")
     if damage := find_damage(checkpoint):  # as resuming it would say, not an unpickler's EOFError
         raise ValueError(f"checkpoint {checkpoint} is damaged: {damage[0]}: {damage[1]}")
-    model = ckpt_dir.read_marker(checkpoint)["model"]
+    marker = ckpt_dir.read_marker(checkpoint)
+    model = marker["model"]
     if model.get("routing", "learned") != "learned":
         log.warning(
             "the run forced its routing (model.routing=%s); the export holds the router's weights, which "
@@ -69,11 +70,12 @@ def export(
         )
     saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     sources = {}  # parameter name -> the key holding its values
+    masters = writer_kept_masters(marker)  # offload=full's fp32 weights, where it wrote the checkpoint
     for key in saved:
         if key.startswith("model/"):
             name = key.removeprefix("model/")
             master = f"optimizer/{name}/{MASTER}"
-            sources[name] = master if master in saved else key
+            sources[name] = master if masters and master in saved else key
     for path in previous:
         path.unlink()
     writer = SafetensorsWriter(out, max_shard_bytes)

@@ -105,6 +105,15 @@ def test_export_of_full_offload_in_bf16_holds_the_fp32_masters(tmp_path):
     exported = CheckpointReader(tmp_path / "hf").get(name, (64, 64), torch.float32)
     assert exported.dtype == torch.float32 and torch.equal(exported, saved[f"optimizer/{name}/master"])
     assert not torch.equal(exported, saved[f"model/{name}"].float())  # the bf16 weights are the masters rounded
+    # Masters in a checkpoint of another offload mode (carried on, stale, by a cross-mode resume before 2026-12-07)
+    # are not its weights: the model tensors are exported.
+    marker_file = checkpoint / ckpt_dir.MARKER
+    marker = json.loads(marker_file.read_text())
+    marker["config"]["offload"] = {"_target_": "moe_lab.optim.offload.NoOffload"}
+    marker_file.write_text(json.dumps(marker))
+    assert export_cli(checkpoint, tmp_path / "hf_none", "--max-shard-size", "100MB").returncode == 0
+    exported = CheckpointReader(tmp_path / "hf_none").get(name, (64, 64), torch.float32)
+    assert torch.equal(exported, saved[f"model/{name}"].float())
 
 
 @pytest.mark.parametrize("max_shard_bytes", [None, 1500])

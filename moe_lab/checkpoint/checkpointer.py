@@ -246,7 +246,7 @@ class Checkpointer:
         # An optimizer that keeps fp32 masters apart from the weights (offload=full) and a checkpoint of one that
         # keeps none: the fp32 weights are the one's master and the other's model tensor, read into where this run
         # keeps them (the other tensor, in the compute dtype, is left unread, and no master is carried on).
-        saved_masters = _writer_kept_masters(marker)
+        saved_masters = writer_kept_masters(marker)
         masters_from_weights: dict[str, torch.Tensor] = {}
         masters_into_weights: set[str] = set()
         for name in self.names:
@@ -615,7 +615,7 @@ def optimizer_mismatch(marker: dict, config: dict) -> str | None:
     return None
 
 
-def _writer_kept_masters(marker: dict) -> bool:
+def writer_kept_masters(marker: dict) -> bool:
     """Whether a checkpoint's ``master`` states are its fp32 weights: written by a run that kept them apart from its
     weights (offload=full; a marker naming no offload option is taken at its word). A run of another offload mode
     resumed from offload=full's checkpoint before 2026-12-07 carried those masters on into its own checkpoints, stale."""
