@@ -26,9 +26,9 @@ fp32 weights of an optimizer that keeps them apart from the model's (offload=ful
 dtype's copy): offload=full's checkpoint restores its masters into the weights of a run without masters, another
 mode's its fp32 model tensors into a run's masters; either way the fp32 weights, and no master carried on. Its state
 per parameter is restored; its hyperparameters (LR, betas, weight decay, ...) stay those the run's config built it
-with, and the LR schedule is not restored either (checkpoints written before hold a ``scheduler`` key, never read): it is
-a function of the step, built after ``restore()`` at the step it returns, so a run continued with more steps or
-other settings follows its own schedule from there. On disk a checkpoint is complete or absent
+with, and the LR schedule is not restored either (checkpoints written before hold a ``scheduler`` key, never read):
+it is a function of the step, built after ``restore()`` at the step it returns, so a run continued with more steps
+or other settings follows its own schedule from there. On disk a checkpoint is complete or absent
 (``moe_lab.checkpoint.directory``).
 
 A checkpoint is loaded only when it fits the run: its optimizer is the run's (the class its marker's config names,
@@ -618,7 +618,8 @@ def optimizer_mismatch(marker: dict, config: dict) -> str | None:
 def writer_kept_masters(marker: dict) -> bool:
     """Whether a checkpoint's ``master`` states are its fp32 weights: written by a run that kept them apart from its
     weights (offload=full; a marker naming no offload option is taken at its word). A run of another offload mode
-    resumed from offload=full's checkpoint before 2026-12-07 carried those masters on into its own checkpoints, stale."""
+    resumed from offload=full's checkpoint before 2026-12-07 carried those masters on into its own checkpoints,
+    stale."""
     offload = ((marker.get("config") or {}).get("offload") or {}).get("_target_")
     return offload is None or offload == f"{FullOffload.__module__}.{FullOffload.__qualname__}"
 
