@@ -336,7 +336,7 @@ def check_target_node(key: str, node) -> None:
         hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     except Exception:
         hints = {}
-    values, raw = OmegaConf.to_container(node, resolve=True), OmegaConf.to_container(node, resolve=False)
+    values = OmegaConf.to_container(node, resolve=True)
     for name, value in values.items():
         if name.startswith("_"):
             continue
@@ -346,9 +346,8 @@ def check_target_node(key: str, node) -> None:
             )
         if name in hints and not _matches(value, hints[name]):
             message = f"expected {_describe(hints[name])}, got {value!r}"
-            followed = (
-                re.fullmatch(r"\$\{([\w.]+)\}", str(raw[name])) if OmegaConf.is_interpolation(node, name) else None
-            )
+            raw = OmegaConf.to_container(node, resolve=False)[name] if OmegaConf.is_interpolation(node, name) else None
+            followed = re.fullmatch(r"\$\{([\w.]+)\}", str(raw)) if raw is not None else None
             if followed:  # the key the user set, which this one follows (``${precision.experts}``)
                 raise ConfigError(followed[1], f"{message} (as {key}.{name}, which follows it)")
             raise ConfigError(f"{key}.{name}", message)
