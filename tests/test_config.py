@@ -191,6 +191,7 @@ BAD = [
     (["optimizer.betas=[0.9,2.0]"], {}, "optimizer.betas"),
     (["optimizer.eps=-1"], {}, "optimizer.eps"),
     (["optimizer.lr=inf"], {}, "optimizer.lr"),
+    (["+optimizer.foreach=true"], {}, "optimizer.foreach"),  # was torch's "fused and foreach ... can't both be True"
     (["trainer.init_checkpoint=/nonexistent/checkpoint"], {}, "trainer.init_checkpoint"),
     (["trainer.init_checkpoint=''"], {}, "trainer.init_checkpoint"),
     (["model.router_balance=foo"], {}, "model.router_balance"),

@@ -544,6 +544,11 @@ def check_optimizer(o) -> None:
         _require(math.isfinite(o.eps) and o.eps > 0, "optimizer.eps", f"must be finite and > 0, got {o.eps}")
     if "betas" in o:
         _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", f"each must be in [0, 1), got {list(o.betas)}")
+    _require(
+        not (o.get("fused") and o.get("foreach")),
+        "optimizer.foreach",
+        "picks torch's multi-tensor path; optimizer.fused=true picks its fused kernel: set one of them to false",
+    )
 
 
 def check_determinism(t) -> None:
