@@ -259,6 +259,15 @@ def test_validation_returns_the_options_it_built():
     assert options.model.num_layers == 2 and options.data.seq_len == 128
 
 
+@pytest.mark.parametrize(
+    "edge", [["model.num_experts_per_tok=8"], ["data.seq_len=2048"], ["optimizer.betas=[0.0,0.0]"]]
+)
+def test_a_value_at_its_bounds_edge_validates(edge):
+    """The bounds' inclusive ends are allowed: every expert chosen for each token, a sample as long as the model's
+    context (the tiny model's 2048), betas of 0."""
+    config.validate(compose_train(edge))
+
+
 def test_huge_vocabulary_fails_without_allocating_it():
     """Building the data option allocates nothing per vocabulary entry before its size is checked."""
     kind, message = failure(["model.vocab_size=20000000000", "data.vocab_size=20000000001"])

@@ -406,6 +406,25 @@ def test_every_micro_batch_is_loaded_before_the_first_begins():
     assert loss.item() == pytest.approx(2 * (1 + 2 + 3) / 3)
 
 
+def test_balance_loss_is_averaged_over_micro_batches_too():
+    """The routing balance term is part of each micro-batch's objective: scaled by 1 / micro-batches as the
+    language-model loss is, in the gradients and in the returned balance (the end-to-end tests above train with
+    ``router_balance=none`` or the bias, whose loss is 0). Micro-batch m: lm loss 0, routing statistics
+    ``p * (m + 1)``, balance ``sum(stats)``: the step's mean balance is 3 * (1 + 2) / 2 = 4.5, d/dp = (1 + 2) / 2."""
+    p = torch.ones(3, requires_grad=True)
+    loss, balance, stats = accumulate_gradients(
+        lambda micro_batch: micro_batch,
+        lambda micro_batch: (p.sum() * 0, p * (micro_batch + 1)),
+        lambda stats: stats.sum(),
+        2,
+        lambda final: None,
+    )
+    assert loss.item() == 0
+    assert balance.item() == pytest.approx(4.5)
+    torch.testing.assert_close(p.grad, torch.full((3,), 1.5))
+    torch.testing.assert_close(stats, torch.full((3,), 3.0))  # summed over the micro-batches, not averaged
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [(["trainer.grad_accum=0"], "trainer.grad_accum"), (["parallel.grad_sync=never"], "parallel.grad_sync")],

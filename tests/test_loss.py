@@ -85,12 +85,14 @@ def test_full_is_todays_loss():
         assert torch.equal(g, e)
 
 
-def test_chunked_in_bf16_is_todays_within_bf16_rounding():
+@pytest.mark.parametrize("chunk_tokens", [16, 4])
+def test_chunked_in_bf16_is_todays_within_bf16_rounding(chunk_tokens):
     """FSDP2's case: bf16 hidden states and weight, no autocast: bf16 gradients, the weight's within a bf16 ulp or
-    two of the one GEMM's (each chunk's share rounded once before the fp32 sum)."""
+    two of the one GEMM's (each chunk's share rounded once before the fp32 sum; at 4 tokens a chunk, a sum kept in
+    bf16 would be 3 ulps off)."""
     hidden, weight, labels = problem(torch.bfloat16)
     expected = loss_and_grads(today, hidden, weight, labels)
-    got = loss_and_grads(ChunkedLoss(16), hidden, weight, labels)
+    got = loss_and_grads(ChunkedLoss(chunk_tokens), hidden, weight, labels)
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
     assert got[1].dtype == got[2].dtype == torch.bfloat16
     assert torch.equal(got[1], expected[1])  # each token's gradient comes from its own chunk alone

@@ -544,9 +544,11 @@ def test_optimizer_offload_with_state_that_grows_and_gradients_backward_misses_m
     "make_optimizer",
     [
         functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
+        # eps of the gradients' scale: the default 1e-8 is below fp32 rounding of N(0, 1) gradients' moments
+        functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=0.3),
         functools.partial(SignSGD, lr=1e-2, weight_decay=0.1),
     ],
-    ids=["adamw", "signsgd"],
+    ids=["adamw", "adamw_eps", "signsgd"],
 )
 def test_host_step_is_the_optimizer_over_the_whole_masters(make_optimizer, transfer_dtype, threads):
     """The host step kernel, over flat masters of sizes no vector width divides and on any thread count, steps them

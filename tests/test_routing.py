@@ -193,6 +193,18 @@ def test_aux_loss_value():
     assert loss.item() == pytest.approx(2 * (0.5 * 0.25 + 0.5 * 0.25))  # E * sum f_e * P_e, 4 tokens
 
 
+def test_aux_loss_value_with_two_experts_a_token():
+    """K = 2 (where f_e counts each token's K routings over the tokens, as transformers' one-hot mean over [T, K, E]
+    does): four experts, three tokens routed 3, 2, 1, 0 times, probability sums 1.2, 0.9, 0.6, 0.3: f = (1, 2/3,
+    1/3, 0), P = (0.4, 0.3, 0.2, 0.1), loss = 4 * (0.4 + 0.2 + 0.2/3) = 8/3; its gradient by P's sums 4 * f / 3."""
+    prob_sums = torch.tensor([[1.2, 0.9, 0.6, 0.3]], requires_grad=True)
+    stats = torch.cat([torch.tensor([[3.0, 2.0, 1.0, 0.0]]), prob_sums, torch.zeros(1, 1)], dim=1)
+    loss = AuxLoss(coef=1.0, top_k=2).loss(stats)
+    assert loss.item() == pytest.approx(8 / 3)
+    loss.backward()
+    torch.testing.assert_close(prob_sums.grad, torch.tensor([[4 / 3, 8 / 9, 4 / 9, 0.0]]))
+
+
 @pytest.mark.gpu
 def test_collecting_statistics_adds_no_host_sync():
     """Routing, its statistics and ExpertLoad's bookkeeping between logging steps run without a host sync."""

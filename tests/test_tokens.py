@@ -13,7 +13,9 @@ import sys
 
 import numpy as np
 import pytest
+import tokenizers
 import torch
+import transformers
 
 from moe_lab.data.prepare import main as prepare_main
 from moe_lab.data.prepare import write_token_dir
@@ -22,9 +24,6 @@ from moe_lab.data.tokens import TokenData
 from moe_lab.models.qwen3_moe import Documents, Qwen3MoeConfig
 from moe_lab.runtime.errors import ConfigError
 from tests.sweep import ROOT
-
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 WORDS = "the cat sat on a mat while dogs ran across green fields under grey skies and birds sang of rain".split()
 
@@ -225,6 +224,30 @@ def test_eval_batches_come_from_the_held_out_split(tmp_path):
     batch = data.eval_batch(0, 1, 2)
     assert (batch.inputs >= 100_000).all()
     assert torch.equal(data.eval_batch(3, 0, 2).inputs, data.eval_batch(0, 0, 2).inputs)  # 6 samples, wrapping
+
+
+@pytest.mark.parametrize("split", [(2, 2, 1), (3, 2, 2)], ids=lambda s: "accum{}-ranks{}-batch{}".format(*s))
+@pytest.mark.parametrize("source", ["synthetic", "tokens"])
+def test_a_step_split_over_ranks_and_micro_batches_holds_the_one_big_batchs_samples(source, split, tmp_path):
+    """A step's global batch read in micro-batches of each rank's share is the one batch of the whole global size,
+    in its order: micro-batch m of rank r holds samples from (m * ranks + r) * batch_size on (what gradient
+    accumulation's equivalence to one big batch and a resume at another world size rest on)."""
+    micro_batches, ranks, batch_size = split
+    path = str(synthetic_dir(tmp_path, [50, 50, 37, 61]))
+
+    def make(batch_size):
+        if source == "synthetic":
+            return SyntheticData(seq_len=9, batch_size=batch_size, vocab_size=64)
+        return TokenData(path, seq_len=9, batch_size=batch_size)
+
+    whole, parts = make(micro_batches * ranks * batch_size), make(batch_size)
+    for step in range(2):
+        pieces = [
+            parts.batch(step, rank, ranks, micro_batch, micro_batches).inputs
+            for micro_batch in range(micro_batches)
+            for rank in range(ranks)
+        ]
+        assert torch.equal(torch.cat(pieces), whole.batch(step, 0, 1).inputs), step
 
 
 @pytest.mark.parametrize("split", [(2, 2, 1), (3, 2, 2), (4, 1, 2)], ids=lambda s: "accum{}-ranks{}-batch{}".format(*s))

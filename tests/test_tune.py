@@ -30,7 +30,7 @@ from moe_lab.results.tune import CANDIDATES, PLANS, TUNE
 from moe_lab.runtime.paths import CONF_DIR
 from moe_lab.tune import config as tune_config
 from moe_lab.tune.__main__ import run
-from moe_lab.tune.planning import CandidateQueue
+from moe_lab.tune.planning import CandidateQueue, rank
 from moe_lab.tune.report import report
 from moe_lab.tune.space import is_group
 from tests.sweep import ROOT
@@ -118,6 +118,24 @@ def test_the_ranking_is_the_planners_own(small_tune):
     assert f"Winner (planned): `{ranked.iloc[0]['point']}`" in report
     assert "python -m moe_lab.train model=qwen3_30b model.num_layers=2" in report
     assert "tune." not in report.split("```bash")[1].split("```")[0]
+
+
+def test_points_with_one_plan_all_point_to_its_first():
+    """Ties of the very same plan: every later point names the first point's rank (not the point before it), the
+    faster and the leaner rank first, and the queue takes one point of that plan."""
+
+    def row(point, s_per_step, gib, fits=True):
+        return {"point": point, "fits": fits, "planned_s_per_step": s_per_step, "planned_peak_gpu_mem_gib": gib,
+                "planned_tokens_per_s_per_gpu": 1000.0 / s_per_step}  # fmt: skip
+
+    rows = [row("a", 2.0, 50.0), row("b", 1.0, 60.0), row("c", 2.0, 50.0), row("d", 2.0, 40.0), row("e", 2.0, 50.0),
+            row("f", 1.0, 99.0, fits=False)]  # fmt: skip
+    ranked = rank(rows)
+    assert [(r["point"], r["rank"], r["same_plan_as"]) for r in ranked] == [
+        ("b", 1, None), ("d", 2, None), ("a", 3, None), ("c", 4, 3), ("e", 5, 3), ("f", None, None)
+    ]  # fmt: skip
+    queue = CandidateQueue(ranked)
+    assert [queue.take()["point"] for _ in range(3)] == ["b", "d", "a"] and queue.take() is None
 
 
 def test_the_candidates_are_the_best_measurable_of_each_plan():
