@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
@@ -216,3 +217,27 @@ def test_the_record_of_a_job_whose_rank_was_killed_names_that_rank(dead, tmp_pat
     if dead == 1:
         assert "; rank 0 then failed: " in error["message"] and error["rank0_error"]["type"]
     assert record["world_size"] == 2 and record["config"]["trainer"]["nproc_per_node"] == 2
+
+
+@pytest.mark.slow
+def test_the_ranks_end_with_a_job_killed_outright(tmp_path):
+    """The job's own process killed with SIGKILL (the OOM killer, a kill -9 of the pid the user saw), its process
+    group left alone: its ranks end too, not training on unlocked into a run directory that the same command run
+    again would share with them."""
+    from tests.test_resume import BASE, Job, mesh, paused
+
+    run_dir, pause_dir = tmp_path / "run", tmp_path / "pause"
+    job = Job([*BASE, *mesh("none", 2, 2), f"hydra.run.dir={run_dir}"], tmp_path, pause=f"2:{pause_dir}")
+    job.wait_for(lambda: paused(pause_dir, 2)() and all((pause_dir / f"paused_rank{r}").read_text() for r in range(2)))
+    ranks = [psutil.Process(int((pause_dir / f"paused_rank{r}").read_text())) for r in range(2)]
+    try:
+        job.proc.send_signal(signal.SIGKILL)
+        job.proc.wait()
+        _, running = psutil.wait_procs(ranks, timeout=10)  # (a rank not yet reaped by its parent counts as ended)
+        assert not [p for p in running if p.status() != psutil.STATUS_ZOMBIE], "ranks still running after the job"
+    finally:
+        (pause_dir / "release").touch()
+        try:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -8,8 +8,10 @@ import atexit
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -112,7 +114,7 @@ def launch_local(nproc: int, entrypoint: Callable, *args, cuda: bool):
         monitor_interval=0.01,
         start_method="spawn" if cuda else "forkserver",
     )
-    return elastic_launch(config, _as_launched)(dict(os.environ), os.getcwd(), entrypoint, *args)[0]
+    return elastic_launch(config, _as_launched)(os.getpid(), dict(os.environ), os.getcwd(), entrypoint, *args)[0]
 
 
 def _start_forkserver(preload: list[str]) -> None:
@@ -129,10 +131,12 @@ def _start_forkserver(preload: list[str]) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
+def _as_launched(job: int, environ: dict, cwd: str, entrypoint: Callable, *args):
     """A rank: ``entrypoint(*args)`` in the launcher's environment and directory (a forked rank has the server's,
     which may be older) with elastic's variables for this rank (what it set differs from the server's; a spawned
-    rank imported this module in the launcher's environment, so there it changes nothing)."""
+    rank imported this module in the launcher's environment, so there it changes nothing), ending with the job's
+    process ``job``."""
+    _end_with(job)
     rank_variables = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRON.get(k) != v}
     os.environ.clear()
     os.environ.update({**environ, **rank_variables})
@@ -143,6 +147,25 @@ def _as_launched(environ: dict, cwd: str, entrypoint: Callable, *args):
         return entrypoint(*args)
     finally:
         atexit._run_exitfuncs()  # as an interpreter's exit does (a forked rank ends with os._exit): logs flushed
+
+
+def _end_with(job: int) -> None:
+    """End this rank the moment the job's process ``job`` ends. A job killed outright (SIGKILL, the OOM killer) stops
+    nothing itself: its ranks (children of the forkserver, or of the job) would go on training into its run directory
+    unlocked (the job held the lock), racing the same command run again for its checkpoints and its record. Killed
+    too, as the job was: the job's process group is gone, so nothing could record what a rank would say."""
+    try:
+        watched = os.pidfd_open(job)
+    except AttributeError:  # not Linux: the ranks end with the job's process group only
+        return
+    except ProcessLookupError:  # it ended already
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        select.select([watched], [], [])  # readable once the process has ended
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="moe_lab-job-watch", daemon=True).start()
 
 
 class RanksFailed(RuntimeError):
