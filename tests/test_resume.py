@@ -177,6 +177,28 @@ def test_killed_run_resumes_bit_for_bit(case, reference, tmp_path):
     assert checkpoints(run_dir) == ["step_00000008", "step_00000016"]
 
 
+def test_a_run_stopped_between_its_last_checkpoint_and_its_record_is_timed_by_its_steps(reference, tmp_path):
+    """Killed after the last step's checkpoint, before result.json: run again, no step is left. Its record is ok
+    and times the steps metrics.jsonl kept (after trainer.timing_skip), saying so, with no peak memory (the
+    process that wrote it held no step): not a record without throughput that a sweep then skips as done."""
+    import shutil
+    import statistics
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference(("none", 1, 1)), run_dir)
+    (run_dir / "result.json").unlink()
+    run([*BASE, *mesh("none", 1, 1), f"hydra.run.dir={run_dir}"], tmp_path)
+    record = result(run_dir)
+    metrics = record["metrics"]
+    assert record["status"] == "ok" and metrics["resumed_from"] == str(run_dir / "checkpoints" / "step_00000016")
+    times = [row["s_per_step"] for row in metrics_rows(run_dir)]
+    assert len(times) == 16 and metrics["timed_steps"] == 16 - record["config"]["trainer"]["timing_skip"]
+    assert metrics["s_per_step"] == statistics.median(times[-metrics["timed_steps"] :])
+    assert metrics["timed_by_earlier_attempts"] is True
+    assert metrics["peak_host_rss_gib"] is None and metrics["peak_gpu_mem_gib"] is None
+    assert metrics["losses"] == result(reference(("none", 1, 1)))["metrics"]["losses"]
+
+
 @pytest.mark.parametrize(
     "saved, resumed",
     [(("none", 1, 1), ("none", 2, 2)), (("full", 2, 2), ("full", 1, 1))],  # world size and EP degree, each way

@@ -167,8 +167,13 @@ def train(
     # Timed over this process's steps (a resumed run warms up again); losses, held-out losses and the expert load
     # cover the whole run.
     # No more steps than trainer.timing_skip (a short run, a resumed one): all of them, warm-up included, and said so.
+    # No step at all (resumed from the last step's checkpoint: the attempt before was stopped between it and its
+    # record): the earlier attempts' steps as metrics.jsonl kept them, and no peak memory (this process held no step).
+    ran = bool(step_times)
+    if not ran and metrics_log:
+        step_times = metrics_log.kept_step_times
     timed = step_times[t.timing_skip :] or step_times
-    s_per_step = statistics.median(timed) if timed else None  # None: resumed from the last step's checkpoint
+    s_per_step = statistics.median(timed) if timed else None
     tokens_per_s = tokens_per_step / s_per_step if s_per_step else None
     return {
         "steps": t.steps,
@@ -182,10 +187,11 @@ def train(
         "tokens_per_step_per_gpu": tokens_per_step,
         "timed_steps": len(timed),
         "timed_warmup": bool(step_times) and len(timed) == len(step_times) and t.timing_skip > 0,
+        "timed_by_earlier_attempts": not ran,
         "mfu": tokens_per_s * fpt["shared"] / peak if peak and tokens_per_s else None,
         "mfu_executed": tokens_per_s * fpt["executed"] / peak if peak and tokens_per_s else None,
         "flops_per_token": fpt["shared"],
-        **peak_memory(device),
+        **(peak_memory(device) if ran else {"peak_gpu_mem_gib": None, "peak_host_rss_gib": None}),
         **expert_load.summary(),
         **_resume_metrics(checkpointer),
     }
@@ -353,15 +359,19 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 
 def summary_line(m: dict) -> str:
-    if m["s_per_step"] is None:  # no step left after the checkpoint it resumed from
-        return f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | no step run (resumed from {m['resumed_from']})"
+    losses = f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f}"
+    if m["timed_by_earlier_attempts"]:  # no step left after the checkpoint it resumed from
+        losses += f" | no step run (resumed from {m['resumed_from']})"
+        if m["s_per_step"] is None:
+            return losses
+        losses += "; timed by the attempts before it (metrics.jsonl), no peak memory"
     mfu = "n/a (CPU)" if m["mfu"] is None else f"{100 * m['mfu']:.1f}% (executed {100 * m['mfu_executed']:.1f}%)"
     gpu = "n/a" if m["peak_gpu_mem_gib"] is None else f"{m['peak_gpu_mem_gib']:.2f} GiB"
+    host = "n/a" if m["peak_host_rss_gib"] is None else f"{m['peak_host_rss_gib']:.2f} GiB"
     warmup = " (warm-up steps included: no more steps ran than trainer.timing_skip)" if m.get("timed_warmup") else ""
     return (
-        f"done: loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} | {m['s_per_step']:.3f} s/step{warmup} | "
-        f"{m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU | MFU {mfu} | peak GPU mem {gpu} | "
-        f"peak host RSS {m['peak_host_rss_gib']:.2f} GiB"
+        f"{losses} | {m['s_per_step']:.3f} s/step{warmup} | {m['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU | "
+        f"MFU {mfu} | peak GPU mem {gpu} | peak host RSS {host}"
     )
 
 

@@ -158,16 +158,19 @@ def read_result(run_dir: str | Path) -> dict | None:
 class MetricsLog:
     """One JSON line per step; a crash loses at most the line being written. A run starts the file afresh; one that
     resumes at step ``first_step`` keeps the rows of the steps before it and goes on (rows an interrupted attempt
-    wrote after its last checkpoint are dropped, as is a line cut short)."""
+    wrote after its last checkpoint are dropped, as is a line cut short). ``kept_step_times``: the kept rows' step
+    times, in step order."""
 
     def __init__(self, run_dir: str | Path, first_step: int = 0):
         path = Path(run_dir) / METRICS
-        kept = []
+        kept, self.kept_step_times = [], []
         if first_step > 0 and path.exists():
             for line in path.read_text().splitlines():
                 try:
-                    if json.loads(line)["step"] < first_step:
+                    row = json.loads(line)
+                    if row["step"] < first_step:
                         kept.append(line + "\n")
+                        self.kept_step_times.append(row["s_per_step"])
                 except (ValueError, KeyError, TypeError):
                     continue
         write_text_atomic(path, "".join(kept))
