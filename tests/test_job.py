@@ -259,6 +259,20 @@ def test_an_unreadable_record_is_a_row_naming_its_file(tmp_path):
         load(tmp_path / "elsewhere")
 
 
+def test_a_run_that_trained_without_a_record_is_named_in_a_warning(tmp_path):
+    """A point killed outright (or still running) has metrics.jsonl but no result.json: no row, but not silently."""
+    from moe_lab.results import load
+
+    for point in ("0", "1", "2"):
+        (tmp_path / point).mkdir()
+        (tmp_path / point / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "0" / "result.json").write_text(json.dumps({"status": "ok", "overrides": [], "choices": {}}))
+    with pytest.warns(UserWarning, match=r"2 run directories under .* trained but hold no result.json") as warned:
+        df = load(tmp_path)
+    assert df["status"].tolist() == ["ok"]
+    assert f"{tmp_path / '1'}, {tmp_path / '2'}" in str(warned[0].message)
+
+
 @pytest.mark.slow
 def test_a_damaged_checkpoint_is_a_record_and_the_sweep_goes_on(tmp_path):
     """Resuming a sweep whose first point left a damaged newest checkpoint (its data file cut short) and no record

@@ -25,16 +25,21 @@ import pandas as pd
 from moe_lab.results.record import METRICS, RESULT
 
 
-def result_files(sweep_dir_or_glob: str | Path) -> list[Path]:
-    """Every result.json under a directory (any depth), or every one a glob pattern names (a pattern may name
-    run directories or result files)."""
+def result_files(sweep_dir_or_glob: str | Path, name: str = RESULT) -> list[Path]:
+    """Every result.json (or file ``name``) under a directory (any depth), or every one a glob pattern names (a
+    pattern may name run directories or result files)."""
     pattern = str(sweep_dir_or_glob)
     if Path(pattern).is_dir():
-        return sorted(Path(pattern).rglob(RESULT), key=_natural)
+        return sorted(Path(pattern).rglob(name), key=_natural)
     files = set()
     for match in map(Path, glob.glob(pattern, recursive=True)):
-        files.update(match.rglob(RESULT) if match.is_dir() else [match] if match.name == RESULT else [])
+        files.update(match.rglob(name) if match.is_dir() else [match] if match.name == name else [])
     return sorted(files, key=_natural)
+
+
+def unrecorded_runs(sweep_dir_or_glob: str | Path) -> list[Path]:
+    """Run directories that trained (a metrics.jsonl) but hold no result.json: a job killed outright, or running."""
+    return [m.parent for m in result_files(sweep_dir_or_glob, METRICS) if not (m.parent / RESULT).exists()]
 
 
 def _natural(path: Path) -> list:
@@ -126,13 +131,23 @@ def _row(path: Path) -> dict:
 
 def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
     """One row per result.json found. A record that cannot be read is a row of status ``unreadable`` naming its
-    file (with a warning), so one damaged file does not hide a sweep; a directory (or a pattern) with no records
+    file (with a warning), so one damaged file does not hide a sweep; a run directory that trained but holds no
+    record (killed outright, or still running) is named in a warning; a directory (or a pattern) with no records
     warns (a sweep not started yet), a path that is neither raises ``FileNotFoundError``."""
     if not any(c in str(sweep_dir_or_glob) for c in "*?[") and not Path(sweep_dir_or_glob).exists():
         raise FileNotFoundError(f"no such sweep or run directory: {sweep_dir_or_glob}")
     paths = result_files(sweep_dir_or_glob)
     if not paths:
         warnings.warn(f"no {RESULT} under {sweep_dir_or_glob}", stacklevel=2)
+    if unrecorded := unrecorded_runs(sweep_dir_or_glob):
+        named = ", ".join(map(str, unrecorded[:5])) + (
+            f" and {len(unrecorded) - 5} more" if len(unrecorded) > 5 else ""
+        )
+        warnings.warn(
+            f"{len(unrecorded)} run director{'y' if len(unrecorded) == 1 else 'ies'} under {sweep_dir_or_glob} trained "
+            f"but hold no {RESULT} (killed outright, or still running; no row): {named}",
+            stacklevel=2,
+        )
     return load_files(paths)
 
 
