@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from moe_lab.optim.offload.full import MASTER
 
 log = logging.getLogger("moe_lab")
 HF_CONFIG = "config.json"
+STAGING = ".export.partial"
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -76,9 +78,11 @@ def export(
             name = key.removeprefix("model/")
             master = f"optimizer/{name}/{MASTER}"
             sources[name] = master if masters and master in saved else key
-    for path in previous:
-        path.unlink()
-    writer = SafetensorsWriter(out, max_shard_bytes)
+    # Written aside, then moved in once whole: a killed export leaves the directory as it was (and its staging
+    # directory, which the next export clears), never a partial model that loads or reads as "already an export".
+    staging = out / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    writer = SafetensorsWriter(staging, max_shard_bytes)
     for batch in _batches(sources, saved, max_shard_bytes):
         target = {
             sources[name]: torch.empty(saved[sources[name]].size, dtype=saved[sources[name]].properties.dtype)
@@ -96,11 +100,16 @@ def export(
                 writer.add(published, matrix)
     writer.close()
     weights_dtype = dtype or saved[next(iter(sources.values()))].properties.dtype
-    (out / HF_CONFIG).write_text(json.dumps(hf_config(model, weights_dtype), indent=2))
+    (staging / HF_CONFIG).write_text(json.dumps(hf_config(model, weights_dtype), indent=2))
+    for path in previous:
+        path.unlink()
+    for path in sorted(staging.iterdir(), key=lambda path: path.name == HF_CONFIG):  # config.json last
+        path.replace(out / path.name)
+    staging.rmdir()
 
 
 def previous_export(out: Path) -> list[Path]:
-    """The files of an export already in ``out`` (shards a killed export left included), by name."""
+    """The files of an export already in ``out``, by name."""
     found = [*out.glob("*.safetensors"), out / INDEX, out / HF_CONFIG] if out.is_dir() else []
     return sorted((path for path in found if path.is_file()), key=lambda path: path.name)
 

@@ -188,6 +188,36 @@ def test_export_with_overwrite_replaces_the_previous_exports_weights(tmp_path):
     assert (out / "notes").is_dir() and (out / "config.json").is_file()
 
 
+def test_an_export_stopped_midway_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    """An export that stops after its first shard (killed, or failing) leaves no partial model where transformers or
+    a later export would take it for one: a first export leaves nothing an export reads, a replacing one the old
+    export whole. The next export clears what the stopped one staged."""
+    import moe_lab.export
+
+    checkpoint, fresh, replaced = tiny_checkpoint(tmp_path), tmp_path / "fresh", tmp_path / "replaced"
+    export_main([str(checkpoint), str(replaced), "--max-shard-size", "1MB"])
+    old = {path.name: path.read_bytes() for path in replaced.iterdir()}
+    tensors = moe_lab.export.published_tensors
+    calls = []
+
+    def stopping(*args):
+        calls.append(args)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # as a kill stops it: nothing of the export's own cleans up
+        return tensors(*args)
+
+    monkeypatch.setattr(moe_lab.export, "published_tensors", stopping)
+    for out, flags in ((fresh, []), (replaced, ["--overwrite"])):
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            export_main([str(checkpoint), str(out), "--max-shard-size", "1KB", *flags])
+    assert [path.name for path in fresh.iterdir()] == [".export.partial"]
+    assert {path.name: path.read_bytes() for path in replaced.iterdir() if path.is_file()} == old
+    monkeypatch.setattr(moe_lab.export, "published_tensors", tensors)
+    export_main([str(checkpoint), str(fresh), "--max-shard-size", "1KB"])  # not "already holds an export"
+    assert (fresh / INDEX).is_file() and not (fresh / ".export.partial").exists()
+
+
 def test_export_of_a_damaged_checkpoint_names_the_file_and_a_bias_balanced_run_is_warned(tmp_path, caplog, capsys):
     """A data file cut short is said as resuming says it (not an unpickler's EOFError); a run that chose its experts
     with a balancing bias exports a model that routes without it (transformers' Qwen3MoE has none): said."""
