@@ -532,6 +532,28 @@ def test_prepare_refuses_a_corpus_that_makes_no_dataset_naming_the_file(name, co
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
 
+def test_prepare_clears_what_a_killed_prepare_left_and_nothing_else(tmp_path):
+    """A prepare killed midway leaves its work directory beside --out (holding its lock file and the datasets
+    library's cache; nothing in the system's temporary directory): the next prepare into that --out removes it,
+    but not one a prepare running now holds, nor a directory of the same prefix that is no prepare's."""
+    import fcntl
+
+    train_test_tokenizer(corpus(10), tmp_path / "tokenizer")
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus(10)))
+    out = tmp_path / "out"
+    killed, running, other = (tmp_path / f".out.{name}" for name in ("killed1", "running1", "notes"))
+    for directory in (killed, running, other):
+        (directory / "train").mkdir(parents=True)
+    (killed / ".lock").write_text("")
+    (running / ".lock").write_text("")
+    with open(running / ".lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        prepare_main(["--dataset", str(tmp_path / "corpus.txt"), "--tokenizer", str(tmp_path / "tokenizer"),
+                      "--out", str(out), "--text-unit", "line"])  # fmt: skip
+    assert sorted(p.name for p in tmp_path.glob(".out.*")) == [".out.notes", ".out.running1"]
+    assert sorted(p.name for p in out.iterdir()) == ["eval", "meta.json", "train"]  # no lock, no cache
+
+
 @pytest.mark.parametrize(
     "tokenizer, problem",
     [

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import fcntl
+import glob
 import json
 import os
 import shutil
@@ -34,6 +36,7 @@ from moe_lab.data.tokens import FORMAT, INDEX, META, SPLITS, shard_name
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 TRAINED_EOS = "<|endoftext|>"
+WORK_LOCK, CACHE = ".lock", ".cache"  # in the work directory, removed before it becomes out
 
 
 class SplitWriter:
@@ -162,6 +165,18 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, directory: Path):
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=TRAINED_EOS).save_pretrained(str(directory))
 
 
+def _clear_killed_work(out: Path) -> None:
+    """Remove the work directories that prepares into ``out`` killed midway left beside it: those holding a prepare's
+    lock file that no process holds (a prepare running now holds its own; what holds no lock file is no prepare's)."""
+    for work in out.parent.glob(f".{glob.escape(out.name)}.*"):
+        try:
+            with open(work / WORK_LOCK) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(work)
+        except OSError:  # held by a prepare running now (BlockingIOError), or no prepare's work directory
+            continue
+
+
 def prepare(
     sources: list[str],
     out: Path,
@@ -193,14 +208,19 @@ def prepare(
         raise SystemExit(f"--out {out} is a file; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"--out {out} exists and is not empty; choose a new directory")
-    with tempfile.TemporaryDirectory() as cache:  # the datasets library's arrow copies of the files
-        texts = load_texts(sources, text_field, text_unit, cache)  # refuses a corpus it cannot read, writing nothing
-        out.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        work.chmod(0o777 & ~umask)  # as a plain mkdir would make it (mkdtemp's is owner-only)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clear_killed_work(out)
+    # Everything is written in a work directory beside out, renamed to out once whole; a kill leaves only it, which
+    # the next prepare into out clears (its lock is then no process's).
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)  # as a plain mkdir would make it (mkdtemp's is owner-only)
+    with open(work / WORK_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            # the datasets library's arrow copies of the files; refuses a corpus it cannot read, leaving nothing
+            texts = load_texts(sources, text_field, text_unit, str(work / CACHE))
             count = len(texts)
             held_out = np.zeros(count, dtype=bool)
             if eval_fraction > 0 and count > 1:
@@ -248,6 +268,8 @@ def prepare(
                 raise SystemExit(
                     f"--dataset {' '.join(sources)}: none of its {count} texts held for training has a token"
                 )
+            shutil.rmtree(work / CACHE, ignore_errors=True)  # (a saved dataset is read in place: none)
+            (work / WORK_LOCK).unlink()
             if out.exists():
                 out.rmdir()
             os.replace(work, out)
