@@ -158,6 +158,19 @@ def tiny_checkpoint(directory: Path) -> Path:
     return checkpoint
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_the_exported_config_names_the_dtype_of_the_exported_weights(dtype, tmp_path):
+    """config.json's ``torch_dtype`` is what the safetensors hold: the checkpoint's (fp32 here), or ``--dtype``'s."""
+    from safetensors import safe_open
+
+    checkpoint, out = tiny_checkpoint(tmp_path), tmp_path / "hf"
+    export_main([str(checkpoint), str(out), *(["--dtype", dtype] if dtype else [])])
+    with safe_open(str(out / SINGLE), "pt") as weights:
+        held = {str(weights.get_tensor(name).dtype) for name in weights.keys()}
+    assert held == {f"torch.{dtype or 'float32'}"}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == (dtype or "float32")
+
+
 def test_export_refuses_a_directory_holding_an_export_before_reading_the_checkpoint(tmp_path):
     """Another export's files beside the new ones would make one directory two models (transformers prefers
     model.safetensors, the trainer the index): refused naming the directory and its files, which stay as they were."""

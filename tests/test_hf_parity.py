@@ -233,19 +233,36 @@ def test_init_checkpoint_config_json_is_checked_against_the_model(tmp_path, monk
     assert e.value.key == "model.rope_theta"
 
 
-def test_an_exported_config_reads_back_as_the_model(tmp_path):
+@pytest.mark.parametrize("norm_topk_prob", ["true", "false"])
+def test_an_exported_config_reads_back_as_the_model(norm_topk_prob, tmp_path):
     """``moe_lab.export``'s config.json, read by model=hf's reader and by transformers, is the model exported: every
-    model key (the aux loss coefficient and init std included) comes back."""
+    model key (the aux loss coefficient, init std and top-k renormalisation included) comes back."""
     from omegaconf import OmegaConf
 
     from moe_lab.export import hf_config
     from moe_lab.models.hf_config import read_hf_config
 
-    model = OmegaConf.to_container(compose_model("model.router_aux_loss_coef=0.01", "model.init_std=0.01").model)
+    overrides = ("model.router_aux_loss_coef=0.01", "model.init_std=0.01", f"model.norm_topk_prob={norm_topk_prob}")
+    model = OmegaConf.to_container(compose_model(*overrides).model)
     path = write_config(tmp_path / "export", hf_config(model, torch.bfloat16))
     read = read_hf_config(path, "model.path")
     assert {k: read[k] for k in read if k != "name"} == {k: model[k] for k in read if k != "name"}
     assert transformers.AutoConfig.from_pretrained(path).router_aux_loss_coef == 0.01
+    assert transformers.AutoConfig.from_pretrained(path).norm_topk_prob is (norm_topk_prob == "true")
+
+
+def test_a_config_json_without_head_dim_reads_transformers_default(tmp_path):
+    """Without ``head_dim``, transformers takes hidden_size / num_attention_heads (not the KV heads'): so does
+    model=hf (64 / 4 = 16 here, where the 2 KV heads would give 32)."""
+    from moe_lab.models.hf_config import read_hf_config
+
+    values = {k: v for k, v in TRANSFORMERS_5.items() if k != "head_dim"}
+    values |= {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1}
+    path = write_config(tmp_path / "ckpt", values)
+    with torch.device("meta"):  # transformers' own attention, as it builds it from the file
+        attention = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    q_proj = attention.model.layers[0].self_attn.q_proj
+    assert read_hf_config(path, "model.path")["head_dim"] == q_proj.out_features // 4 == 16
 
 
 @pytest.mark.parametrize(

@@ -34,12 +34,15 @@ def test_routing_stats_count_every_routing():
 
 
 def test_describe_reads_balance_off_the_counts():
-    counts = torch.tensor([[4.0, 4, 4, 4], [10, 2, 2, 2]])  # two layers, 4 experts, K=2: 8 tokens per layer
+    counts = torch.tensor([[4.0, 4, 4, 4], [1, 2, 3, 10]])  # two layers, 4 experts, K=2: 8 tokens per layer
     stats = torch.cat([counts, torch.zeros(2, 4), torch.tensor([[8 * math.log(4)], [0.0]])], dim=1)
     row = describe(stats, top_k=2, ep=2)
-    assert row["tokens"] == [[4, 4, 4, 4], [10, 2, 2, 2]]
+    assert row["tokens"] == [[4, 4, 4, 4], [1, 2, 3, 10]]
     assert row["max_over_mean"] == [1.0, 2.5]
-    assert row["busiest_ep_rank_share"] == [0.5, 0.75]  # experts 0-1 on EP rank 0
+    assert row["busiest_ep_rank_share"] == [
+        0.5,
+        13 / 16,
+    ]  # experts 2-3 on EP rank 1 (contiguous blocks, as EP holds them)
     assert row["entropy"] == pytest.approx([math.log(4), 0.0])
 
 
