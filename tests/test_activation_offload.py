@@ -62,6 +62,24 @@ def test_offload_leaves_small_tensors_and_the_last_block():
     assert ac.offload.moved == {"tensors": 0, "bytes": 0}  # every tensor of the tiny model is under 1 MiB
 
 
+def test_offload_leaves_the_last_block_and_weight_shaped_tensors(monkeypatch):
+    """With every tensor large enough to move: the last block's saved tensors stay on the device (its backward runs
+    first, nothing to overlap the copy back with), and so do tensors of a parameter's shape (under bf16 autocast the
+    weights' casts, which the experts and linears save), while the other blocks' activations move."""
+    monkeypatch.setattr(activation_offload, "MIN_BYTES", 0)
+    ac = NoCheckpoint(offload_activations=True)
+    model = build(ac)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(TOKENS)  # forward only: what went to the host is still held by each block
+    blocks = ac.offload.blocks
+    assert blocks[-1].saved == []
+    for layer, block in zip(model.model.layers[:-1], blocks[:-1]):
+        weight_shapes = {tuple(p.shape) for p in layer.parameters()}
+        moved = [tuple(s.host.shape) for s in block.saved]
+        assert moved and not set(moved) & weight_shapes, moved
+    assert ac.offload.moved["tensors"] == sum(len(b.saved) for b in blocks)
+
+
 @pytest.mark.parametrize("keep", [[], ["attention"], ["matmul", "router"], list(KEEP_SETS)])
 def test_keep_sets_choose_what_selective_recomputes(keep):
     """Each set left out of ``ac.keep`` is recomputed in backward; the gradients stay those of ac=none, bit for bit."""

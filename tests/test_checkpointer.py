@@ -13,7 +13,7 @@ import torch
 
 from moe_lab import config
 from moe_lab.checkpoint import directory as ckpt_dir
-from moe_lab.checkpoint.checkpointer import CheckpointDamaged, CheckpointMismatch, find_damage
+from moe_lab.checkpoint.checkpointer import CheckpointDamaged, CheckpointMismatch, Progress, find_damage
 from moe_lab.config import ConfigError
 from moe_lab.job import lifecycle as job
 from moe_lab.job.trainer import build_checkpointer, build_model, train
@@ -172,6 +172,73 @@ def test_masters_a_run_of_another_offload_mode_carried_on_are_not_read(tmp_path)
     for resumed in (["offload=none"], ["offload=full", *chunks]):
         got = fp32_weights(resumed, tmp_path / resumed[0], checkpoint)
         assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in got), resumed
+
+
+def test_a_marker_naming_no_offload_mode_is_read_through_its_masters(tmp_path):
+    """A marker whose config names no offload option (written before the option existed) is taken at its word: the
+    checkpoint's fp32 masters are the weights, under every mode, not its model tensors (bf16 under offload=full)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    chunks = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
+    train_in_process(
+        ["trainer.precision=bf16", "trainer.checkpoint.every=2", "trainer.steps=2", "offload=full", *chunks],
+        tmp_path / "a",
+    )
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
+    marker_file = checkpoint / ckpt_dir.MARKER
+    marker = json.loads(marker_file.read_text())
+    del marker["config"]["offload"]
+    marker_file.write_text(json.dumps(marker))
+    dcp_to_torch_save(checkpoint, tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    masters = {key.split("/")[1]: value for key, value in saved.items() if key.endswith("/master")}
+    assert masters and any(not torch.equal(w, w.bfloat16().float()) for w in masters.values())  # fp32, not bf16
+    for resumed in (["offload=none"], ["offload=full", *chunks]):
+        got = fp32_weights(resumed, tmp_path / resumed[0], checkpoint)
+        assert got.keys() == masters.keys() and all(torch.equal(got[n], masters[n]) for n in got), resumed
+
+
+def checkpointer_of(run_dir, overrides: list[str] = ()):
+    """A checkpointer of a fresh tiny model and its optimizer (fp32, nothing trained), writing under ``run_dir``."""
+    cfg = compose_train([*SMALL, "trainer.checkpoint.every=2", *overrides])
+    options = config.validate(cfg)
+    model = build_model(cfg, options, torch.device("cpu"), torch.float32)
+    optimizer = options.offload.build(model, options.make_optimizer, torch.float32)
+    return build_checkpointer(cfg, options, run_dir, model, optimizer, torch.device("cpu")), model
+
+
+def test_saving_a_step_already_on_disk_leaves_it_as_it_is(tmp_path):
+    """A run resumed from step 2 saves step 2 again at once: the complete checkpoint there is kept, file for file,
+    nothing is written (no partial directory) and the save returns where it is."""
+    checkpointer, model = checkpointer_of(tmp_path)
+    first = checkpointer.save(Progress(2, [1.0, 0.5]))
+    files = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in first.iterdir()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # what a second write would hold
+    assert checkpointer.save(Progress(2, [1.0, 0.5])) == first
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in first.iterdir()} == files
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
+
+
+def test_the_disk_space_check_counts_every_ranks_bytes(tmp_path, monkeypatch):
+    """Every rank writes into the one directory: the space a checkpoint needs is the sum of every rank's tensor
+    bytes (here another rank's petabyte, which no disk holds) plus the headroom, not this rank's alone."""
+    from moe_lab.checkpoint import checkpointer as module
+
+    ours = []
+
+    def gathered(value):
+        ours.append(value)
+        return [value, 10**15]
+
+    monkeypatch.setattr(module, "_gathered", gathered)
+    checkpointer, _ = checkpointer_of(tmp_path)
+    with pytest.raises(module.NotEnoughDiskSpace) as failed:
+        checkpointer.save(Progress(2, [1.0, 0.5]))
+    assert ours and ours[0] > 0
+    assert f"it needs {ours[0] + 10**15 + module.DISK_HEADROOM:,} bytes" in str(failed.value)
+    assert ckpt_dir.complete(tmp_path / "checkpoints") == []
 
 
 # Aux-loss-free balancing at a rate that moves the choice of experts within a step or two: a resumed run whose

@@ -187,6 +187,21 @@ def test_collectives_mirror_this_rank():
     emulated(1, 4, check)
 
 
+def test_a_scaled_sum_scales_the_world_sum():
+    """NCCL's PREMUL_SUM (FSDP2's gradient divide) is ``factor`` times the sum of ``world`` equal contributions, so
+    a mean over 4 mirrored peers leaves the tensor as it is (rank 1 of 4)."""
+
+    def check():
+        x = torch.arange(4.0)
+        dist.all_reduce(y := x.clone(), op=dist._make_nccl_premul_sum(0.25))
+        assert y.tolist() == x.tolist()  # 0.25 * 4 * x
+        out = torch.empty(1)
+        dist.reduce_scatter_tensor(out, x, op=dist._make_nccl_premul_sum(0.5))
+        assert out.tolist() == [0.5 * 4 * 1.0]  # chunk 1, from 4 peers, scaled
+
+    emulated(1, 4, check)
+
+
 def loopback_fused_check(ep: int) -> dict:
     """Rank 0 of an emulated EP group: the gpu backend (Triton kernels, interpreted on CPU) over the group's loopback
     symmetric memory, and the reference backend over its collectives, under balanced and skewed routing."""

@@ -219,6 +219,54 @@ def test_quantizer_kernels_interpreted_match_reference():
     assert interpreted("tests.test_fp8:quantizer_kernels_check") == "ok"
 
 
+def swiglu_fp8_tiles_check() -> str:
+    """The FP8 SwiGLU kernels at two 128-wide tiles (intermediate size 256), 16 rows (two programs), against plain
+    torch and ``quant.quantize_rows``: forward, silu(gate) * up * routing weight quantized with tile j's scale in
+    column j; backward, the gate gradient's tile j scale in column j and the up gradient's in column 2 + j. The
+    second up tile is 50 times the first, so a scale in another tile's column is off by far more than rounding."""
+    import torch.nn.functional as F
+
+    from moe_lab.moe.fp8 import grouped, kernels
+
+    rows, tiles = 16, 2
+    inter = tiles * 128
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen).to(torch.bfloat16)
+    gate_up[:, inter + 128 :] *= 50
+    row_weight = torch.rand(rows, generator=gen)
+    d_act_weighted = torch.randn(rows, inter, generator=gen).to(torch.bfloat16)
+    row_src, offs = torch.arange(rows), torch.tensor([rows], dtype=torch.int32)  # one expert, every row live
+    act_q, act_scale = torch.empty(rows, inter, dtype=quant.FP8), torch.full((rows, tiles), float("nan"))
+    grid = grouped.row_grid(rows)
+    kernels.swiglu_forward_fp8_kernel[grid](
+        act_q, act_scale, gate_up, row_weight, row_src, offs, 1, tiles, grouped.ROWS
+    )
+    d_q, d_scale = torch.empty(rows, 2 * inter, dtype=quant.FP8), torch.full((rows, 2 * tiles), float("nan"))
+    d_gate_up, act_weighted = torch.empty(rows, 2 * inter, dtype=torch.bfloat16), torch.empty_like(d_act_weighted)
+    kernels.swiglu_backward_fp8_kernel[grid](
+        d_gate_up, d_q, d_scale, act_weighted, torch.empty(rows), gate_up, d_act_weighted, row_weight, row_src, offs,
+        1, tiles, grouped.ROWS,
+    )  # fmt: skip
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    d_act = d_act_weighted.float() * row_weight[:, None]
+    d_gate, d_up = d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig
+    for name, q, scale, x in (
+        ("forward", act_q, act_scale, F.silu(gate) * up * row_weight[:, None]),
+        ("backward", d_q, d_scale, torch.cat([d_gate, d_up], dim=1)),
+    ):
+        rq, rs = quant.quantize_rows(x)
+        assert torch.allclose(scale, rs, rtol=1e-5, atol=0), name
+        back, expected = quant.dequantize_rows(q, scale), quant.dequantize_rows(rq, rs)
+        ulp = expected.abs() * 2**-3 + rs.repeat_interleave(128, 1) * 2**-9  # one e4m3 step: sigmoid's rounding
+        assert ((back - expected).abs() <= ulp).all(), name
+    return "ok"
+
+
+def test_fp8_swiglu_kernels_interpreted_place_each_tiles_scale():
+    assert interpreted("tests.test_fp8:swiglu_fp8_tiles_check") == "ok"
+
+
 def emulated_k_grouped_gemm_nt(a, b, out, ks, sizes, c):
     """DeepGEMM's ``k_grouped_fp8_gemm_nt_contiguous`` contract as the kernel probe calls it, in torch: a and b each
     (flat e4m3, each group's [mn, k_g] back to back; scales [mn, sum k / 128]), out[g] = c[g] + dq(a_g) @ dq(b_g).T

@@ -47,6 +47,38 @@ def test_gpu_backend_interpreted_matches_reference():
     assert max(interpreted("tests.test_fused_kernels:compare_backends")) < 1e-5
 
 
+def routing_weight_gradient_check() -> tuple[str, float]:
+    """The gpu backend's backward called as the op calls it, with bf16 activations and weights and fp32 routing
+    weights: the routing weights' gradient (each slot's expert output, unweighted, dotted with dy) -> (its dtype,
+    its largest error relative to plain torch in fp32)."""
+    import torch.nn.functional as F
+
+    from tests.fused_cases import backend_pass
+
+    experts, top_k, tokens = 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, H, generator=gen).bfloat16()
+    gate_up_proj = (torch.randn(experts, 2 * I, H, generator=gen) * 0.3).bfloat16()
+    down_proj = (torch.randn(experts, H, I, generator=gen) * 0.3).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights, dy = torch.rand(tokens, top_k, generator=gen), torch.randn(tokens, H, generator=gen).bfloat16()
+    d_weights = backend_pass("gpu", x, ids, weights, gate_up_proj, down_proj, dy, experts, None)[2][1]
+    expected = torch.empty(tokens, top_k)
+    for t, k in itertools.product(range(tokens), range(top_k)):
+        e = ids[t, k]
+        gate, up = (gate_up_proj[e].float() @ x[t].float()).chunk(2)
+        expected[t, k] = dy[t].float() @ (down_proj[e].float() @ (F.silu(gate) * up))
+    return str(d_weights.dtype), ((d_weights.float() - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.slow
+def test_routing_weight_gradient_is_fp32_interpreted():
+    """The routing weights' gradient is combined in fp32, the dtype the op's fake (and the router's fp32 weights)
+    declare, not in dy's bf16; its values are those of plain torch up to the bf16 rounding of the activations."""
+    dtype, error = interpreted("tests.test_fused_kernels:routing_weight_gradient_check", timeout=120)
+    assert dtype == "torch.float32" and error < 2e-2, (dtype, error)
+
+
 def zero_idle_experts_check() -> bool:
     import triton
 
