@@ -149,10 +149,12 @@ def test_a_checkpoint_resumes_its_fp32_weights_under_another_offload_mode(saved,
     assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
 
 
-def test_masters_a_run_of_another_offload_mode_carried_on_are_not_read(tmp_path):
-    """Before 2026-12-07 a run of another offload mode resumed from offload=full's checkpoint carried its masters on,
-    stale, into its own checkpoints: a checkpoint whose marker names another offload mode is read through its model
-    tensors, whatever masters it holds, under every mode."""
+@pytest.mark.parametrize("marker_offload", ["another", "none named"])
+def test_a_full_offload_checkpoint_is_read_as_its_marker_says(marker_offload, tmp_path):
+    """offload=full's checkpoint (bf16 model tensors beside fp32 masters) read under every mode, as its marker says:
+    one naming another offload mode is read through its model tensors, whatever masters it holds (before 2026-12-07 a
+    run of another mode resumed from offload=full's checkpoint carried its masters on, stale, into its own); one
+    naming no offload mode (written before the option existed) through its fp32 masters."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     chunks = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
@@ -163,39 +165,20 @@ def test_masters_a_run_of_another_offload_mode_carried_on_are_not_read(tmp_path)
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
     marker_file = checkpoint / ckpt_dir.MARKER
     marker = json.loads(marker_file.read_text())
-    marker["config"]["offload"] = {"_target_": "moe_lab.optim.offload.NoOffload"}  # as the old resumed run wrote it
+    if marker_offload == "another":
+        marker["config"]["offload"] = {"_target_": "moe_lab.optim.offload.NoOffload"}  # as the old resumed run wrote it
+    else:
+        del marker["config"]["offload"]
     marker_file.write_text(json.dumps(marker))
     dcp_to_torch_save(checkpoint, tmp_path / "whole.pt")
     saved = torch.load(tmp_path / "whole.pt", weights_only=False)
     weights = {key.removeprefix("model/"): value.float() for key, value in saved.items() if key.startswith("model/")}
-    assert any(not torch.equal(w, saved[f"optimizer/{n}/master"]) for n, w in weights.items())  # bf16 vs fp32
+    masters = {name: saved[f"optimizer/{name}/master"] for name in weights}
+    assert any(not torch.equal(w, masters[n]) for n, w in weights.items())  # bf16 vs fp32
+    expected = weights if marker_offload == "another" else masters
     for resumed in (["offload=none"], ["offload=full", *chunks]):
         got = fp32_weights(resumed, tmp_path / resumed[0], checkpoint)
-        assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in got), resumed
-
-
-def test_a_marker_naming_no_offload_mode_is_read_through_its_masters(tmp_path):
-    """A marker whose config names no offload option (written before the option existed) is taken at its word: the
-    checkpoint's fp32 masters are the weights, under every mode, not its model tensors (bf16 under offload=full)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    chunks = ["offload.chunk_mib=0.05", "offload.max_inflight=2"]
-    train_in_process(
-        ["trainer.precision=bf16", "trainer.checkpoint.every=2", "trainer.steps=2", "offload=full", *chunks],
-        tmp_path / "a",
-    )
-    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
-    marker_file = checkpoint / ckpt_dir.MARKER
-    marker = json.loads(marker_file.read_text())
-    del marker["config"]["offload"]
-    marker_file.write_text(json.dumps(marker))
-    dcp_to_torch_save(checkpoint, tmp_path / "whole.pt")
-    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
-    masters = {key.split("/")[1]: value for key, value in saved.items() if key.endswith("/master")}
-    assert masters and any(not torch.equal(w, w.bfloat16().float()) for w in masters.values())  # fp32, not bf16
-    for resumed in (["offload=none"], ["offload=full", *chunks]):
-        got = fp32_weights(resumed, tmp_path / resumed[0], checkpoint)
-        assert got.keys() == masters.keys() and all(torch.equal(got[n], masters[n]) for n in got), resumed
+        assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got), resumed
 
 
 def checkpointer_of(run_dir, overrides: list[str] = ()):

@@ -226,12 +226,14 @@ def test_eval_batches_come_from_the_held_out_split(tmp_path):
     assert torch.equal(data.eval_batch(3, 0, 2).inputs, data.eval_batch(0, 0, 2).inputs)  # 6 samples, wrapping
 
 
-@pytest.mark.parametrize("split", [(2, 2, 1), (3, 2, 2)], ids=lambda s: "accum{}-ranks{}-batch{}".format(*s))
+@pytest.mark.parametrize("split", [(2, 2, 1), (3, 2, 2), (4, 1, 2)], ids=lambda s: "accum{}-ranks{}-batch{}".format(*s))
 @pytest.mark.parametrize("source", ["synthetic", "tokens"])
-def test_a_step_split_over_ranks_and_micro_batches_holds_the_one_big_batchs_samples(source, split, tmp_path):
-    """A step's global batch read in micro-batches of each rank's share is the one batch of the whole global size,
-    in its order: micro-batch m of rank r holds samples from (m * ranks + r) * batch_size on (what gradient
-    accumulation's equivalence to one big batch and a resume at another world size rest on)."""
+@pytest.mark.parametrize("read", ["batch", "eval_batch"])
+def test_a_batch_split_over_ranks_and_micro_batches_holds_the_one_big_batchs_samples(read, source, split, tmp_path):
+    """A step's batch, or held-out batch i read as a step reads its batch, in micro-batches of each rank's share is
+    the one batch of the whole global size, in its order (micro-batch m of rank r holds samples from
+    (m * ranks + r) * batch_size on): none repeated, none left out. Gradient accumulation's equivalence to one big
+    batch and a resume at another world size rest on it."""
     micro_batches, ranks, batch_size = split
     path = str(synthetic_dir(tmp_path, [50, 50, 37, 61]))
 
@@ -241,36 +243,13 @@ def test_a_step_split_over_ranks_and_micro_batches_holds_the_one_big_batchs_samp
         return TokenData(path, seq_len=9, batch_size=batch_size)
 
     whole, parts = make(micro_batches * ranks * batch_size), make(batch_size)
-    for step in range(2):
-        pieces = [
-            parts.batch(step, rank, ranks, micro_batch, micro_batches).inputs
-            for micro_batch in range(micro_batches)
-            for rank in range(ranks)
-        ]
-        assert torch.equal(torch.cat(pieces), whole.batch(step, 0, 1).inputs), step
-
-
-@pytest.mark.parametrize("split", [(2, 2, 1), (3, 2, 2), (4, 1, 2)], ids=lambda s: "accum{}-ranks{}-batch{}".format(*s))
-@pytest.mark.parametrize("source", ["synthetic", "tokens"])
-def test_a_held_out_batch_split_over_ranks_and_micro_batches_holds_the_one_big_batchs_samples(source, split, tmp_path):
-    """Held-out batch i read as a step reads its batch (each rank's share in micro-batches) is the same samples, in
-    the same order, as the one batch of the whole global size: none repeated, none left out."""
-    micro_batches, ranks, batch_size = split
-    path = str(synthetic_dir(tmp_path, [50, 50]))
-
-    def make(batch_size):
-        if source == "synthetic":
-            return SyntheticData(seq_len=9, batch_size=batch_size, vocab_size=64)
-        return TokenData(path, seq_len=9, batch_size=batch_size)
-
-    whole, parts = make(micro_batches * ranks * batch_size), make(batch_size)
     for index in range(2):
         pieces = [
-            parts.eval_batch(index, rank, ranks, micro_batch, micro_batches).inputs
+            getattr(parts, read)(index, rank, ranks, micro_batch, micro_batches).inputs
             for micro_batch in range(micro_batches)
             for rank in range(ranks)
         ]
-        assert torch.equal(torch.cat(pieces), whole.eval_batch(index, 0, 1).inputs)
+        assert torch.equal(torch.cat(pieces), getattr(whole, read)(index, 0, 1).inputs), index
 
 
 def test_documents_carry_ids_and_restarting_positions(tmp_path):
