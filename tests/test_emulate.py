@@ -202,6 +202,21 @@ def test_a_scaled_sum_scales_the_world_sum():
     emulated(1, 4, check)
 
 
+def test_the_expert_load_counts_every_ranks_tokens():
+    """The logged expert load (each logging step's and the run's) is the global batch's: every rank's counts summed,
+    here rank 0 of 2 mirrored, twice its own."""
+    from moe_lab.metrics.routing import ExpertLoad
+
+    def check():
+        counts = torch.tensor([[3.0, 1.0]])  # one layer, 2 experts, K = 1: 4 tokens on this rank
+        stats = torch.cat([counts, torch.tensor([[2.0, 2.0]]), torch.zeros(1, 1)], dim=1)
+        load = ExpertLoad(top_k=1, ep=1, every=1, steps=1)
+        row = load.add(0, stats, 0.0)
+        assert row["expert_load"]["tokens"] == load.summary()["expert_load"]["tokens"] == [[6, 2]]
+
+    emulated(0, 2, check)
+
+
 def loopback_fused_check(ep: int) -> dict:
     """Rank 0 of an emulated EP group: the gpu backend (Triton kernels, interpreted on CPU) over the group's loopback
     symmetric memory, and the reference backend over its collectives, under balanced and skewed routing."""
