@@ -496,3 +496,22 @@ def test_share_tune_point_within_tolerance(result):
         assert measured["peak_gpu_mem_gib"] <= planned["peak_gpu_mem_gib"] <= 1.1 * measured["peak_gpu_mem_gib"]
     else:
         assert planned["peak_gpu_mem_gib"] == pytest.approx(measured["peak_gpu_mem_gib"], rel=0.03)
+
+
+def test_fsdp_reduces_once_a_step_at_grad_sync_step_and_per_micro_batch_otherwise():
+    """At 4 micro-batches per step, ``parallel.grad_sync=step`` plans one reduce-scatter of the gradients a step
+    (the others accumulate unsharded) and ``micro_batch`` four; the gathers (forward and backward's, every
+    micro-batch) are the same either way."""
+    from moe_lab.plan.step_time import fsdp_bytes
+
+    def planned(grad_sync):
+        cfg = compose(["model=qwen3_30b", "model.num_layers=4", "hardware.gpus_per_node=8", "parallel.ep=2",
+                       "trainer.grad_accum=4", f"parallel.grad_sync={grad_sync}"])  # fmt: skip
+        hw = build_hardware(cfg.hardware)
+        return fsdp_bytes(step_of(*validated(cfg, hw), hw))
+
+    once, every = planned("step"), planned("micro_batch")
+    for kind in ("dense", "expert"):
+        assert once[f"{kind} reduce_scatter"][0] > 0
+        assert every[f"{kind} reduce_scatter"][0] == pytest.approx(4 * once[f"{kind} reduce_scatter"][0])
+        assert every[f"{kind} all_gather"] == once[f"{kind} all_gather"]
