@@ -224,6 +224,35 @@ def test_the_disk_space_check_counts_every_ranks_bytes(tmp_path, monkeypatch):
     assert ckpt_dir.complete(tmp_path / "checkpoints") == []
 
 
+def _dtensor_bytes_world2() -> list[int]:
+    """``state_bytes`` on this rank of DTensors placed as the checkpoint's are: replicated over a 1-D mesh, sharded
+    over it, and HSDP's (Replicate, Shard(0)) over a (2 replicas, 1 shard) and a (1 replica, 2 shards) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from moe_lab.checkpoint.checkpointer import state_bytes
+
+    flat = init_device_mesh("cpu", (2,))
+    replicas, shards = (init_device_mesh("cpu", shape, mesh_dim_names=("r", "s")) for shape in ((2, 1), (1, 2)))
+    hsdp = [Replicate(), Shard(0)]
+    states = [
+        {"w": distribute_tensor(torch.ones(6, 4), flat, [Replicate()])},
+        {"w": distribute_tensor(torch.ones(8, 4, dtype=torch.bfloat16), flat, [Shard(0)])},
+        {"w": distribute_tensor(torch.ones(10, 4), replicas, hsdp)},
+        {"w": distribute_tensor(torch.ones(10, 4), shards, hsdp)},
+    ]
+    return [state_bytes(state) for state in states]
+
+
+def test_the_disk_space_check_counts_a_replicated_dtensor_once_over_its_replicas():
+    """DCP writes a replicated piece once (HSDP's replicas hold the same one): summed over the ranks, a DTensor's
+    bytes are those of the whole tensor, whether it is replicated, sharded or both; not once per replica."""
+    per_rank = run_world(2, _dtensor_bytes_world2)
+    whole = [6 * 4 * 4, 8 * 4 * 2, 10 * 4 * 4, 10 * 4 * 4]  # fp32, bf16, fp32, fp32
+    assert [sum(case) for case in zip(*per_rank)] == whole
+    assert per_rank[0] == per_rank[1]  # each rank counts an equal share
+
+
 # Aux-loss-free balancing at a rate that moves the choice of experts within a step or two: a resumed run whose
 # routers forgot their biases routes (and so trains) differently.
 EXPERT_BIAS = ["model.router_balance=bias", "model.router_bias_update_rate=0.05"]

@@ -1,6 +1,7 @@
 """``python -m moe_lab.export`` (issue 17): a training checkpoint becomes a sharded Hugging Face checkpoint that
 transformers' Qwen3MoeForCausalLM loads with the logits of the trained model, as the trainer restores it from the
-same checkpoint (fp32: 1e-5, as tests/test_hf_parity.py); offload=full's fp32 masters are what it exports."""
+same checkpoint (fp32: 1e-5, as tests/test_hf_parity.py); offload=full's fp32 masters are what it exports. A
+checkpoint of EP 2 ranks exports its experts in global order, and EP 2 ranks load them back from either layout."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from moe_lab import config
 from moe_lab.checkpoint import directory as ckpt_dir
-from moe_lab.checkpoint.checkpointer import Checkpointer
+from moe_lab.checkpoint.checkpointer import Checkpointer, Progress
+from moe_lab.export import export
 from moe_lab.export import main as export_main
 from moe_lab.job.trainer import build_model
-from moe_lab.models.hf_weights import INDEX, SINGLE, CheckpointReader
-from tests.test_checkpointer import train_in_process
+from moe_lab.models.hf_weights import INDEX, SINGLE, CheckpointReader, load_hf_checkpoint
+from moe_lab.moe.experts import GroupedExperts
+from moe_lab.parallel.sharding import local_shard
+from tests.distributed import run_world
+from tests.test_checkpointer import SMALL, checkpointer_of, train_in_process
 from tests.test_offload import compose_train
 
 transformers = pytest.importorskip("transformers")
@@ -114,6 +120,83 @@ def test_export_of_full_offload_in_bf16_holds_the_fp32_masters(tmp_path):
     assert export_cli(checkpoint, tmp_path / "hf_none", "--max-shard-size", "100MB").returncode == 0
     exported = CheckpointReader(tmp_path / "hf_none").get(name, (64, 64), torch.float32)
     assert torch.equal(exported, saved[f"model/{name}"].float())
+
+
+EP2 = ["trainer.nproc_per_node=2", "parallel.ep=2"]
+
+
+def _local_expert_stacks(model: torch.nn.Module) -> dict[str, tuple[int, object]]:
+    """This rank's expert stacks by parameter name: (the global index of its first expert, the local stack)."""
+    return {
+        f"{module_name}.{kind}": (module.expert_offset, local_shard(param).detach().numpy().copy())
+        for module_name, module in model.named_modules()
+        if isinstance(module, GroupedExperts)
+        for kind, param in module.named_parameters(recurse=False)
+    }
+
+
+def _export_round_trip_ep2(directory: str) -> tuple[dict, list[dict]]:
+    """At world 2 as EP 2 (experts 0-3 on rank 0, 4-7 on rank 1): a fresh tiny model, each expert's weights moved by
+    its global index, saved as a training checkpoint at step 2 and exported (``hf``), and the same model in the
+    stacked (transformers 5 in-memory) layout, the ranks' stacks one after the other (``stacked``); each loaded into
+    a model of another seed -> this rank's expert stacks as saved, and as each layout loaded them."""
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    checkpointer, model = checkpointer_of(directory / "run", EP2)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                for param in module.parameters(recurse=False):
+                    local = local_shard(param)
+                    local.add_(torch.arange(module.expert_offset, module.expert_offset + len(local)).view(-1, 1, 1))
+    saved = _local_expert_stacks(model)
+    checkpointer.save(Progress(2, [1.0, 0.5]))
+    ranks = [None, None]
+    dist.all_gather_object(ranks, saved)
+    if dist.get_rank() == 0:
+        export(directory / "run" / "checkpoints" / "step_00000002", directory / "hf")
+        whole = {name: torch.cat([torch.from_numpy(rank[name][1]) for rank in ranks]) for name in saved}
+        dense = {k: v for k, v in load_file(directory / "hf" / SINGLE).items() if ".mlp.experts." not in k}
+        (directory / "stacked").mkdir()
+        save_file(dense | whole, directory / "stacked" / SINGLE)
+    dist.barrier()
+    cfg = compose_train([*SMALL, *EP2, "trainer.seed=1"])
+    loaded = []
+    for layout in ("hf", "stacked"):
+        other = build_model(cfg, config.validate(cfg), torch.device("cpu"), torch.float32)
+        load_hf_checkpoint(other, directory / layout)
+        loaded.append(_local_expert_stacks(other))
+    return saved, loaded
+
+
+def test_export_and_import_at_ep2_keep_the_global_expert_order(tmp_path):
+    """A checkpoint EP 2 ranks wrote exports each expert under its global index: expert e is rank e // 4's local
+    expert e % 4, gate_proj the first half of its gate_up_proj rows and up_proj the second. Loaded back at EP 2, from
+    that published per-expert layout and from the stacked one, each rank gets the experts it saved."""
+    (saved0, loaded0), (saved1, loaded1) = run_world(2, _export_round_trip_ep2, str(tmp_path))
+    assert [{offset for offset, _ in saved.values()} for saved in (saved0, saved1)] == [{0}, {4}]
+    whole = {name: torch.cat([torch.from_numpy(saved0[name][1]), torch.from_numpy(saved1[name][1])]) for name in saved0}
+    assert len(whole) == 4  # two layers' gate_up_proj and down_proj
+
+    reader = CheckpointReader(tmp_path / "hf")
+    for name, stack in whole.items():
+        prefix, _, kind = name.rpartition(".")
+        for e in range(8):
+            if kind == "gate_up_proj":
+                half = (stack.shape[1] // 2, stack.shape[2])
+                gate, up = (
+                    reader.get(f"{prefix}.{e}.{p}.weight", half, torch.float32) for p in ("gate_proj", "up_proj")
+                )
+                assert torch.equal(torch.cat([gate, up]), stack[e]), (name, e)
+            else:
+                down = reader.get(f"{prefix}.{e}.down_proj.weight", stack.shape[1:], torch.float32)
+                assert torch.equal(down, stack[e]), (name, e)
+    for rank, saved, loaded in ((0, saved0, loaded0), (1, saved1, loaded1)):
+        for layout, stacks in zip(("published", "stacked"), loaded):
+            assert stacks.keys() == saved.keys()
+            for name, (offset, stack) in stacks.items():
+                assert offset == 4 * rank and (stack == saved[name][1]).all(), (layout, rank, name)
 
 
 @pytest.mark.parametrize("max_shard_bytes", [None, 1500])

@@ -4,6 +4,7 @@ the gradients of the input, the router and the expert weights (issue 2, acceptan
 Every rank holds the same global weights (one seed) and its own tokens (seeded by rank), so each rank can evaluate
 the reference for the whole EP group in float64 and compare its own outputs and gradients with it: the input and
 router gradients come from its own tokens, the expert gradients from every rank's tokens routed to its experts.
+The gpu backend's weight gradients give an expert that got no rows zero over its whole slab (Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moe_lab.moe.router import Router
 from moe_lab.parallel.expert_parallel import apply_expert_parallel
 from moe_lab.parallel.mesh import build_meshes
 from tests.distributed import run_world
+from tests.interpreted import interpreted
 
 E, K, H, I, T = 8, 2, 16, 8, 24  # experts, top-k, hidden, expert intermediate, tokens per rank
 
@@ -226,6 +228,37 @@ def test_grouped_experts_run_each_experts_rows_through_its_swiglu():
         gate, up = (segment @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
         expected.append((F.silu(gate) * up) @ experts.down_proj[e].T)
     torch.testing.assert_close(experts(rows, tokens_per_expert), torch.cat(expected), rtol=1e-5, atol=1e-6)
+
+
+def idle_expert_weight_gradients_check() -> tuple[int, float]:
+    """The gpu backend's weight gradients (``_Gemms.wgrad``) where the k-grouped GEMM leaves an expert without rows
+    unwritten, as on a GPU (NaN here; torch's CPU GEMM would zero it): 4 experts, 0 and 1 idle, each [3, 7] slab of
+    21 elements not a multiple of the 16 programs zeroing it -> (NaNs left, largest difference elsewhere from
+    per-expert ``grad.T @ inp``, zero for an idle expert)."""
+    from moe_lab.moe.fused import gpu
+
+    gen = torch.Generator().manual_seed(0)
+    grad, inp = torch.randn(5, 3, generator=gen), torch.randn(5, 7, generator=gen)
+    ends = [0, 0, 3, 5]  # experts 0 and 1 get no rows; 2 rows 0-2, 3 rows 3-4
+
+    def unwritten(a, b, offs):
+        out = torch.full((offs.numel(), a.shape[0], b.shape[1]), float("nan"))
+        for e, (start, end) in enumerate(zip([0, *offs.tolist()], offs.tolist())):
+            if end > start:
+                out[e] = a[:, start:end] @ b[start:end]
+        return out
+
+    torch._grouped_mm = unwritten  # this interpreting child's only
+    got = gpu._Gemms(False, torch.tensor(ends, dtype=torch.int32), torch.empty(0)).wgrad(grad, inp)
+    expected = torch.stack([grad[start:end].T @ inp[start:end] for start, end in zip([0, *ends], ends)])
+    return int(got.isnan().sum()), (got - expected).nan_to_num(0.0).abs().max().item()
+
+
+def test_idle_experts_weight_gradients_are_zeroed_whole_interpreted():
+    """An expert that got no rows has a zero weight gradient over its whole slab, which the zeroing programs cover
+    (the slab's share per program rounded up) without writing into the next expert's (active) gradient."""
+    nans, error = interpreted("tests.test_moe_layer:idle_expert_weight_gradients_check", timeout=120)
+    assert nans == 0 and error < 1e-6, (nans, error)
 
 
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])

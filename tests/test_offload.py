@@ -343,6 +343,26 @@ def test_offload_state_dict_is_per_parameter_and_loads_at_another_chunking(mode)
     assert_all_close(list(resumed_model.parameters()), list(model.parameters()), atol=1e-6 if on_device else 0)
 
 
+@pytest.mark.parametrize(
+    "chunk_numel, pieces",
+    [
+        (100, [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]),  # 100 rounds down to 64
+        (200, [(0, 192), (192, 300)]),  # to 192
+        (128, [(0, 128), (128, 256), (256, 300)]),  # already a multiple
+    ],
+)
+def test_a_parameter_larger_than_a_chunk_is_split_into_pieces_of_a_multiple_of_64_elements(chunk_numel, pieces):
+    """offload=optimizer (AdamW, element-wise) cuts a 300-element weight larger than its chunk into pieces of the
+    chunk's size rounded down to a multiple of 64 elements (vectorised kernels), the last piece the rest; each piece
+    starts a chunk of its own."""
+    model = nn.Linear(30, 10, bias=False)
+    optimizer = OptimizerOffload(chunk_mib=chunk_numel * 4 / 2**20).build(
+        model, functools.partial(torch.optim.AdamW, lr=LR), torch.float32
+    )
+    assert [[(piece.start, piece.end) for piece in chunk.pieces] for chunk in optimizer.chunks] == [[p] for p in pieces]
+    assert not any(piece.whole for chunk in optimizer.chunks for piece in chunk.pieces)
+
+
 def test_zero_grad_clears_the_models_gradients():
     model = _small_model()
     optimizer = _build("optimizer", model)
