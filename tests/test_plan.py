@@ -5,6 +5,7 @@ No model is built and no GPU is used."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from hydra.errors import HydraException
 from moe_lab.config import ConfigError
 from moe_lab.models.qwen3_moe import Qwen3MoeConfig, count_parameters
 from moe_lab.plan.config import compose
-from moe_lab.plan.memory import busiest_rank_share
+from moe_lab.plan.memory import GIB, busiest_rank_share
 from moe_lab.plan.planner import build_hardware, plan, step_of, validated
 from moe_lab.plan.records import as_made, depth_search_plans, plan_record, read, reference_235b
 from tests.sweep import ROOT
@@ -298,6 +299,40 @@ def test_full_offload_device_share_moves_chunks_from_host_to_device():
     assert grown * 2**30 == pytest.approx(12 * on_device + 4 * max(device_chunks), rel=1e-6)
 
 
+def test_offload_rings_are_capped_by_what_the_rank_holds():
+    """offload=optimizer's device ring holds ``max_inflight`` chunks' state, but never more than this rank's whole
+    state (a ring larger than the model holds what offload=none holds); offload=full's pinned transfer buffers are
+    ``max_inflight``, but never more than one per chunk stepped on the host (the code's ``min`` of the two), each the
+    largest chunk's bf16 gradients rounded up to a power of two (the experts' gate/up stack: 1 GiB here)."""
+    from moe_lab.plan.memory import plan_host, plan_memory
+
+    def step(*overrides):
+        cfg = compose(["model=qwen3_30b", "model.num_layers=2", *overrides])
+        hw = build_hardware(cfg.hardware)
+        return step_of(*validated(cfg, hw), hw)
+
+    def state_gib(*overrides):
+        return plan_memory(step(*overrides)).categories["optimizer state"] / GIB
+
+    adamw = 8  # bytes of state per parameter
+    total = step().shapes.total_params  # one GPU: this rank holds every parameter
+    chunk = 256 * 2**20 / 4  # parameters of a chunk at offload.chunk_mib=256
+    assert state_gib("offload=optimizer", "offload.max_inflight=2") == pytest.approx(adamw * 2 * chunk / GIB)
+    assert 2 * chunk < total < 1000 * chunk
+    assert state_gib("offload=optimizer", "offload.max_inflight=1000") == pytest.approx(adamw * total / GIB)
+    assert state_gib("offload=optimizer", "offload.max_inflight=1000") == pytest.approx(state_gib("offload=none"))
+
+    c = step().cfg
+    buffer = 2**30
+    assert 2 * c.num_experts * 2 * c.moe_intermediate_size * c.hidden_size == buffer * 3 / 4  # bf16 gate/up, rounded up
+    full = step("offload=full")
+    host_chunks = len(full.offload.split_chunks(full)[0])
+    assert host_chunks == 9  # per layer its down and gate/up stacks and the rest; the head, the norm, the embedding
+    for inflight, buffers in ((2, 2), (1000, host_chunks)):
+        planned = plan_host(step("offload=full", f"offload.max_inflight={inflight}"))["pinned transfer buffers"]
+        assert planned == buffers * buffer, inflight
+
+
 OFFLOAD_ACCUM = ROOT / "experiments" / "offload_accum" / "records" / "h200_1gpu" / "2026-12-01_03-09"
 OFFLOAD_ACCUM_NEWEST = OFFLOAD_ACCUM.parent / "2026-12-01_05-44"
 # offload=optimizer's device ring at 12, 24 and 36 chunks (8 micro-batches), two sittings of the same code
@@ -515,3 +550,49 @@ def test_fsdp_reduces_once_a_step_at_grad_sync_step_and_per_micro_batch_otherwis
         assert once[f"{kind} reduce_scatter"][0] > 0
         assert every[f"{kind} reduce_scatter"][0] == pytest.approx(4 * once[f"{kind} reduce_scatter"][0])
         assert every[f"{kind} all_gather"] == once[f"{kind} all_gather"]
+
+
+def hsdp_step():
+    """reference_30b on 2 nodes of 8 H200 as 2 replicas of one node each (HSDP): each replica's FSDP2 collectives
+    on NVLink, the replicas' all-reduce on the NICs."""
+    cfg = compose(["+experiment=reference_30b", "hardware=h200", "hardware.nodes=2", "hardware.gpus_per_node=8",
+                   "ac=full", "parallel.dp_replicate=2"])  # fmt: skip
+    hw = build_hardware(cfg.hardware)
+    return step_of(*validated(cfg, hw), hw), hw
+
+
+def test_the_last_reduction_under_hsdp_adds_the_embeddings_all_reduce_across_replicas():
+    """Compute long enough to hide every block's reductions leaves the step's last one exposed: the embedding's
+    gradient reduce-scattered in its replica (fp32, over NVLink) and, with replicas, its shard all-reduced with the
+    other replica's (a ring: twice its fp32 bytes, half of them to the other replica, over the NICs)."""
+    from moe_lab.plan.step_time import fsdp_exposed
+
+    step, hw = hsdp_step()
+    embedding = step.cfg.vocab_size * step.cfg.hidden_size
+    assert (step.mesh.shard, step.mesh.dp_replicate, step.mesh.dense_across_nodes) == (8, 2, False)
+    reduce_scatter = 4 * embedding * 7 / 8 / hw.link_bytes_per_s(False)
+    all_reduce = 2 * 4 * (embedding / 8) * (1 / 2) / hw.link_bytes_per_s(True)
+    exposed, _ = fsdp_exposed(step, hw, compute=1e6)
+    assert exposed["fsdp_reduce_scatter"] == pytest.approx(reduce_scatter + all_reduce, rel=1e-12)
+    one_replica = dataclasses.replace(step, mesh=dataclasses.replace(step.mesh, world=8, dp_replicate=1))
+    exposed, _ = fsdp_exposed(one_replica, hw, compute=1e6)  # the same replica alone: its reduce-scatter only
+    assert exposed["fsdp_reduce_scatter"] == pytest.approx(reduce_scatter, rel=1e-12)
+
+
+def test_the_reductions_hide_behind_two_thirds_of_the_compute():
+    """Backward (two thirds of a step's compute) hides the reductions queued on the busier link, with half the
+    gathers (backward's) beside them: each second of compute hides two thirds of a second of them, until nothing
+    but the last reduction is left."""
+    from moe_lab.plan.step_time import fsdp_bytes, fsdp_exposed
+
+    step, hw = hsdp_step()
+    on_link = {False: 0.0, True: 0.0}
+    for kind, (nbytes, across) in fsdp_bytes(step).items():
+        on_link[across] += nbytes / hw.link_bytes_per_s(across) * (0.5 if "all_gather" in kind else 1.0)
+    backward = max(on_link.values())
+    last = fsdp_exposed(step, hw, compute=1e6)[0]["fsdp_reduce_scatter"]
+    for share in (0.0, 0.75, 1.2):  # compute in backward's reductions' seconds
+        exposed, total = fsdp_exposed(step, hw, compute=share * backward)
+        assert exposed["fsdp_reduce_scatter"] == pytest.approx(backward * (1 - share * 2 / 3) + last, rel=1e-9)
+        assert exposed["fsdp_reduce_scatter"] < total["fsdp_reduce_scatter"]
+    assert fsdp_exposed(step, hw, compute=1.5 * backward)[0]["fsdp_reduce_scatter"] == pytest.approx(last, rel=1e-9)

@@ -62,3 +62,31 @@ def test_a_plan_near_the_gpus_memory_is_at_the_edge():
     room = plan(compose(FULL_DEPTH + ["ac=full"]), search=False)["plan"]
     assert room["fits"] and not room["at_edge"] and room["fits_why"] == "fits"
     assert room["memory"]["reserved_gib"] == pytest.approx(ALLOCATOR_RESERVE * room["memory"]["peak_gib"])
+
+
+def test_host_memory_fits_per_node():
+    """Host memory is a node's: its ranks' offloaded state and training processes together, whatever the job's
+    other nodes hold. The same 8 ranks (offload=optimizer, the same state per rank) fit hosts that hold 6 ranks' worth
+    as 2 nodes of 4, not as one node of 8, the message naming the node's need; hosts of 8 ranks' worth hold that."""
+    from moe_lab.optim.offload.host import HOST_RESERVE
+    from moe_lab.plan.planner import HOST_PROCESS
+
+    def step_and_hw(nodes, per_node):
+        cfg = compose(["model=qwen3_30b", "model.num_layers=2", "offload=optimizer", f"hardware.nodes={nodes}",
+                       f"hardware.gpus_per_node={per_node}"])  # fmt: skip
+        hw = build_hardware(cfg.hardware)
+        return step_of(*validated(cfg, hw), hw), hw
+
+    (two_nodes, hw), (one_node, _) = step_and_hw(2, 4), step_and_hw(1, 8)
+    rank = plan_memory(two_nodes).host_total + HOST_PROCESS
+    assert plan_memory(one_node).host_total + HOST_PROCESS == rank and rank > HOST_PROCESS
+
+    def holding(ranks):  # a host whose memory usable by offload holds ``ranks`` ranks
+        return dataclasses.replace(
+            hw, host_memory_gib=(ranks * rank / GIB + hw.host_memory_in_use_gib) / (1 - HOST_RESERVE)
+        )
+
+    assert fits(two_nodes, holding(6)) == (True, "fits")
+    ok, why = fits(one_node, holding(6))
+    assert not ok and why == f"host: {8 * rank / GIB:.1f} GiB per node > {6 * rank / GIB:.1f} GiB usable"
+    assert fits(one_node, holding(8.01)) == (True, "fits")

@@ -369,6 +369,36 @@ def test_replacements_hold_less_than_any_candidate_that_ran_out_of_memory(tmp_pa
     assert yaml.safe_load((tmp_path / "candidates_3.yaml").read_text()) == [["p8"]]  # below p6's 66, the last allowed
 
 
+def test_replacements_stop_at_as_many_as_the_first_candidates(tmp_path, monkeypatch):
+    """Two candidates, the first out of memory: its replacement runs out too, and so does that one's; two
+    replacements in all (as many as the first candidates) and the tune stops, the best point left (p5, planned below
+    every one that ran out) unmeasured."""
+    from moe_lab.tune import measure as measuring
+
+    planned = {"p1": 80.0, "p2": 75.0, "p3": 70.0, "p4": 60.0, "p5": 50.0, "p6": 40.0}
+    ends = {"p1": "oom", "p3": "oom", "p4": "oom"}  # the rest ok
+
+    def sweep(command, tune_dir, batch, log_path, bar):
+        for candidate in batch:
+            record = tune_dir / measuring.run_dir_of(candidate) / "result.json"
+            record.parent.mkdir(parents=True)
+            record.write_text(json.dumps({"status": ends.get(candidate["point"], "ok"), "config": {}}))
+        return 0, 0.0
+
+    monkeypatch.setattr(measuring, "_run", sweep)
+    queue = CandidateQueue(
+        [{"rank": n, "same_plan_as": None, "point": p, "planned_peak_gpu_mem_gib": gib}
+         for n, (p, gib) in enumerate(planned.items(), start=1)]
+    )  # fmt: skip
+    rounds = []
+    layout = measuring.Layout("cpu", 1, 2, "h200", emulated=True)
+    first = [queue.take() for _ in range(2)]
+    measured = measuring.measure(tmp_path, [], layout, first, queue.take, lambda c: rounds.append(list(c)), False)
+    assert [s["round"] for s in measured["sweeps"]] == [1, 2, 3]
+    assert [(c["point"], c["replaces"]) for c in rounds[-1]] == [("p1", None), ("p2", None), ("p3", 1), ("p4", 3)]
+    assert not (tmp_path / "candidates_4.yaml").exists() and queue.take()["point"] == "p5"
+
+
 TINY_CPU = [
     "model=tiny",
     "trainer.steps=3",
@@ -514,6 +544,47 @@ def test_a_layout_says_where_it_measures():
     assert layout("cuda", 1, 8, "h200", emulated=False).describe() == "8 x h200 (1 x 8) on real ranks"
     assert layout("cpu", 1, 2, "h200", emulated=False).describe() == "the 2 x h200 (1 x 2) layout's ranks on the CPU"
     assert layout("cuda", 4, 8, "h200", emulated=True).describe() == "rank 0 of 32 x h200 (4 x 8), emulated on one cuda"
+
+
+def test_each_rounds_sweep_keeps_the_launchers_overrides_and_takes_the_layouts(tmp_path):
+    """A round's sweep (``python -m moe_lab.train -m`` over the round's candidates file, into its directory) runs the
+    command line's overrides with its launcher's (``hydra/launcher``, ``hydra.launcher.*``: where the candidates
+    run), the layout's in place of the command line's ranks; not the planner's hardware nor Hydra's other
+    settings."""
+    from moe_lab.tune.measure import Layout, sweep_command
+
+    base = ["+experiment=reference_30b", "hardware=h200", "hardware.nodes=2", "trainer.nproc_per_node=4",
+            "hydra/launcher=slurm", "hydra.launcher.partition=h200", "hydra.run.dir=elsewhere", "model.num_layers=4"]  # fmt: skip
+    layout = Layout("cuda", 2, 8, "h200", emulated=True)
+    command = sweep_command(tmp_path, base, layout, round_number=2)
+    assert command[:4] == [sys.executable, "-m", "moe_lab.train", "-m"]
+    assert command[4:] == [
+        "+experiment=reference_30b", "hydra/launcher=slurm", "hydra.launcher.partition=h200", "model.num_layers=4",
+        "trainer.nproc_per_node=8", "parallel.emulate=true", "parallel.emulate_nodes=2",
+        "parallel.emulate_hardware=h200", "hydra/sweeper=candidates",
+        f"hydra.sweeper.candidates={tmp_path.resolve() / 'candidates_2.yaml'}",
+        f"hydra.sweep.dir={tmp_path.resolve() / 'measured_2'}",
+    ]  # fmt: skip
+
+
+def test_a_candidate_whose_nodes_host_buffers_exceed_the_free_memory_is_not_measured_here(monkeypatch):
+    """The host buffers a point plans per rank (its host memory less the process's own), times the ranks of a node
+    (4 here, of an emulated 2 x 4: the node the emulated rank stands for, not the job), against the host memory free
+    on this machine (100 GiB here)."""
+    from moe_lab.plan.hardware import GIB
+    from moe_lab.plan.planner import HOST_PROCESS
+    from moe_lab.tune import measure as measuring
+
+    monkeypatch.setattr(measuring, "usable_host_bytes", lambda: 100 * GIB)
+    unmeasurable = measuring.unmeasurable_here(measuring.Layout("cpu", 2, 4, "h200", emulated=True), ["model=tiny"])
+
+    def why(buffers_gib):
+        return unmeasurable(
+            {"point": "offload=optimizer", "planned_peak_host_rss_gib": HOST_PROCESS / GIB + buffers_gib}
+        )
+
+    assert why(24.5) is None
+    assert why(25.5) == "its node's host buffers, 102 GiB, exceed the 100 GiB free on this machine"
 
 
 def test_a_profile_file_is_taken_as_plan_takes_it(tmp_path, monkeypatch):
