@@ -579,6 +579,21 @@ def test_the_last_reduction_under_hsdp_adds_the_embeddings_all_reduce_across_rep
     assert exposed["fsdp_reduce_scatter"] == pytest.approx(reduce_scatter, rel=1e-12)
 
 
+def test_the_first_gather_waits_for_the_experts_only_where_fsdp_shards_them():
+    """Before any compute hides it, the first block's gather: its dense weights and the embedding over the replica's
+    8 ranks; its experts only over the ranks that shard them (none at EP 8, half of them at EP 4: 2 ranks)."""
+    from moe_lab.plan.step_time import fsdp_exposed
+
+    step, hw = hsdp_step()
+    s, link = step.shapes, hw.link_bytes_per_s(False)
+    dense = 2 * (s.embedding_params + s.dense_layer_params) * 7 / 8 / link
+    for ep, experts in ((8, 0.0), (4, 2 * s.expert_layer_params / 4 * 1 / 2 / link)):
+        at_ep = dataclasses.replace(step, mesh=dataclasses.replace(step.mesh, ep=ep))
+        assert at_ep.mesh.expert_shard == 8 // ep
+        exposed, _ = fsdp_exposed(at_ep, hw, compute=1e6)
+        assert exposed["fsdp_all_gather"] == pytest.approx(dense + experts, rel=1e-12)
+
+
 def test_the_reductions_hide_behind_two_thirds_of_the_compute():
     """Backward (two thirds of a step's compute) hides the reductions queued on the busier link, with half the
     gathers (backward's) beside them: each second of compute hides two thirds of a second of them, until nothing

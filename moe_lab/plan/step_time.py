@@ -270,13 +270,19 @@ def fsdp_exposed(step: Step, hw: Hardware, compute: float) -> tuple[dict, dict]:
     layers = step.cfg.num_layers + 2  # blocks, embedding, head
     per_group_compute = compute / layers
     s, mesh = step.shapes, step.mesh
-    first = 2 * (s.embedding_params + s.layer_params_unsharded(mesh)) * (mesh.shard - 1) / mesh.shard
+    # the first block's gather, before any compute to hide it: dense weights over the replica, experts over the
+    # ranks that shard them (none where EP spans the replica)
     across = mesh.dense_across_nodes
+    first = (
+        2 * (s.embedding_params + s.dense_layer_params) * (mesh.shard - 1) / mesh.shard / hw.link_bytes_per_s(across)
+    )
+    expert_share = (mesh.expert_shard - 1) / mesh.expert_shard
+    first += 2 * s.expert_layer_params / mesh.ep * expert_share / hw.link_bytes_per_s(mesh.expert_shard_across_nodes)
     last = 4 * s.embedding_params * (mesh.shard - 1) / mesh.shard / hw.link_bytes_per_s(across)
     if mesh.dp_replicate > 1:  # the embedding's shard all-reduced across replicas after its reduce-scatter
         replicas = (mesh.dp_replicate - 1) / mesh.dp_replicate
         last += 8 * s.embedding_params / mesh.shard * replicas / hw.link_bytes_per_s(mesh.replicate_across_nodes)
-    exposed_gather = max(0.0, gather - (compute - per_group_compute)) + first / hw.link_bytes_per_s(across)
+    exposed_gather = max(0.0, gather - (compute - per_group_compute)) + first
     exposed_reduce = max(0.0, backward - compute * 2 / 3) + last
     return (
         {"fsdp_all_gather": min(gather, exposed_gather), "fsdp_reduce_scatter": min(reduce, exposed_reduce)},
