@@ -1,6 +1,7 @@
 """The precision group (moe_lab/parallel/precision.py): precision=bf16 | fp8_experts | fp8. The dispatchers'
 expert_precision follows it; fp8 converts exactly the attention projections to torchao's float8 linears (names and
-values unchanged) and is refused, naming the key, where its GEMMs cannot run; the planner puts those projections at
+values unchanged) and is refused, naming the key, where its GEMMs cannot run (each recipe's compute capability and
+side multiple; the experts' FP8 below Hopper); one rank's bf16 autocast reaches the routed experts' GEMMs; the planner puts those projections at
 the FP8 dense rate; the converted model trains like the bf16 one within FP8's error (on CPU, where torch emulates the
 FP8 GEMMs, and on a GPU: ``gpu`` marker)."""
 
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_lab.config.validate import validate
-from moe_lab.models.qwen3_moe import Qwen3MoeConfig
+from moe_lab.models.qwen3_moe import Qwen3MoeConfig, SparseMoeBlock
+from moe_lab.moe.dispatcher import FusedDispatcher, TorchDispatcher
 from moe_lab.parallel.ac import kept_ops
 from moe_lab.parallel.precision import FP8_MATMULS, PROJECTIONS, Bf16Dense, Fp8Dense
 from moe_lab.runtime.device import Target
@@ -69,6 +72,93 @@ def test_fp8_is_refused_where_its_gemms_cannot_run(compose_train):
     with pytest.raises(ConfigError) as error:
         validate(compose_train("precision=fp8", "precision.linears=[q_proj,gate]"))
     assert error.value.key == "precision.linears"
+
+
+RECIPE_NEEDS = [  # (recipe, the compute capability it needs, one just below, the multiple each projection side must be)
+    ("tensorwise", (8, 9), (8, 6), 16),
+    ("rowwise", (8, 9), (8, 6), 16),
+    ("blockwise", (9, 0), (8, 9), 128),
+]
+
+
+def recipe_config(compose_train, recipe: str, hidden_size: int = 128):
+    return compose_train(
+        "precision=fp8",
+        "precision.experts=bf16",
+        f"precision.recipe={recipe}",
+        f"model.hidden_size={hidden_size}",
+        "model.moe_intermediate_size=128",
+        "model.head_dim=64",  # k and v 128 wide: blockwise's tiles
+        "trainer.device=auto",
+    )
+
+
+@pytest.mark.parametrize("recipe, needs, below, multiple", RECIPE_NEEDS)
+def test_each_fp8_recipe_runs_from_the_compute_capability_it_needs(compose_train, recipe, needs, below, multiple):
+    """torchao's tensorwise and rowwise GEMMs run from Ada (8.9), its blockwise prototype from Hopper (9.0): each
+    recipe is accepted there and refused just below, naming the key."""
+    pytest.importorskip("torchao")
+    cfg = recipe_config(compose_train, recipe)
+    assert type(validate(cfg, gpu_target(needs)).precision) is Fp8Dense
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, gpu_target(below))
+    assert error.value.key == "precision" and f"{needs[0]}.{needs[1]}" in str(error.value)
+
+
+@pytest.mark.parametrize("recipe, needs, below, multiple", RECIPE_NEEDS)
+def test_each_fp8_recipe_refuses_projection_sides_off_its_multiple(compose_train, recipe, needs, below, multiple):
+    """Each projection side a multiple of 16 (tensorwise, rowwise: torch._scaled_mm) or 128 (blockwise's tiles): a
+    hidden size half that multiple off is refused naming it."""
+    pytest.importorskip("torchao")
+    with pytest.raises(ConfigError) as error:
+        validate(recipe_config(compose_train, recipe, hidden_size=128 + multiple // 2), gpu_target(needs))
+    assert error.value.key == "model.hidden_size" and f"multiple of {multiple}" in str(error.value)
+
+
+@pytest.mark.parametrize("dispatcher", ["torch", "fused"])
+def test_fp8_experts_are_refused_below_hopper(compose_train, dispatcher):
+    """The experts' FP8 is DeepGEMM's, compute capability 9.0+: Ada (8.9), where torchao's dense FP8 runs, is refused
+    naming dispatcher.expert_precision; Hopper is accepted."""
+    cfg = compose_train("precision=fp8_experts", f"dispatcher={dispatcher}", *SHAPE, "trainer.device=auto")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, gpu_target((8, 9)))
+    assert error.value.key == "dispatcher.expert_precision" and "9.0" in str(error.value)
+    assert validate(cfg, gpu_target((9, 0))).dispatcher.expert_precision == "fp8"
+
+
+class _ExpertGemmDtypes(TorchDispatchMode):
+    """The dtypes of the tensors handed to the routed experts' GEMMs (the torch dispatcher's grouped GEMMs, the
+    fused op)."""
+
+    OPS = ("_grouped_mm", "fused_moe")
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.OPS:
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "dispatcher", [TorchDispatcher(), FusedDispatcher(backend="reference")], ids=["torch", "fused"]
+)
+def test_bf16_on_one_rank_runs_the_routed_experts_in_bf16(dispatcher):
+    """precision=bf16 on one rank is bf16 autocast, which the routed experts' GEMMs follow too (their weights are
+    fp32 parameters and the norm before them hands them fp32 rows); without autocast they run in fp32."""
+    cfg = Qwen3MoeConfig.preset("tiny", hidden_size=32, moe_intermediate_size=16)
+    torch.manual_seed(0)
+    block = SparseMoeBlock(cfg, layer_idx=0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    block.dispatcher = dispatcher
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(1))
+    for autocast, expected in ((True, {torch.bfloat16}), (False, {torch.float32})):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _ExpertGemmDtypes() as gemms:
+            block(x)
+        assert gemms.dtypes == expected, f"autocast={autocast}: {gemms.dtypes}"
 
 
 def test_a_refusal_names_what_the_user_set(compose_train):

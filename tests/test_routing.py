@@ -1,7 +1,7 @@
 """Routing statistics and router balancing (issue 19): every forward returns each layer's tokens per expert, summed
 probabilities and entropy, also from blocks compiled with fullgraph=True under both AC modes; the statistics a
 metrics row describes; the auxiliary loss trains every mesh shape alike; the expert bias evens the load by choice
-alone; with gradient accumulation the bias and the expert-load rows see the step's whole batch; and collecting the
+alone, each layer's moved by that layer's load over every rank; with gradient accumulation the bias and the expert-load rows see the step's whole batch; and collecting the
 statistics adds no host sync (GPU)."""
 
 from __future__ import annotations
@@ -154,6 +154,33 @@ def test_expert_bias_evens_the_load_by_choice_alone():
     probs = torch.softmax(x @ router.weight.T, dim=-1)
     torch.testing.assert_close(weights, probs.gather(1, ids))
     assert router.expert_bias[hottest] < 0 < router.expert_bias.max()
+
+
+# Two ranks' tokens per expert of two layers (4 experts): each rank's own load, and each layer's, points the bias
+# elsewhere than the global batch's does in every layer.
+RANK_LOADS = [
+    [[6.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 6.0]],
+    [[0.0, 5.0, 2.0, 1.0], [1.0, 1.0, 5.0, 1.0]],
+]
+
+
+def _biases_after_one_update(rate: float) -> list[list[float]]:
+    """Two bias-balanced routers (two layers) after one ExpertBias update from this rank's statistics."""
+    import torch.distributed as dist
+
+    routers = torch.nn.Sequential(*(Router(8, 4, 1, norm_topk_prob=False, balance="bias") for _ in range(2)))
+    counts = torch.tensor(RANK_LOADS[dist.get_rank()])
+    ExpertBias(rate).update(routers, torch.cat([counts, torch.zeros(2, 4), torch.zeros(2, 1)], dim=1))
+    return [router.expert_bias.tolist() for router in routers]
+
+
+def test_expert_bias_moves_each_layer_by_the_global_batchs_load():
+    """Each layer's bias moves by rate * sign(mean load - load) of that layer's load summed over every rank, so
+    the ranks' biases stay equal (layer 0: loads 6, 5, 3, 2 around a mean of 4; layer 1: 1, 2, 6, 7)."""
+    expected = [[-0.1, -0.1, 0.1, 0.1], [0.1, 0.1, -0.1, -0.1]]
+    for biases in run_world(2, _biases_after_one_update, 0.1):
+        for layer, (bias, want) in enumerate(zip(biases, expected)):
+            assert bias == pytest.approx(want), f"layer {layer}"
 
 
 def _expert_load_rows(run_dir, *overrides) -> list[dict]:

@@ -1,7 +1,8 @@
 """warmup_cosine (torch's LambdaLR) against the schedule written out here: linear warmup to 1 over ``warmup`` steps,
 then cosine decay to ``min_lr_ratio`` at the last step; built at a later step (a resumed run), the LRs of one built
-at step 0 from there on. What the offload modes' chunk optimizers step with under it is tested in
-tests/test_offload.py, what a resumed run steps with in tests/test_resume.py."""
+at step 0 from there on; held at ``min_lr_ratio`` past the last step; scaling the LR the group has when it is built;
+refusing steps < 1 and negative warmups or starts. What the offload modes' chunk optimizers step with under it is
+tested in tests/test_offload.py, what a resumed run steps with in tests/test_resume.py."""
 
 from __future__ import annotations
 
@@ -73,3 +74,40 @@ def test_warmup_cosine_scales_each_groups_own_lr():
     for step, lrs in enumerate(lrs_used(optimizer, warmup_cosine(optimizer, 10, 2, 0.1), 10)):
         factor = expected_factor(step, 10, 2, 0.1)
         assert lrs == pytest.approx([factor, LR * factor], rel=1e-12), f"step {step}"
+
+
+@pytest.mark.parametrize("start", [0, 4])
+def test_warmup_cosine_scales_the_lr_the_group_has_now_not_an_earlier_schedulers(start):
+    """The base LR is the group's LR when the scheduler is built, also where an earlier scheduler on the same
+    optimizer left its own base (torch's ``initial_lr``) behind."""
+    optimizer = fresh_optimizer()
+    warmup_cosine(optimizer, 10, 2, 0.1)  # an earlier schedule from LR
+    for group in optimizer.param_groups:
+        group["lr"] = 2 * LR
+    used = lrs_used(optimizer, warmup_cosine(optimizer, 10, 2, 0.1, start_step=start), 10 - start)
+    for step, lrs in enumerate(used, start=start):
+        want = 2 * LR * expected_factor(step, 10, 2, 0.1)
+        assert lrs == pytest.approx([want, want], rel=1e-12), f"step {step}"
+
+
+@pytest.mark.parametrize("steps, warmup", [(steps, warmup) for steps, warmup in CASES if warmup < steps])
+def test_warmup_cosine_holds_the_minimum_past_the_last_step(steps, warmup):
+    """Past the last step (the scheduler's step after the run's last optimizer step, a scheduler built at a later
+    step) the LR stays at ``lr * min_lr_ratio``: the cosine does not turn back up."""
+    optimizer = fresh_optimizer()
+    past = lrs_used(optimizer, warmup_cosine(optimizer, steps, warmup, 0.1), steps + 3)[steps:]
+    for step, lrs in enumerate(past, start=steps):
+        assert lrs == pytest.approx([LR * 0.1] * 2, rel=1e-12), f"step {step}"
+    optimizer = fresh_optimizer()
+    warmup_cosine(optimizer, steps, warmup, 0.1, start_step=steps + 5)
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([LR * 0.1] * 2, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "steps, warmup, start",
+    [(0, 0, 0), (-1, 0, 0), (10, -1, 0), (10, 0, -1)],
+    ids=["no_steps", "negative_steps", "negative_warmup", "negative_start"],
+)
+def test_warmup_cosine_refuses_a_schedule_it_cannot_run(steps, warmup, start):
+    with pytest.raises(ValueError, match="steps >= 1, warmup_steps >= 0 and start_step >= 0"):
+        warmup_cosine(fresh_optimizer(), steps, warmup, 0.1, start_step=start)

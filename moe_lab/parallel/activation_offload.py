@@ -27,6 +27,7 @@ class _Block:
     def __init__(self):
         self.saved: list[_Saved] = []
         self.fetched = False
+        self.backward_started = False
         self.ready = None  # the side stream's event after the copies in (CUDA)
         self.seen: dict[int, tuple[weakref.ref, _Saved]] = {}  # id(tensor) -> the handle of a tensor saved before
 
@@ -117,8 +118,9 @@ class ActivationOffload:
         block.saved = []
 
     def _unpack(self, saved: _Saved, index: int) -> torch.Tensor:
-        if saved.block is self.blocks[index] and not saved.block.fetched:
-            self._fetch(index)
+        if saved.block is self.blocks[index] and not saved.block.backward_started:
+            saved.block.backward_started = True
+            self._fetch(index)  # already back where the block after it prefetched it
             self._fetch(index - 1)  # the next block backward runs: its copy overlaps this block's backward
         if saved.block.ready is not None:
             torch.cuda.current_stream(saved.device_tensor.device).wait_event(saved.block.ready)
