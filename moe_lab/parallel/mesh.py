@@ -18,15 +18,10 @@ class Meshes:
     # (dp_replicate, expert_shard)
     expert_shard: DeviceMesh
     ep: DeviceMesh  # 1-D over the ranks that split the experts between them
-    replica: DeviceMesh  # 1-D over this rank's replica: every gradient element lives once on its ranks
 
     @property
     def world_size(self) -> int:
         return self.dense.size()
-
-    @property
-    def replicas(self) -> int:
-        return self.dense.size(0) if self.dense.ndim == 2 else 1
 
 
 def build_meshes(device_type: str, ep: int, dp_replicate: int = 1) -> Meshes:
@@ -44,7 +39,6 @@ def build_meshes(device_type: str, ep: int, dp_replicate: int = 1) -> Meshes:
         dense=dense if replicated else dense["dp_shard"],
         expert_shard=grid["dp_replicate", "expert_shard"] if replicated else grid["expert_shard"],
         ep=grid["ep"],
-        replica=dense["dp_shard"],
     )
 
 
