@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from moe_lab import compare
@@ -172,6 +173,7 @@ def test_bad_input_is_one_line_naming_the_run_and_the_file(tmp_path, capsys):
         (["--atol", "-0.5"], "--atol must be >= 0, got -0.5"),
         (["--noise-factor", "-2"], "--noise-factor must be >= 0, got -2"),
         (["--noise", "REF"], "--noise: REF holds no run but the reference; give repeats of it"),
+        (["--assert-equal", "--atol", "1e-6"], "--assert-equal checks bitwise equality: give no --rtol / --atol"),
     ],
 )
 def test_a_wrong_argument_is_exit_2_naming_it(tmp_path, capsys, arguments, message):
@@ -212,3 +214,88 @@ def test_with_no_check_differences_are_shown_not_judged_and_integer_keys_stay_in
     out = capsys.readouterr().out
     assert "     model.num_layers=4: largest difference +1.000e-01 at step 2" in out, out
     assert "band" not in out.split("check: none")[1] and "4.0" not in out
+
+
+def test_a_stated_rtol_alone_is_a_check_that_fails_a_run_outside_it(tmp_path, capsys):
+    """``--rtol`` with nothing else: the band is rtol x |reference| at each step, and a run that leaves it fails."""
+    ref = fake_run(tmp_path / "ref", [3.0, 2.0, 1.0])
+    run = fake_run(tmp_path / "run", [3.0, 2.001, 1.002], lr=0.2)  # 5e-4 and 2e-3 of the reference
+    assert compare.main([str(ref), str(run), "--rtol", "1e-3"]) == 1
+    out = capsys.readouterr().out
+    assert "check: band = rtol 0.001 x |reference|" in out
+    assert "FAIL optimizer.lr=0.2: leaves the band first at step 2: difference +2.000e-03, band 1.000e-03" in out
+    assert compare.main([str(ref), str(run), "--rtol", "3e-3"]) == 0
+
+
+def test_repeats_within_a_sweep_are_told_apart_and_each_compared(tmp_path, capsys):
+    """Points with the same label (a sweep's repeats of one config) each get a column and a verdict of their own,
+    named by their run directory."""
+    sweep = tmp_path / "sweep"
+    fake_run(sweep / "0", [3.0, 2.5, 2.0], lr=0.1)
+    fake_run(sweep / "1", [3.0, 2.5, 2.0], lr=0.1)
+    fake_run(sweep / "2", [3.0, 2.5, 2.1], lr=0.2)
+    runs = compare.load_runs([sweep])
+    assert runs["label"].tolist() == ["optimizer.lr=0.1 (0)", "optimizer.lr=0.1 (1)", "optimizer.lr=0.2"]
+    assert compare.main([str(sweep), "--assert-equal"]) == 1
+    out = capsys.readouterr().out
+    assert "ok   optimizer.lr=0.1 (1): bitwise equal to optimizer.lr=0.1 (0) at all 3 steps" in out
+    assert "FAIL optimizer.lr=0.2: differs from optimizer.lr=0.1 (0) first at step 2" in out
+
+
+def test_a_noise_records_band_is_carried_forward_and_back_to_the_steps_compared(tmp_path):
+    """A band given from step 1 holds at step 0 too, and a step between two given ones has the earlier's."""
+    record = tmp_path / "noise.json"
+    record.write_text(json.dumps({"band": [[1, 1e-3], [3, 2e-3]], "envelope": 2e-3}))
+    band = compare.read_noise(record, pd.Index([0, 1, 2, 3, 4]))
+    assert band.tolist() == [1e-3, 1e-3, 1e-3, 2e-3, 2e-3]
+    record.write_text(json.dumps({"envelope": 5e-4}))  # no band: the envelope at every step
+    assert compare.read_noise(record, pd.Index([0, 1])).tolist() == [5e-4, 5e-4]
+    record.write_text(json.dumps({"metric": "loss"}))
+    with pytest.raises(ValueError, match="a noise record holds band"):
+        compare.read_noise(record, pd.Index([0, 1]))
+
+
+def test_a_noise_band_from_records_the_sweeps_own_the_widest_of_several_and_scaled(tmp_path, capsys):
+    """Without --noise, a noise record in the reference's sweep directory is read; of several records given, each
+    step takes the widest band; --noise-factor scales the band."""
+    sweep = tmp_path / "sweep"
+    ref = fake_run(sweep / "0", [3.0, 2.5, 2.0])
+    run = fake_run(sweep / "1", [3.0, 2.5015, 2.0], lr=0.2)  # 1.5e-3 off at step 1
+    (sweep / "noise.json").write_text(json.dumps({"envelope": 1e-3}))
+    assert compare.main([str(ref), str(run)]) == 1  # checked, against the sweep's record
+    assert f"band = noise band (noise record {sweep / 'noise.json'})" in capsys.readouterr().out
+
+    narrow, wide = tmp_path / "narrow.json", tmp_path / "wide.json"
+    narrow.write_text(json.dumps({"envelope": 1e-3}))
+    wide.write_text(json.dumps({"band": [[0, 0.0], [1, 2e-3]]}))
+    assert compare.main([str(ref), str(run), "--noise", str(narrow)]) == 1
+    assert compare.main([str(ref), str(run), "--noise", str(narrow), str(wide)]) == 0
+    assert compare.main([str(ref), str(run), "--noise", str(wide), str(narrow)]) == 0
+    capsys.readouterr()
+    assert compare.main([str(ref), str(run), "--noise", str(narrow), "--noise-factor", "2"]) == 0
+    assert f"noise band (noise record {narrow}, x 2)" in capsys.readouterr().out
+
+
+def test_a_failed_run_fails_even_where_its_curve_matches_and_one_failure_fails_the_comparison(tmp_path, capsys):
+    """A run that ended oom or error after every step the reference has is still a failed run; the other runs are
+    judged as ever, and the exit status is 1 when any run fails."""
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
+    equal = fake_run(tmp_path / "equal", [3.0, 2.5, 2.0], lr=0.2)
+    failed = fake_run(tmp_path / "failed", [3.0, 2.5, 2.0], status="error", lr=0.3)
+    assert compare.main([str(ref), str(equal), str(failed), "--atol", "1e-3"]) == 1
+    out = capsys.readouterr().out
+    assert "ok   optimizer.lr=0.2: within the band at all 3 steps" in out
+    assert "FAIL optimizer.lr=0.3: status error (" in out
+
+
+def test_a_written_noise_record_names_the_reference_and_its_repeats(tmp_path):
+    ref = fake_run(tmp_path / "ref", [3.0, 2.5, 2.0])
+    repeat1 = fake_run(tmp_path / "r1", [3.0, 2.5002, 2.0])
+    repeat2 = fake_run(tmp_path / "r2", [3.0, 2.4999, 2.0001])
+    run = fake_run(tmp_path / "run", [3.0, 2.5, 2.0], lr=0.2)
+    record = tmp_path / "noise.json"
+    assert compare.main([str(ref), str(run), "--noise", str(repeat1), str(repeat2), "--write-noise", str(record)]) == 0
+    written = json.loads(record.read_text())
+    assert (written["metric"], written["reference"]) == ("loss", str(ref))
+    assert written["repeats"] == [str(repeat1), str(repeat2)]  # the reference is no repeat of itself
+    assert written["envelope"] == pytest.approx(3e-4) and [s for s, _ in written["band"]] == [0, 1, 2]

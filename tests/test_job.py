@@ -631,3 +631,162 @@ def test_a_point_holding_another_configurations_record_is_counted_as_not_run(tmp
     summary = f"sweep {sweep}: 2 points: 1 not run (another configuration's record or checkpoint there), 1 ok"
     assert summary in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
     assert json.loads((sweep / "0" / "result.json").read_text()) == other
+
+
+def _rank_failure(tmp_path, rank: int, exitcode: int, exception: str | None = None, timestamp: int = 100):
+    """A failed rank as elastic reports it: with the error file a rank that raised leaves, none for a signal."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error_rank{rank}.json"
+    if exception:
+        info = {"py_callstack": f"Traceback of rank {rank}", "timestamp": str(timestamp)}
+        error_file.write_text(json.dumps({"message": {"message": exception, "extraInfo": info}}))
+    failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+    failure.timestamp = timestamp  # a rank with no error file is stamped when elastic saw it
+    return failure
+
+
+def test_within_one_second_the_rank_a_signal_killed_is_told_first(tmp_path):
+    """Two ranks failed in the same second: the one killed (no exception of its own) explains the other's error, so
+    the record names it first, with what a SIGKILL usually is."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from moe_lab.job.launcher import RanksFailed
+
+    failures = {
+        0: _rank_failure(tmp_path, 0, 1, "RuntimeError: Connection closed by peer"),
+        1: _rank_failure(tmp_path, 1, -9),
+    }
+    failed = RanksFailed(ChildFailedError("worker", failures))
+    assert str(failed) == (
+        "rank 1 (pid 1001) died of signal SIGKILL (sent by kill -9, or by the kernel's out-of-memory killer); "
+        "rank 0 (pid 1000) exited with code 1: RuntimeError: Connection closed by peer"
+    )
+    assert (failed.details["rank"], failed.details["signal"]) == (1, "SIGKILL")
+    assert [r["rank"] for r in failed.details["ranks"]] == [1, 0]
+
+
+def test_rank_0s_record_stands_only_where_every_rank_raised_its_error(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from moe_lab.job.launcher import raised_alike
+
+    damaged = "CheckpointDamaged: checkpoint /c is damaged: __0_0.distcp: cut short"
+    alike = {r: _rank_failure(tmp_path, r, 1, damaged) for r in (0, 1)}
+    assert raised_alike(ChildFailedError("worker", alike), damaged)
+    (tmp_path / "error_rank1.json").unlink()
+    one_killed = {0: _rank_failure(tmp_path, 0, 1, damaged), 1: _rank_failure(tmp_path, 1, -9)}
+    assert not raised_alike(ChildFailedError("worker", one_killed), damaged)
+
+
+def test_how_a_point_is_run_is_no_part_of_the_point():
+    """A record made with other settings of how to run it (skip_done, checkpointing, resume, resume_fallback) is
+    still this point's, and a sweep run again with other such overrides is the same sweep."""
+    from moe_lab.job.lifecycle import _point_overrides, same_point
+    from moe_lab.results.record import point_config
+    from tests.configs import compose_train
+
+    cfg = compose_train(*SMALL)
+    how = [
+        "trainer.skip_done=false",
+        "trainer.checkpoint.every=2",
+        "trainer.resume=never",
+        "trainer.resume_fallback=false",
+    ]
+    assert same_point({"config": point_config(compose_train(*SMALL, *how))}, cfg)
+    assert not same_point({"config": point_config(compose_train(*SMALL, "trainer.seed=7"))}, cfg)
+    assert _point_overrides(["ac=full", *how, "+trainer.checkpoint.dir=/c", "trainer.steps=4"]) == [
+        "ac=full",
+        "trainer.steps=4",
+    ]
+
+
+def test_a_resume_from_a_checkpoint_at_the_last_step_is_refused_as_running_no_step(tmp_path):
+    from moe_lab.checkpoint.directory import MARKER
+    from moe_lab.job.lifecycle import check_resume_step
+    from moe_lab.results.record import point_config
+    from moe_lab.runtime.errors import ConfigError
+    from tests.configs import compose_train
+
+    checkpoint = tmp_path / "step_00000004"
+    checkpoint.mkdir()
+    at_end = compose_train(*SMALL, "trainer.steps=4", f"trainer.resume={checkpoint}")
+    (checkpoint / MARKER).write_text(json.dumps({"step": 4, "config": point_config(at_end)}))
+    with pytest.raises(ConfigError, match=r"trainer.steps: is 4, but trainer.resume=.* is at step 4: no step would"):
+        check_resume_step(at_end)
+    check_resume_step(compose_train(*SMALL, "trainer.steps=5", f"trainer.resume={checkpoint}"))  # a step to run
+
+
+def test_only_a_cpu_run_out_of_memory_is_told_to_shrink():
+    """A GPU's OOM record is the error as raised; a CPU run's says it wants a GPU, or a smaller model."""
+    import torch
+
+    from moe_lab.job.lifecycle import failure_with_advice
+    from moe_lab.results.record import Record
+
+    base = Record({"config": {}})
+    cpu = failure_with_advice(base, MemoryError("host memory: 20 GiB short"), None, torch.device("cpu"))
+    assert cpu["status"] == "oom" and cpu["error"]["message"].startswith("host memory: 20 GiB short. ")
+    assert "wants a GPU" in cpu["error"]["message"] and "model=tiny" in cpu["error"]["message"]
+    gpu = failure_with_advice(base, torch.OutOfMemoryError("CUDA out of memory"), None, torch.device("cuda", 0))
+    assert (gpu["status"], gpu["error"]["message"]) == ("oom", "CUDA out of memory")
+    crash = failure_with_advice(base, RuntimeError("boom"), None, torch.device("cpu"))
+    assert (crash["status"], crash["error"]["message"]) == ("error", "boom")
+
+
+def test_the_checkpoint_a_point_continues_from_is_its_own_newest(tmp_path):
+    """``trainer.resume=auto`` continues from the newest complete checkpoint, and only from one of this point: a
+    newer one of another configuration is none to continue from (resume=auto refuses it)."""
+    from moe_lab.checkpoint import directory
+    from moe_lab.job.lifecycle import resumable_checkpoint
+    from moe_lab.results.record import point_config
+    from tests.configs import compose_train
+
+    cfg = compose_train(*SMALL)
+
+    def save(step: int, config) -> Path:
+        saved = directory.complete_path(tmp_path / "checkpoints", step)
+        saved.mkdir(parents=True)
+        (saved / directory.DCP_METADATA).write_bytes(b"")
+        (saved / directory.MARKER).write_text(json.dumps({"step": step, "config": point_config(config)}))
+        return saved
+
+    save(1, cfg)
+    second = save(2, cfg)
+    assert resumable_checkpoint(tmp_path, cfg) == second
+    save(3, compose_train(*SMALL, "trainer.seed=7"))
+    assert resumable_checkpoint(tmp_path, cfg) is None
+
+
+def test_a_dry_run_sweep_whose_points_were_all_refused_fails(tmp_path, monkeypatch, capsys):
+    """A refused point of a ``trainer.dry_run`` sweep is its invalid record, not a dry run counted: a sweep of
+    nothing but refused points ends naming them and fails; one that counted a point does not."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from moe_lab.job.lifecycle import OutputDirGuard, SweepFailed
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+
+    def sweep(name: str, returns: list[dict]) -> None:
+        directory = tmp_path / name
+        guard = OutputDirGuard()
+        config = OmegaConf.create({"hydra": {"sweep": {"dir": str(directory)}}, "trainer": {"dry_run": True}})
+        guard.on_multirun_start(config)
+        for n, value in enumerate(returns):
+            if "status" in value:  # a refused point leaves its record
+                (directory / str(n)).mkdir()
+                (directory / str(n) / "result.json").write_text(json.dumps({**value, "config": {}}))
+            point = OmegaConf.merge(config, {"hydra": {"runtime": {"output_dir": str(directory / str(n))}}})
+            guard.on_job_end(point, JobReturn(status=JobStatus.COMPLETED, _return_value=value))
+        guard.on_multirun_end(config)
+
+    counted = {"total_params": 1, "active_params": 1, "flops_per_token": 6}
+    sweep("mixed", [counted, {"status": "invalid"}])
+    assert f"sweep {tmp_path / 'mixed'}: 2 points: 1 invalid, 1 dry run (counted, nothing recorded)" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(SweepFailed, match="no point ended ok"):
+        sweep("refused", [{"status": "invalid"}, {"status": "invalid"}])
+    assert f"sweep {tmp_path / 'refused'}: 2 points: 2 invalid\n" in capsys.readouterr().out

@@ -52,3 +52,11 @@ def test_a_terminal_gets_a_bar_and_a_disabled_console_nothing():
         silent.advance()
         silent.close()
         assert stream.getvalue() == ""
+
+
+def test_a_resumed_runs_bar_counts_on_from_its_first_step():
+    terminal = Terminal()
+    console = ConsoleProgress("train", 8, first=3, unit="steps", stream=terminal)
+    console.advance(note="loss 2.0000")
+    console.close()
+    assert "4/8" in terminal.getvalue() and "1/8" not in terminal.getvalue()

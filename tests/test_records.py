@@ -17,7 +17,7 @@ from moe_lab import config as config_lib
 from moe_lab.config.validate import job_target
 from moe_lab.job.lifecycle import RunDirInUse, clear_earlier, earlier_record, point_config
 from moe_lab.results import load
-from moe_lab.results.record import RESULT, write_json_atomic
+from moe_lab.results.record import METRICS, RESULT, MetricsLog, write_json_atomic
 from tests.configs import compose_train
 from tests.sweep import EXPECTED, ROOT, ensure_sweep, run_sweep
 
@@ -181,3 +181,18 @@ def test_point_labels_name_only_the_keys_a_point_sets():
     )
     assert list(point_labels(df)) == ["dispatcher.save=inputs", "ac.keep=[attention]"]
     assert list(point_labels(df.assign(**{"ac.keep": float("nan")}))) == ["dispatcher.save=inputs", "runs/1"]
+
+
+def test_a_resumed_metrics_log_keeps_the_rows_before_its_first_step_and_their_times(tmp_path):
+    """A run resumed at step 3 keeps rows 0-2 (their step times time the whole run) and drops what an interrupted
+    attempt wrote at step 3 and after, and a line cut short; a run from step 0 starts the file afresh."""
+    times = [0.5, 0.25, 0.125, 4.0, 8.0]
+    text = "".join(json.dumps({"step": s, "loss": 1.0, "s_per_step": t}) + "\n" for s, t in enumerate(times))
+    (tmp_path / METRICS).write_text(text + '{"step": 5, "lo')
+    log = MetricsLog(tmp_path, first_step=3)
+    assert log.kept_step_times == [0.5, 0.25, 0.125]
+    log.write({"step": 3, "loss": 0.5, "s_per_step": 1.0})
+    log.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / METRICS).read_text().splitlines()] == [0, 1, 2, 3]
+    MetricsLog(tmp_path).close()
+    assert (tmp_path / METRICS).read_text() == ""

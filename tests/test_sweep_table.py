@@ -99,3 +99,74 @@ def test_step_rows_and_layer_load_read_each_points_files(sweep):
     assert pd.isna(steps["eval_loss"][0]) and steps["eval_loss"][1] == 4.5
     layers = layer_load(df)
     assert layers["layer"].tolist() == [0, 1] and layers["max_over_mean"].tolist() == [1.5, 2.5]
+
+
+def test_a_glob_of_point_directories_reads_in_job_order(tmp_path):
+    """Points 0, 1, ..., 10 in job order, not 0, 1, 10, 2, also when a pattern names them."""
+    for n in range(11):
+        write_point(tmp_path, n, "torch", 1, 1.0 + n)
+    expected = [str(tmp_path / str(n)) for n in range(11)]
+    assert load(tmp_path)["run_dir"].tolist() == expected
+    assert load(str(tmp_path / "*"))["run_dir"].tolist() == expected
+    assert load(str(tmp_path / "*" / "result.json"))["run_dir"].tolist() == expected
+
+
+def test_an_appended_key_is_an_axis_under_its_own_name_with_its_resolved_value(tmp_path):
+    """``+model.routing_skew=0.5`` is the axis ``model.routing_skew``, typed as the config holds it."""
+    for n, skew in enumerate((0.5, 1.5)):
+        write_point(tmp_path, n, "torch", 1, 1.0, extra=(f"+model.routing_skew={skew}",))
+        record = json.loads((tmp_path / str(n) / "result.json").read_text())
+        record["config"]["model"] = {"routing_skew": skew}
+        (tmp_path / str(n) / "result.json").write_text(json.dumps(record))
+    df = load(tmp_path)
+    assert "+model.routing_skew" not in df.columns and df["model.routing_skew"].tolist() == [0.5, 1.5]
+    assert varying_axes(df) == ["model.routing_skew"]
+
+
+def test_an_emulated_point_names_its_rank_layout_and_planned_communication(tmp_path):
+    """``parallel.emulate``: the ``emulated`` label says which rank of which layout (replicas only where there are
+    several), each field is a column (not its note), and the planned exposed communication per category too."""
+    for n, replicas in enumerate((1, 2)):
+        write_point(tmp_path, n, "torch", 1, 1.0)
+        path = tmp_path / str(n) / "result.json"
+        record = json.loads(path.read_text())
+        mesh = {"nodes": 2, "gpus_per_node": 8, "dp_replicate": replicas, "dp_shard": 16 // replicas, "ep": 8}
+        record["emulated"] = {"world": 16, "rank": 0, "mesh": mesh, "hardware": "h200", "note": "one process"}
+        record["metrics"]["planned_exposed_comm_by_category_s"] = {"ep_all_to_all": 0.25, "fsdp_all_gather": 0.5}
+        path.write_text(json.dumps(record))
+    df = load(tmp_path)
+    assert df["emulated"].tolist() == ["rank 0 of 16 (2 x 8, ep 8)", "rank 0 of 16 (2 x 8, 2 replicas, ep 8)"]
+    assert df["emulated.world"].tolist() == [16, 16] and df["emulated.mesh.dp_shard"].tolist() == [16, 8]
+    assert df["emulated.hardware"].tolist() == ["h200", "h200"] and "emulated.note" not in df.columns
+    assert df["planned_comm.ep_all_to_all"].tolist() == [0.25, 0.25]
+    assert df["planned_comm.fsdp_all_gather"].tolist() == [0.5, 0.5]
+
+
+def test_the_pareto_front_keeps_the_points_no_other_beats():
+    """Lower cost and higher gain: a point another matches in gain at a lower cost is not on the front."""
+    from moe_lab.results.table import pareto_front
+
+    df = pd.DataFrame(
+        {
+            "memory": [40.0, 30.0, 50.0, 35.0, 60.0, 45.0],
+            "speed": [100.0, 80.0, 120.0, 80.0, 110.0, float("nan")],
+        },
+        index=list("abcdef"),
+    )
+    front = pareto_front(df, "memory", "speed")
+    assert front.index.tolist() == ["b", "a", "c"]  # d: b's speed for more memory; e: slower than c for more
+
+
+def test_a_metrics_line_that_is_no_step_row_is_an_error_naming_file_and_line(tmp_path):
+    """Only the last line may be cut short (read as the steps so far, with a warning); a line before it that is no
+    row (JSON without a step, not an object) is a ValueError naming the file and the line."""
+    from moe_lab.results.table import metric_rows
+
+    path = tmp_path / "metrics.jsonl"
+    for bad in ('{"loss": 2.5}', "[1, 2]"):
+        path.write_text(f'{{"step": 0, "loss": 3.0}}\n{bad}\n{{"step": 2, "loss": 2.0}}\n')
+        with pytest.raises(ValueError, match=f"{path}: line 2 is no metrics row"):
+            metric_rows(path)
+    path.write_text('{"step": 0, "loss": 3.0}\n{"step": 1, "loss": 2.5}\n{"loss": 2.')
+    with pytest.warns(UserWarning, match="its last line is cut short .*: read up to step 1"):
+        assert [row["step"] for row in metric_rows(path)] == [0, 1]
