@@ -435,6 +435,24 @@ def test_a_finished_runs_record_survives_the_same_command_and_a_mistyped_resume(
     assert afresh.returncode == 0, afresh.stderr[-2000:]
     record = json.loads((run_dir / "result.json").read_text())
     assert record["status"] == "ok" and record["started_utc"] >= done["started_utc"] and record != done
+    assert json.loads((run_dir / "result.replaced.json").read_text()) == done  # the measurement before it, kept
+
+
+def test_a_re_run_keeps_the_ok_record_it_replaces_and_drops_a_failed_one(tmp_path):
+    """Cleared before the re-run starts (a failure before its own record must not read as the earlier one's): an
+    ok record moves aside, so a re-run killed before recording loses no measurement; a failure is just removed."""
+    from moe_lab.job.lifecycle import clear_earlier
+
+    ok = {"status": "ok", "config": {}, "metrics": {"s_per_step": 1.0}}
+    (tmp_path / "result.json").write_text(json.dumps(ok))
+    clear_earlier(tmp_path)
+    assert not (tmp_path / "result.json").exists()
+    assert json.loads((tmp_path / "result.replaced.json").read_text()) == ok
+
+    (tmp_path / "result.json").write_text(json.dumps({"status": "error", "config": {}}))
+    clear_earlier(tmp_path)
+    assert not (tmp_path / "result.json").exists()
+    assert json.loads((tmp_path / "result.replaced.json").read_text()) == ok  # the failure replaced no measurement
 
 
 def test_an_invalid_record_does_not_block_the_corrected_command(tmp_path):

@@ -78,6 +78,9 @@ log = logging.getLogger("moe_lab")
 # (a key here covers the keys under it).
 NOT_PART_OF_THE_POINT = ("trainer.skip_done", "trainer.checkpoint", "trainer.resume", "trainer.resume_fallback")
 
+# Where a re-run keeps the ok record it replaces (the measurement before it; the next re-run's replaces this one).
+REPLACED = "result.replaced.json"
+
 
 # What a CPU run out of host memory says besides (the README's 30B proxy on a laptop, say).
 CPU_TOO_SMALL = (
@@ -387,9 +390,16 @@ def ran_to_the_end(run_dir: Path, cfg: DictConfig) -> bool:
 
 def clear_earlier(run_dir: Path) -> None:
     """The record this point's run replaces (its earlier attempt, or another run's ``trainer.resume`` let through),
-    removed once the config is valid, before anything runs: a failure before the run's own record would otherwise
-    be read as that one's."""
-    if os.environ.get("RANK", "0") == "0":
+    cleared once the config is valid, before anything runs: a failure before the run's own record would otherwise
+    be read as that one's. A measured (ok) record is moved to ``REPLACED``, not deleted: a re-run that dies
+    unrecorded (killed, out of host memory) loses no measurement."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    record = read_result(run_dir)
+    if record is not None and record.get("status") == "ok":
+        (run_dir / RESULT).replace(run_dir / REPLACED)
+        log.info("the earlier ok record is kept as %s", run_dir / REPLACED)
+    else:
         (run_dir / RESULT).unlink(missing_ok=True)
 
 
