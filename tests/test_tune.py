@@ -551,7 +551,7 @@ def test_each_rounds_sweep_keeps_the_launchers_overrides_and_takes_the_layouts(t
     command line's overrides with its launcher's (``hydra/launcher``, ``hydra.launcher.*``: where the candidates
     run), the layout's in place of the command line's ranks; not the planner's hardware nor Hydra's other
     settings."""
-    from moe_lab.tune.measure import Layout, sweep_command
+    from moe_lab.tune.measure import Layout, sweep_command, train_overrides
 
     base = ["+experiment=reference_30b", "hardware=h200", "hardware.nodes=2", "trainer.nproc_per_node=4",
             "hydra/launcher=slurm", "hydra.launcher.partition=h200", "hydra.run.dir=elsewhere", "model.num_layers=4"]  # fmt: skip
@@ -565,6 +565,12 @@ def test_each_rounds_sweep_keeps_the_launchers_overrides_and_takes_the_layouts(t
         f"hydra.sweeper.candidates={tmp_path.resolve() / 'candidates_2.yaml'}",
         f"hydra.sweep.dir={tmp_path.resolve() / 'measured_2'}",
     ]  # fmt: skip
+    # the winner's line is one run: a launcher's overrides would be ignored there (Hydra launches sweeps only)
+    assert train_overrides(base, sweep=False) == [
+        "+experiment=reference_30b",
+        "trainer.nproc_per_node=4",
+        "model.num_layers=4",
+    ]
 
 
 def test_a_candidate_whose_nodes_host_buffers_exceed_the_free_memory_is_not_measured_here(monkeypatch):

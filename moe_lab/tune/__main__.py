@@ -200,7 +200,7 @@ def run(argv: list[str], progress: bool = True) -> tuple[Path, bool]:
         "git": git_state(),
         "command": shlex.join(["python", "-m", "moe_lab.tune", *argv]),
         "base": n.base,
-        "train_overrides": measuring.train_overrides(n.base),
+        "train_overrides": measuring.train_overrides(n.base, sweep=False),  # the winner's line: one run
         "axes": n.axes,
         "fixed": n.fixed,
         "hardware": {

@@ -117,9 +117,9 @@ def layout_of(hw: Hardware, device: str, devices: int, gpu: str) -> Layout:
 
 
 # Overrides of the tune's command line that do not reach train: the planner's hardware, the tune's own keys, and
-# Hydra's settings but the launcher's (which the measurement sweep uses).
-def train_overrides(base: list[str], layout: Layout | None = None) -> list[str]:
-    """``base`` as train takes it, without the keys ``layout`` sets."""
+# Hydra's settings but, for a sweep, the launcher's (where the measurement sweep's points run; a single run has none).
+def train_overrides(base: list[str], layout: Layout | None = None, sweep: bool = True) -> list[str]:
+    """``base`` as train takes it (as a sweep, else as one run), without the keys ``layout`` sets."""
 
     def key(override: str) -> str:
         return override.lstrip("+~").partition("=")[0]
@@ -130,7 +130,7 @@ def train_overrides(base: list[str], layout: Layout | None = None) -> list[str]:
         k = key(override)
         if k in set_by_layout or k == "hardware" or k.startswith(("hardware.", "tune.")):
             continue
-        if k.startswith("hydra") and not k.startswith(("hydra/launcher", "hydra.launcher")):
+        if k.startswith("hydra") and not (sweep and k.startswith(("hydra/launcher", "hydra.launcher"))):
             continue
         kept.append(override)
     return kept
