@@ -274,6 +274,28 @@ def test_offload_chunks_replay_the_code(split):
     assert step.offload.chunks(step, reverse=True, split=split) == expected
 
 
+def test_the_offload_ring_is_max_inflight_of_the_largest_real_chunk():
+    """offload=optimizer's device ring is sized as ``OffloadedOptimizer.begin_step`` sizes it: ``max_inflight`` of
+    the largest chunk the code makes (at 2048 MiB no parameter is split and the chunks fall short of the limit), not
+    of the limit."""
+    import torch
+
+    from moe_lab.optim.offload.optimizer import chunked_pieces
+    from moe_lab.plan.memory import plan_memory
+
+    cfg = compose(["model=qwen3_30b", "model.num_layers=2", "offload=optimizer", "offload.chunk_mib=2048"])
+    cfg.offload.max_inflight = 2
+    hw = build_hardware(cfg.hardware)
+    train, options = validated(cfg, hw)
+    with torch.device("meta"):
+        params = list(reversed(list(options.model.build().parameters())))
+    limit = 2048 * 2**20 // 4
+    largest = max(sum(p.end - p.start for p in chunk) for chunk in chunked_pieces(params, limit, split=True))
+    assert largest < 0.96 * limit
+    state = plan_memory(step_of(train, options, hw)).categories["optimizer state"]
+    assert state == pytest.approx(8 * 2 * largest, rel=1e-9)  # AdamW's two fp32 moments
+
+
 def test_full_offload_device_share_moves_chunks_from_host_to_device():
     """offload.device_share: the chunks it keeps on the device (the code's choice, whole chunks from the end of
     backward) leave the host step and the host's masters and moments, and add 12 bytes per parameter (fp32 master,

@@ -68,9 +68,10 @@ class OptimizerOffloadPlan(ChunkedOffloadPlan):
     name = "optimizer"
 
     def ring_params(self, step: Step) -> float:
-        """Parameters whose state its device ring holds at once: ``max_inflight`` chunks (AdamW and SignSGD step
-        larger parameters in pieces of a chunk: the largest chunk is a chunk), at most all of this rank's."""
-        return min(self.option.max_inflight * self.option.chunk_mib * 2**20 / 4, step.shapes.local_params(step.mesh))
+        """Parameters whose state its device ring holds at once: ``max_inflight`` of its largest chunk (AdamW and
+        SignSGD step larger parameters in pieces of a chunk), at most all of this rank's, as the optimizer sizes it."""
+        sizes = self.chunks(step, reverse=True, split=True)
+        return min(self.option.max_inflight * max(sizes), sum(sizes))
 
     def device_state(self, step: Step, params: float) -> tuple[dict, float, float, float]:
         # the device ring its state streams through, at every phase
