@@ -21,8 +21,8 @@ from pathlib import Path
 
 MARKER = "checkpoint.json"
 DCP_METADATA = ".metadata"
-_COMPLETE = re.compile(r"step_(\d{8})")
-_PARTIAL = re.compile(r"\.step_(\d{8})\.partial")
+_COMPLETE = re.compile(r"step_(\d{8,})")  # 8 digits, more from step 10**8 on
+_PARTIAL = re.compile(r"\.step_(\d{8,})\.partial")
 
 
 def checkpoint_dir(directory: str | None, run_dir: str | Path) -> Path:
@@ -48,7 +48,7 @@ def why_incomplete(path: str | Path) -> str | None:
             return "a checkpoint that was never completed (its writer stopped before marking it)"
         if any(complete(path)):
             return f"a directory of checkpoints, not one; the newest is {complete(path)[-1]}"
-        return "not named step_<8 digits>"
+        return "not named step_<8 or more digits>"
     for name in (MARKER, DCP_METADATA):
         if not (path / name).is_file():
             return f"{name} is missing"
@@ -61,7 +61,7 @@ def complete(directory: str | Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if _COMPLETE.fullmatch(p.name) and why_incomplete(p) is None]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=lambda p: int(_COMPLETE.fullmatch(p.name)[1]))  # by step: 9 digits follow 8
 
 
 def newest(directory: str | Path) -> Path | None:

@@ -195,8 +195,13 @@ class TokenData(DataSource):
             if not shard.is_file():
                 raise _damaged(f"{shard} is missing ({INDEX} places {held[number]} tokens in it)")
             size = shard.stat().st_size
-            if size != held[number] * np.dtype(np.uint32).itemsize or reach[number] > held[number]:
+            if size != held[number] * np.dtype(np.uint32).itemsize:
                 raise _damaged(f"{shard} holds {size} bytes; {INDEX} places {held[number]} uint32 tokens in it")
+            if reach[number] > held[number]:  # its documents overlap: one ends past the shard's tokens
+                raise _damaged(
+                    f"{directory / INDEX} places a document of {shard.name} to end at token {reach[number]}; the shard "
+                    f"holds {held[number]} tokens"
+                )
 
     def split(self, name: str) -> TokenSplit:
         if name not in self._splits:
