@@ -10,6 +10,19 @@ def give_plain_file_mode(path: str | Path) -> None:
     """Give ``path`` the mode a plain ``open(path, "w")`` would (0666 less the umask). Writers that go through a
     private file first (``tempfile.mkstemp``, safetensors' ``save_file``) leave it owner-only (0600), unreadable to
     the group that shares a run or model directory."""
-    umask = os.umask(0)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask, read from /proc where Linux shows it: reading it with ``os.umask`` means setting it for
+    a moment, and a file another thread (an async checkpoint's writer) creates in that moment gets mode 0666."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0)  # no /proc (macOS): the brief swap
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask
