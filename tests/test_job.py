@@ -271,6 +271,11 @@ def test_a_run_that_trained_without_a_record_is_named_in_a_warning(tmp_path):
         df = load(tmp_path)
     assert df["status"].tolist() == ["ok"]
     assert f"{tmp_path / '1'}, {tmp_path / '2'}" in str(warned[0].message)
+    assert "replaced" not in str(warned[0].message)
+
+    (tmp_path / "2" / "result.replaced.json").write_text("{}")  # a re-run killed before recording its own
+    with pytest.warns(UserWarning, match="; 1 of them keep the record their re-run replaced as result.replaced.json"):
+        assert load(tmp_path)["status"].tolist() == ["ok"]  # the replaced record is no row
 
 
 @pytest.mark.slow

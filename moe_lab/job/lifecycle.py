@@ -67,7 +67,15 @@ from moe_lab.metrics.trace import StepProfiler
 from moe_lab.optim.offload.host import share_host
 from moe_lab.parallel.emulate import emulated_layout, enter_world
 from moe_lab.plan.emulated import emulated_metrics
-from moe_lab.results.record import RESULT, Record, environment, point_config, read_result, write_json_atomic
+from moe_lab.results.record import (
+    REPLACED,
+    RESULT,
+    Record,
+    environment,
+    point_config,
+    read_result,
+    write_json_atomic,
+)
 from moe_lab.runtime.determinism import set_determinism
 from moe_lab.runtime.device import runs_on_cuda
 from moe_lab.runtime.errors import ConfigError
@@ -77,9 +85,6 @@ log = logging.getLogger("moe_lab")
 # Keys that say how a point is run, not what it computes: a record made with another value is still this point's
 # (a key here covers the keys under it).
 NOT_PART_OF_THE_POINT = ("trainer.skip_done", "trainer.checkpoint", "trainer.resume", "trainer.resume_fallback")
-
-# Where a re-run keeps the ok record it replaces (the measurement before it; the next re-run's replaces this one).
-REPLACED = "result.replaced.json"
 
 
 # What a CPU run out of host memory says besides (the README's 30B proxy on a laptop, say).

@@ -22,6 +22,8 @@ from moe_lab.runtime.files import give_plain_file_mode
 
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
+# Where a re-run keeps the ok record it replaces (the measurement before it; the next re-run's replaces this one).
+REPLACED = "result.replaced.json"
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the moe_lab package
 
 

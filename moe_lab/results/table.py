@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from moe_lab.results.record import METRICS, RESULT
+from moe_lab.results.record import METRICS, REPLACED, RESULT
 
 
 def result_files(sweep_dir_or_glob: str | Path, name: str = RESULT) -> list[Path]:
@@ -143,9 +143,11 @@ def load(sweep_dir_or_glob: str | Path) -> pd.DataFrame:
         named = ", ".join(map(str, unrecorded[:5])) + (
             f" and {len(unrecorded) - 5} more" if len(unrecorded) > 5 else ""
         )
+        replaced = sum((d / REPLACED).exists() for d in unrecorded)
+        kept = f"; {replaced} of them keep the record their re-run replaced as {REPLACED}" if replaced else ""
         warnings.warn(
             f"{len(unrecorded)} run director{'y' if len(unrecorded) == 1 else 'ies'} under {sweep_dir_or_glob} trained "
-            f"but hold no {RESULT} (killed outright, or still running; no row): {named}",
+            f"but hold no {RESULT} (killed outright, or still running; no row): {named}{kept}",
             stacklevel=2,
         )
     return load_files(paths)
