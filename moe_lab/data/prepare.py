@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lab.data.tokens import FORMAT, INDEX, META, SPLITS, shard_name
+from moe_lab.runtime.files import current_umask
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 TRAINED_EOS = "<|endoftext|>"
@@ -213,9 +214,7 @@ def prepare(
     # Everything is written in a work directory beside out, renamed to out once whole; a kill leaves only it, which
     # the next prepare into out clears (its lock is then no process's).
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)  # as a plain mkdir would make it (mkdtemp's is owner-only)
+    work.chmod(0o777 & ~current_umask())  # as a plain mkdir would make it (mkdtemp's is owner-only)
     with open(work / WORK_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
